@@ -1,0 +1,16 @@
+"""Configuration: typed stage configs, the deploy YAML loader and the one resolver."""
+
+from vllm_omni.config.diffusion import OmniDiffusionConfig
+from vllm_omni.config.loader import load_deploy_config
+from vllm_omni.config.resolver import resolve_stage_configs
+from vllm_omni.config.stage import STAGE_KNOBS, DeployConfig, Source, StageDeployConfig
+
+__all__ = [
+    "STAGE_KNOBS",
+    "DeployConfig",
+    "OmniDiffusionConfig",
+    "Source",
+    "StageDeployConfig",
+    "load_deploy_config",
+    "resolve_stage_configs",
+]

@@ -1,0 +1,55 @@
+"""`OmniDiffusionConfig`: what a diffusion engine needs, derived from a resolved stage config."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from vllm_omni.config.stage import DType, StageDeployConfig
+
+
+class OmniDiffusionConfig(BaseModel):
+    """Engine-side view of one resolved diffusion stage.
+
+    It has no defaults of its own: every value comes from the resolved
+    `StageDeployConfig`, so the resolver stays the one place defaults live.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    model: str
+    """Path of the diffusers folder (the one holding ``model_index.json``)."""
+
+    stage_id: int
+    """The stage this engine serves."""
+
+    max_num_seqs: int
+    """Scheduler capacity: most requests in one batch."""
+
+    request_batch_max_wait_ms: float
+    """Admission wait of an idle engine for a fuller batch."""
+
+    dtype: DType
+    """Requested dtype (``auto`` resolved by the runner for its device)."""
+
+    devices: str | None
+    """CUDA device indices, or ``None`` for the default device."""
+
+    @classmethod
+    def from_stage(cls, model: str, stage: StageDeployConfig) -> OmniDiffusionConfig:
+        if stage.stage_type != "diffusion":
+            raise ValueError(f"stage {stage.stage_id} has stage_type={stage.stage_type!r}; only 'diffusion' stages run here")
+        if stage.execution_mode != "request":
+            raise ValueError(
+                f"stage {stage.stage_id}: execution_mode={stage.execution_mode!r} is not available yet; "
+                "use execution_mode: request"
+            )
+        if stage.num_replicas != 1:
+            raise ValueError(f"stage {stage.stage_id}: num_replicas={stage.num_replicas} is not available yet; use 1")
+        return cls(
+            model=model,
+            stage_id=stage.stage_id,
+            max_num_seqs=stage.max_num_seqs,
+            request_batch_max_wait_ms=stage.request_batch_max_wait_ms,
+            dtype=stage.dtype,
+            devices=stage.devices,
+        )

@@ -1,0 +1,106 @@
+"""The one resolver of stage knobs. It is the only writer of ``max_num_seqs``.
+
+Precedence, lowest to highest (docs/configuration.md):
+
+1. built-in default (the `StageDeployConfig` field default)
+2. the deploy YAML, per stage
+3. the global CLI flag / Python keyword, when given
+4. ``stage_overrides`` (``--stage-overrides``), per stage
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from vllm_omni.config.stage import STAGE_KNOBS, DeployConfig, Source, StageDeployConfig
+
+GlobalSource = Literal["cli", "python"]
+
+
+def _knob_name(knob: str, source: Source) -> str:
+    """How the user wrote ``knob`` at ``source``: the flag, the keyword or the key."""
+    if source == "cli":
+        return "--" + knob.replace("_", "-")
+    if source == "python":
+        return f"{knob}="
+    return knob
+
+
+def _check_knobs(values: Mapping[str, Any], where: str, source: Source) -> None:
+    unknown = [k for k in values if k not in STAGE_KNOBS]
+    if unknown:
+        names = ", ".join(_knob_name(k, source) for k in unknown)
+        allowed = ", ".join(_knob_name(k, source) for k in STAGE_KNOBS)
+        raise ValueError(f"unknown stage knob(s) {names} in {where}; allowed: {allowed}")
+    try:
+        StageDeployConfig(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{_knob_name(str(e['loc'][0]), source)} {e.get('input')!r}: {e['msg']}" for e in exc.errors()
+        )
+        raise ValueError(f"invalid value in {where}: {problems}") from None
+
+
+def _normalize_overrides(
+    stage_overrides: Mapping[int | str, Mapping[str, Any]] | None, stage_ids: list[int]
+) -> dict[int, Mapping[str, Any]]:
+    normalized: dict[int, Mapping[str, Any]] = {}
+    for key, knobs in (stage_overrides or {}).items():
+        try:
+            stage_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"stage_overrides key {key!r} is not a stage id; stage ids: {stage_ids}") from None
+        if stage_id not in stage_ids:
+            raise ValueError(f"stage_overrides names stage {stage_id}, which does not exist; stage ids: {stage_ids}")
+        if stage_id in normalized:
+            raise ValueError(f"stage_overrides names stage {stage_id} twice (as {key!r} and another key)")
+        if not isinstance(knobs, Mapping):
+            raise ValueError(f"stage_overrides[{key!r}] must be a mapping of knob to value, got {knobs!r}")
+        _check_knobs(knobs, f"stage_overrides for stage {stage_id}", "stage_override")
+        normalized[stage_id] = knobs
+    return normalized
+
+
+def resolve_stage_configs(
+    deploy: DeployConfig | None = None,
+    *,
+    global_knobs: Mapping[str, Any] | None = None,
+    global_source: GlobalSource = "python",
+    global_alias_knobs: frozenset[str] | set[str] = frozenset(),
+    stage_overrides: Mapping[int | str, Mapping[str, Any]] | None = None,
+) -> list[StageDeployConfig]:
+    """Apply the four layers and return one frozen config per stage, with provenance.
+
+    ``global_knobs`` holds only the knobs the user gave (CLI flags or Python keywords);
+    ``global_alias_knobs`` names those of them that a deprecated alias supplied.
+    """
+    deploy = deploy or DeployConfig()
+    global_knobs = dict(global_knobs or {})
+    _check_knobs(global_knobs, "the command line" if global_source == "cli" else "the Omni arguments", global_source)
+    overrides = _normalize_overrides(stage_overrides, [s.stage_id for s in deploy.stages])
+
+    resolved = []
+    for stage in deploy.stages:
+        yaml_sources = {k: stage.provenance.get(k, "deploy_yaml") for k in stage.model_fields_set}
+        global_sources = {k: "legacy_alias" if k in global_alias_knobs else global_source for k in global_knobs}
+        stage_overrides_ = overrides.get(stage.stage_id, {})
+        layers: list[tuple[Mapping[str, Any], Mapping[str, Source]]] = [
+            ({k: getattr(stage, k) for k in stage.model_fields_set}, yaml_sources),
+            (global_knobs, global_sources),
+            (stage_overrides_, dict.fromkeys(stage_overrides_, "stage_override")),
+        ]
+        values: dict[str, Any] = {}
+        provenance: dict[str, Source] = {}
+        for knob in STAGE_KNOBS:
+            values[knob] = StageDeployConfig.model_fields[knob].get_default(call_default_factory=True)
+            provenance[knob] = "default"
+            for layer_values, layer_sources in layers:
+                if knob in layer_values:
+                    values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
+        resolved.append(
+            StageDeployConfig(stage_id=stage.stage_id, stage_type=stage.stage_type, **values, provenance=provenance)
+        )
+    return resolved

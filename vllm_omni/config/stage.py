@@ -1,0 +1,104 @@
+"""Typed deploy configuration: one `StageDeployConfig` per stage, grouped in a `DeployConfig`.
+
+A stage config is frozen: once the resolver has built it, nothing downstream can
+change a knob (in particular ``max_num_seqs``) behind the user's back.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "legacy_alias"]
+"""Where a resolved knob value came from (see docs/configuration.md)."""
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+class StageDeployConfig(BaseModel):
+    """Deploy settings of one stage; the field defaults are the built-in defaults (layer 1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    stage_id: int = Field(default=0, ge=0)
+    """Identifier of the stage; ``--stage-overrides`` keys refer to it."""
+
+    stage_type: Literal["diffusion", "llm"] = "diffusion"
+    """What the stage runs. Only ``diffusion`` stages can be served by this release."""
+
+    max_num_seqs: int = Field(default=1, ge=1)
+    """Most requests the stage runs together in one batch."""
+
+    request_batch_max_wait_ms: float = Field(default=0.0, ge=0.0)
+    """How long an idle stage waits for more compatible requests before it starts a batch that is not full."""
+
+    execution_mode: Literal["request", "step"] = "request"
+    """``request``: batches form per request; ``step``: requests join at denoising-step boundaries (not available yet)."""
+
+    num_replicas: int = Field(default=1, ge=1)
+    """Engine replicas of this stage (more than 1 is not available yet)."""
+
+    devices: str | None = None
+    """Comma-separated CUDA device indices for the stage (``None``: the first visible device, or the CPU)."""
+
+    dtype: DType = "auto"
+    """Weights and activations dtype; ``auto`` is bfloat16 on CUDA (float16 without bf16 support) and float32 on CPU."""
+
+    provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
+    """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = [p.strip() for p in str(value).split(",")]
+        if not parts or not all(p.isdigit() for p in parts):
+            raise ValueError(f"devices must be comma-separated CUDA device indices such as '0' or '0,1', got {value!r}")
+        return ",".join(parts)
+
+    def describe(self) -> str:
+        """The start-up line for this stage: every knob with its value and where it came from."""
+        knobs = ", ".join(f"{k}={getattr(self, k)!r} ({self.provenance.get(k, 'default')})" for k in STAGE_KNOBS)
+        return f"stage {self.stage_id} ({self.stage_type}): {knobs}"
+
+
+STAGE_KNOBS: tuple[str, ...] = tuple(
+    name for name in StageDeployConfig.model_fields if name not in ("stage_id", "stage_type", "provenance")
+)
+"""The per-stage knobs that the precedence layers (YAML, CLI/Python, stage overrides) may set."""
+
+YAML_STAGE_KEYS: tuple[str, ...] = tuple(n for n in StageDeployConfig.model_fields if n != "provenance")
+
+
+class DeployConfig(BaseModel):
+    """A whole deploy: the stages of the model, in order."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    stages: list[StageDeployConfig] = Field(default_factory=lambda: [StageDeployConfig()])
+    """The stages; by default one diffusion stage with id 0."""
+
+    @field_validator("stages")
+    @classmethod
+    def _check_stages(cls, stages: list[StageDeployConfig]) -> list[StageDeployConfig]:
+        if not stages:
+            raise ValueError("stages must list at least one stage")
+        ids = [s.stage_id for s in stages]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"stage_id values must be unique, repeated: {duplicates}")
+        return stages
+
+
+def describe_validation_error(exc: ValidationError, where: str) -> str:
+    """One readable line per problem, each naming the key, the value and ``where`` it was written."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown key {key!r} in {where}; allowed keys: {', '.join(YAML_STAGE_KEYS)}")
+        else:
+            lines.append(f"invalid {key}={err.get('input')!r} in {where}: {err['msg']}")
+    return "; ".join(lines)

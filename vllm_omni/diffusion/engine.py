@@ -1,0 +1,59 @@
+"""The diffusion engine core: ``schedule → run → finish``, one batch per step."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams, OmniRequestOutput
+from vllm_omni.diffusion.runner import DiffusionRunner
+from vllm_omni.diffusion.scheduler import Scheduler
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class DiffusionEngine:
+    def __init__(self, od_config: OmniDiffusionConfig):
+        self.od_config = od_config
+        self.runner = DiffusionRunner(od_config)
+        self.scheduler = Scheduler(od_config)
+
+    def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
+        """Queue a request; the returned future resolves to its `OmniRequestOutput`."""
+        request = DiffusionRequest.create(request_id, prompt, self.runner.complete_params(params))
+        self.scheduler.add(request)
+        return request.future
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def step(self, timeout: float | None = None) -> int:
+        """Run at most one batch; returns how many requests it held (0 if none was due in ``timeout``)."""
+        batch = self.scheduler.schedule(timeout)
+        if not batch:
+            return 0
+        outputs = self._execute(batch, started=time.monotonic())
+        self.scheduler.finish(batch, outputs)
+        return len(batch)
+
+    def _execute(self, batch: list[DiffusionRequest], started: float) -> list[OmniRequestOutput | BaseException]:
+        """Run the batch; if the batched call fails, run its requests one by one so only the bad one fails."""
+        try:
+            outputs: list[OmniRequestOutput | BaseException] = list(self.runner.run(batch))
+        except Exception as exc:  # noqa: BLE001 - any pipeline error is isolated to its request below
+            if len(batch) == 1:
+                logger.warning("request %s failed: %s: %s", batch[0].request_id, type(exc).__name__, exc)
+                return [exc]
+            logger.warning(
+                "batch of %d failed (%s: %s); re-running its requests one at a time",
+                len(batch), type(exc).__name__, exc,
+            )  # fmt: skip
+            return [self._execute([request], started)[0] for request in batch]
+        for request, output in zip(batch, outputs):
+            output.metrics["queue_ms"] = (started - request.arrival_time) * 1000.0
+        return outputs
+
+    def close(self, reason: str = "the engine is shutting down") -> None:
+        self.scheduler.close(reason)

@@ -1,0 +1,119 @@
+"""What a diffusion request is: sampling parameters in, one `OmniRequestOutput` out."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_SEED = 2**63 - 1
+
+
+class OmniDiffusionSamplingParams(BaseModel):
+    """How to generate; ``None`` means the pipeline's own default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    height: int | None = Field(default=None, ge=1, le=16384)
+    """Output height in pixels."""
+
+    width: int | None = Field(default=None, ge=1, le=16384)
+    """Output width in pixels."""
+
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    """Denoising steps."""
+
+    guidance_scale: float | None = Field(default=None, ge=0.0)
+    """Guidance scale (classifier-free, or embedded guidance for distilled models)."""
+
+    num_outputs_per_prompt: int = Field(default=1, ge=1, le=64)
+    """Images generated for the prompt."""
+
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    """Seed of the request's own generator; a random one is drawn (and reported) when unset."""
+
+    negative_prompt: str | None = None
+    """What to steer away from (pipelines that accept ``negative_prompt``)."""
+
+    output_type: Literal["pil", "np"] = "pil"
+    """``pil``: PIL images; ``np``: float arrays in [0, 1] of shape (H, W, 3)."""
+
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+    """Further keyword arguments of the pipeline call (e.g. ``max_sequence_length``); batched requests must agree."""
+
+
+class BatchKey(NamedTuple):
+    """Requests batch together only when every field is equal: one pipeline call takes one value of each."""
+
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float | None
+    num_outputs_per_prompt: int
+    output_type: str
+    has_negative_prompt: bool
+    extra_args: tuple[tuple[str, str], ...]
+
+
+@dataclass
+class OmniRequestOutput:
+    """The result of one request."""
+
+    request_id: str
+    prompt: str
+    images: list[Any] = field(default_factory=list)
+    """``num_outputs_per_prompt`` images (PIL images, or arrays for ``output_type='np'``)."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """``batch_size`` (requests in the batch it ran in), ``queue_ms``, ``exec_ms``, ``seed``."""
+    error: str | None = None
+    """Why the request failed; ``None`` on success."""
+    finished: bool = True
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed on its own (its batch neighbours were re-run and unaffected)."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id
+
+
+class RequestAbortedError(RequestFailedError):
+    """The request was aborted (``abort(request_id)`` or a cancelled caller) before it finished."""
+
+    def __init__(self, request_id: str):
+        super().__init__(request_id, "aborted")
+
+
+@dataclass(eq=False)
+class DiffusionRequest:
+    """Engine-side state of one request; ``params`` is complete (no ``None`` left that the key needs)."""
+
+    request_id: str
+    prompt: str
+    params: OmniDiffusionSamplingParams
+    seed: int
+    key: BatchKey
+    arrival_time: float = field(default_factory=time.monotonic)
+    future: Future = field(default_factory=Future)
+    aborted: bool = False
+    steps_done: int = 0
+
+    @classmethod
+    def create(cls, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> DiffusionRequest:
+        key = BatchKey(
+            height=params.height,
+            width=params.width,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            num_outputs_per_prompt=params.num_outputs_per_prompt,
+            output_type=params.output_type,
+            has_negative_prompt=params.negative_prompt is not None,
+            extra_args=tuple(sorted((k, repr(v)) for k, v in params.extra_args.items())),
+        )
+        seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
+        return cls(request_id=request_id, prompt=prompt, params=params, seed=seed, key=key)

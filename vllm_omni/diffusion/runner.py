@@ -1,0 +1,194 @@
+"""Device work: load a diffusers pipeline and run one pipeline call per batch."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+import typing
+from typing import Any
+
+import torch
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams, OmniRequestOutput
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Arguments the runner sets itself; extra_args may not carry them.
+_RESERVED_ARGS = frozenset(
+    {
+        "prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale", "generator",
+        "output_type", "num_images_per_prompt", "num_videos_per_prompt", "callback_on_step_end",
+        "callback_on_step_end_tensor_inputs", "return_dict", "latents", "prompt_embeds",
+    }
+)  # fmt: skip
+
+
+def select_device(devices: str | None) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(devices.split(",")[0]) if devices else 0)
+    if devices is not None:
+        raise ValueError(f"devices={devices!r} names CUDA devices, but CUDA is not available here; leave devices unset")
+    return torch.device("cpu")
+
+
+def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _accepts_list(parameter: inspect.Parameter | None) -> bool:
+    """Whether a ``__call__`` parameter is annotated to take a list (``List[str]``, ``list[Generator]``...)."""
+    if parameter is None:
+        return False
+    pending = [parameter.annotation]
+    while pending:
+        annotation = pending.pop()
+        if isinstance(annotation, str):
+            if "list" in annotation.lower():
+                return True
+            continue
+        if typing.get_origin(annotation) is list or annotation is list:
+            return True
+        pending.extend(typing.get_args(annotation))
+    return False
+
+
+def check_batchable(pipeline_cls: type, max_num_seqs: int) -> None:
+    """Fail at start-up when ``max_num_seqs > 1`` but the pipeline cannot take one list of prompts and generators."""
+    if max_num_seqs <= 1:
+        return
+    params = inspect.signature(pipeline_cls.__call__).parameters
+    missing = [name for name in ("prompt", "generator") if not _accepts_list(params.get(name))]
+    if missing:
+        raise ValueError(
+            f"{pipeline_cls.__name__} cannot batch requests: its __call__ does not take a list for "
+            f"{' and '.join(missing)}. Set max_num_seqs=1 (--max-num-seqs 1) to serve it one request at a time."
+        )
+
+
+def load_pipeline(model: str, dtype: torch.dtype, device: torch.device):
+    from diffusers import DiffusionPipeline
+
+    if not os.path.isfile(os.path.join(model, "model_index.json")):
+        raise ValueError(f"model {model!r} is not a diffusers folder: it has no model_index.json")
+    pipeline = DiffusionPipeline.from_pretrained(model, dtype=dtype, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline.to(device)
+
+
+class DiffusionRunner:
+    def __init__(self, od_config: OmniDiffusionConfig):
+        self.device = select_device(od_config.devices)
+        self.dtype = select_dtype(od_config.dtype, self.device)
+        started = time.perf_counter()
+        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device)
+        self.pipeline_name = type(self.pipeline).__name__
+        check_batchable(type(self.pipeline), od_config.max_num_seqs)
+        self._call_params = inspect.signature(self.pipeline.__call__).parameters
+        self._outputs_arg = next(
+            (n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in self._call_params), None
+        )
+        logger.info(
+            "Loaded %s from %s on %s (%s) in %.2f s",
+            self.pipeline_name, od_config.model, self.device, self.dtype, time.perf_counter() - started,
+        )  # fmt: skip
+
+    def _default(self, name: str) -> Any:
+        parameter = self._call_params.get(name)
+        return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+    def _default_size(self) -> int | None:
+        pipeline = self.pipeline
+        sample = getattr(pipeline, "default_sample_size", None)
+        if sample is None:
+            denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
+            sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
+        scale = getattr(pipeline, "vae_scale_factor", None)
+        return sample * scale if isinstance(sample, int) and isinstance(scale, int) else None
+
+    def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
+        """Fill unset fields with the pipeline's defaults and reject what this pipeline cannot take."""
+        name = self.pipeline_name
+        if params.negative_prompt is not None and "negative_prompt" not in self._call_params:
+            raise ValueError(f"negative_prompt is not accepted by {name}")
+        if params.guidance_scale is not None and "guidance_scale" not in self._call_params:
+            raise ValueError(f"guidance_scale is not accepted by {name}")
+        if params.num_outputs_per_prompt > 1 and self._outputs_arg is None:
+            raise ValueError(f"num_outputs_per_prompt > 1 is not supported by {name}")
+        for arg in params.extra_args:
+            if arg in _RESERVED_ARGS:
+                raise ValueError(f"extra_args may not set {arg!r}: it is a sampling parameter or set by vllm-omni")
+            if arg not in self._call_params:
+                raise ValueError(f"extra_args key {arg!r} is not an argument of {name}.__call__")
+        size = self._default_size()
+        if (params.height is None or params.width is None) and size is None:
+            raise ValueError(f"{name} has no default size: give height and width")
+        return params.model_copy(
+            update={
+                "height": params.height or size,
+                "width": params.width or size,
+                "num_inference_steps": params.num_inference_steps or self._default("num_inference_steps") or 50,
+                "guidance_scale": params.guidance_scale
+                if params.guidance_scale is not None
+                else self._default("guidance_scale"),
+            }
+        )
+
+    def run(self, batch: list[DiffusionRequest]) -> list[OmniRequestOutput]:
+        """One pipeline call for the whole batch; raises if the call raises."""
+        params = batch[0].params  # the batch key makes these equal across the batch
+        n = params.num_outputs_per_prompt
+        # One CPU generator per request, the same object for each of its n images: diffusers
+        # draws each row's noise from its own generator, so a request's noise does not
+        # depend on the batch it lands in (nor on the device).
+        generators = [torch.Generator("cpu").manual_seed(r.seed) for r in batch]
+        kwargs: dict[str, Any] = dict(
+            prompt=[r.prompt for r in batch],
+            height=params.height,
+            width=params.width,
+            num_inference_steps=params.num_inference_steps,
+            output_type=params.output_type,
+            generator=[g for g in generators for _ in range(n)],
+            **params.extra_args,
+        )
+        if params.guidance_scale is not None:
+            kwargs["guidance_scale"] = params.guidance_scale
+        if self._outputs_arg is not None:
+            kwargs[self._outputs_arg] = n
+        if params.negative_prompt is not None:
+            kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch]
+        if "callback_on_step_end" in self._call_params:
+            kwargs["callback_on_step_end"] = self._step_callback(batch)
+
+        started = time.perf_counter()
+        with torch.inference_mode():
+            result = self.pipeline(**kwargs)
+        exec_ms = (time.perf_counter() - started) * 1000.0
+        images = list(result.images)
+        if len(images) != len(batch) * n:
+            raise RuntimeError(f"{self.pipeline_name} returned {len(images)} images for {len(batch)} x {n} requested")
+        return [
+            OmniRequestOutput(
+                request_id=r.request_id,
+                prompt=r.prompt,
+                images=images[i * n : (i + 1) * n],
+                metrics={"batch_size": len(batch), "exec_ms": exec_ms, "seed": r.seed},
+            )
+            for i, r in enumerate(batch)
+        ]
+
+    def _step_callback(self, batch: list[DiffusionRequest]):
+        def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
+            for request in batch:
+                request.steps_done = step + 1
+            if all(request.aborted for request in batch):
+                pipeline._interrupt = True  # diffusers' loops skip the remaining steps
+            return callback_kwargs
+
+        return on_step_end

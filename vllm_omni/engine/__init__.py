@@ -1,0 +1,1 @@
+"""Engine: `AsyncOmniEngine` routes requests to one `StageRuntime` per stage."""

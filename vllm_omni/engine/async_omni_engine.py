@@ -1,0 +1,61 @@
+"""`AsyncOmniEngine`: owns the stage runtimes, routes requests to them, tracks them until done."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from vllm_omni.config import StageDeployConfig
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.engine.stage_runtime import StageRuntime
+
+
+class AsyncOmniEngine:
+    """Engine behind `Omni` and `AsyncOmni`; thread-safe, returns one future per request."""
+
+    def __init__(self, model: str, stage_configs: list[StageDeployConfig]):
+        if len(stage_configs) != 1:
+            raise ValueError(
+                f"the deploy config lists {len(stage_configs)} stages; this release runs exactly one diffusion stage"
+            )
+        self.stage_configs = stage_configs
+        self.stages: list[StageRuntime] = []
+        try:
+            for stage_config in stage_configs:
+                self.stages.append(StageRuntime(model, stage_config))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._in_flight: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        with self._lock:
+            if request_id in self._in_flight:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._in_flight.add(request_id)
+        try:
+            future = self.stages[-1].add_request(request_id, prompt, params)
+        except BaseException:
+            self._done(request_id)
+            raise
+        future.add_done_callback(lambda _: self._done(request_id))
+        return future
+
+    def _done(self, request_id: str) -> None:
+        with self._lock:
+            self._in_flight.discard(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if it is not in flight."""
+        return any(stage.abort(request_id) for stage in self.stages)
+
+    @property
+    def is_alive(self) -> bool:
+        return all(stage.is_alive for stage in self.stages)
+
+    def shutdown(self) -> None:
+        for stage in self.stages:
+            stage.shutdown()

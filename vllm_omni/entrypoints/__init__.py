@@ -1,0 +1,1 @@
+"""Public entry points: `Omni`, `AsyncOmni` and the command line."""

@@ -1,0 +1,46 @@
+"""`AsyncOmni`: asyncio generation, one request per `generate` call."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator
+
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, OmniRequestOutput, RequestAbortedError
+from vllm_omni.entrypoints.omni_base import OmniBase
+
+
+class AsyncOmni(OmniBase):
+    """Concurrent ``generate`` calls are batched by the engine up to ``max_num_seqs``."""
+
+    async def generate(
+        self,
+        prompt: str,
+        sampling_params: OmniDiffusionSamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncGenerator[OmniRequestOutput, None]:
+        """Yield the request's output when it finishes.
+
+        Raises `RequestFailedError` if the request fails; ends without output if it is
+        aborted. Cancelling the consuming task aborts the request and frees its slot.
+        """
+        request_id = request_id or f"omni-{uuid.uuid4().hex}"
+        future = self.engine.add_request(request_id, prompt, sampling_params or OmniDiffusionSamplingParams())
+        try:
+            output = await asyncio.wrap_future(future)
+        except RequestAbortedError:
+            return
+        except asyncio.CancelledError:
+            self.engine.abort(request_id)
+            raise
+        yield output
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if it is not in flight."""
+        return self.engine.abort(request_id)
+
+    async def __aenter__(self) -> AsyncOmni:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.shutdown()

@@ -1,0 +1,59 @@
+"""`Omni`: offline, synchronous generation."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, OmniRequestOutput, RequestFailedError
+from vllm_omni.entrypoints.omni_base import OmniBase
+
+
+class Omni(OmniBase):
+    """Generate for a list of prompts at once; the engine batches them up to ``max_num_seqs``.
+
+    Use as a context manager, or call `close` when done.
+    """
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        sampling_params: OmniDiffusionSamplingParams | Sequence[OmniDiffusionSamplingParams] | None = None,
+    ) -> list[OmniRequestOutput]:
+        """One output per prompt, in order. A request that fails has ``error`` set and no images;
+        the other requests are unaffected."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if sampling_params is None or isinstance(sampling_params, OmniDiffusionSamplingParams):
+            params_list = [sampling_params or OmniDiffusionSamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(params_list)} sampling_params; give one, or one per prompt"
+                )
+        submitted = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = f"omni-{uuid.uuid4().hex}"
+                submitted.append((request_id, prompt, self.engine.add_request(request_id, prompt, params)))
+            outputs = []
+            for request_id, prompt, future in submitted:
+                try:
+                    outputs.append(future.result())
+                except RequestFailedError as exc:
+                    outputs.append(OmniRequestOutput(request_id=request_id, prompt=prompt, error=str(exc)))
+            return outputs
+        except BaseException:
+            for request_id, _, future in submitted:
+                if not future.done():
+                    self.engine.abort(request_id)
+            raise
+
+    def close(self) -> None:
+        self.shutdown()
+
+    def __enter__(self) -> Omni:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

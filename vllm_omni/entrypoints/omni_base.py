@@ -1,0 +1,54 @@
+"""`OmniBase`: the one place where user keywords arrive and become resolved stage configs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_omni.config import STAGE_KNOBS, DeployConfig, StageDeployConfig, load_deploy_config, resolve_stage_configs
+from vllm_omni.config import legacy
+from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
+
+
+class OmniBase:
+    """Resolve the configuration (defaults < deploy YAML < keywords < stage overrides), then start the engine.
+
+    ``engine_kwargs`` are further stage knobs given globally (``dtype``, ``devices``, ...).
+    The deprecated ``diffusion_batch_size`` keyword is accepted with a ``FutureWarning``
+    and acts as ``max_num_seqs``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        deploy_config: str | os.PathLike[str] | DeployConfig | None = None,
+        max_num_seqs: int | None = None,
+        request_batch_max_wait_ms: float | None = None,
+        stage_overrides: Mapping[int | str, Mapping[str, Any]] | None = None,
+        **engine_kwargs: Any,
+    ):
+        max_num_seqs, from_alias = legacy.pop_python_alias(engine_kwargs, max_num_seqs)
+        unknown = sorted(set(engine_kwargs) - set(STAGE_KNOBS))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}() got unexpected keyword argument(s) {', '.join(unknown)}; "
+                f"stage knobs are: {', '.join(STAGE_KNOBS)}"
+            )
+        given = dict(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=request_batch_max_wait_ms, **engine_kwargs)
+        if deploy_config is not None and not isinstance(deploy_config, DeployConfig):
+            deploy_config = load_deploy_config(deploy_config)
+        self.model = os.fspath(model)
+        self.stage_configs: list[StageDeployConfig] = resolve_stage_configs(
+            deploy_config,
+            global_knobs={k: v for k, v in given.items() if v is not None},
+            global_source="python",
+            global_alias_knobs={"max_num_seqs"} if from_alias else set(),
+            stage_overrides=stage_overrides,
+        )
+        self.engine = AsyncOmniEngine(self.model, self.stage_configs)
+
+    def shutdown(self) -> None:
+        """Stop the engine: waiting requests fail, the running batch finishes."""
+        self.engine.shutdown()

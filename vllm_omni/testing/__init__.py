@@ -1,0 +1,1 @@
+"""Test and demo helpers that ship with the package (tiny offline models)."""

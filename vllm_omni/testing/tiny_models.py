@@ -1,0 +1,248 @@
+"""Tiny random-weight diffusers pipelines, built offline: the embedded demo model and the test models.
+
+Every component, tokenizers included, is built from an in-memory config and
+vocabulary, then saved with ``save_pretrained`` so that it loads through the
+real ``DiffusionPipeline.from_pretrained`` path. Nothing is downloaded.
+
+    vllm-omni make-tiny-model DIR --family sd|flux
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+WORDS = (
+    "a an the of and on in with photo picture painting drawing cat dog red blue "
+    "green astronaut horse riding moon sky tree house car beautiful small big"
+).split()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 / CLIP byte -> printable unicode mapping."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+def _learn_bpe_merges(words: list[str], num_merges: int) -> list[tuple[str, str]]:
+    """Tiny classic BPE trainer with CLIP's '</w>' end-of-word convention."""
+    corpus = {tuple(w[:-1]) + (w[-1] + "</w>",): 1 for w in words}
+    merges: list[tuple[str, str]] = []
+    for _ in range(num_merges):
+        pairs: dict[tuple[str, str], int] = {}
+        for sym, freq in corpus.items():
+            for i in range(len(sym) - 1):
+                pairs[(sym[i], sym[i + 1])] = pairs.get((sym[i], sym[i + 1]), 0) + freq
+        if not pairs:
+            break
+        best = max(sorted(pairs), key=lambda p: pairs[p])
+        merges.append(best)
+        new_corpus = {}
+        for sym, freq in corpus.items():
+            out, i = [], 0
+            while i < len(sym):
+                if i < len(sym) - 1 and (sym[i], sym[i + 1]) == best:
+                    out.append(sym[i] + sym[i + 1])
+                    i += 2
+                else:
+                    out.append(sym[i])
+                    i += 1
+            new_corpus[tuple(out)] = freq
+        corpus = new_corpus
+    return merges
+
+
+def make_clip_tokenizer(max_length: int = 77):
+    """A real CLIPTokenizer (byte-level BPE) with a ~600-entry vocab."""
+    from transformers import CLIPTokenizer
+
+    base = list(_bytes_to_unicode().values())
+    vocab_list = base + [c + "</w>" for c in base]
+    merges = _learn_bpe_merges(WORDS, 80)
+    for a, b in merges:
+        tok = a + b
+        if tok not in vocab_list:
+            vocab_list.append(tok)
+    vocab_list += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {t: i for i, t in enumerate(vocab_list)}
+    tok = CLIPTokenizer(
+        vocab=vocab,
+        merges=[(a, b) for a, b in merges],
+        model_max_length=max_length,
+    )
+    return tok
+
+
+def make_t5_tokenizer(max_length: int = 512):
+    """A real T5Tokenizer (Unigram, sentencepiece-style) built from a vocab list."""
+    from transformers import T5Tokenizer
+
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("\u2581" + w, -2.0) for w in WORDS]
+    pieces += [("\u2581", -3.0)]
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-"
+    pieces += [(c, -5.0) for c in chars]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+def _clip_text_config(tokenizer, hidden: int = 32, projection_dim: int | None = None):
+    from transformers import CLIPTextConfig
+
+    kw = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=hidden,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=tokenizer.model_max_length,
+        layer_norm_eps=1e-5,
+        hidden_act="gelu",
+    )
+    if projection_dim is not None:
+        kw["projection_dim"] = projection_dim
+    return CLIPTextConfig(**kw)
+
+
+def build_tiny_sd():
+    """Stable-Diffusion-1.x style: UNet2DConditionModel + AutoencoderKL + CLIP."""
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextModel
+
+    torch.manual_seed(0)
+    tokenizer = make_clip_tokenizer()
+    text_encoder = CLIPTextModel(_clip_text_config(tokenizer)).eval()
+    unet = UNet2DConditionModel(
+        sample_size=32,  # latent size -> default 64x64 px with vae factor 2
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=64,
+    )
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading",
+    )
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def build_tiny_flux():
+    """FLUX.1 style (MMDiT transformer, flow matching): CLIP + T5 + AutoencoderKL."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = make_clip_tokenizer()
+    text_encoder = CLIPTextModel(_clip_text_config(tokenizer, projection_dim=32)).eval()
+    tokenizer_2 = make_t5_tokenizer()
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer_2.pad_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+            decoder_start_token_id=0,
+        )
+    ).eval()
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=64,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,  # 4 latent channels packed 2x2
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,  # == T5 d_model
+        pooled_projection_dim=32,  # == CLIP hidden size
+        axes_dims_rope=[4, 4, 8],
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+
+
+FAMILIES = {"sd": build_tiny_sd, "flux": build_tiny_flux}
+
+
+def make_tiny_model(path: str | os.PathLike[str], family: str = "flux") -> str:
+    """Write a tiny ``family`` pipeline to ``path`` (a diffusers folder) and return the path."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    path = os.fspath(path)
+    FAMILIES[family]().save_pretrained(path)
+    return path
