@@ -74,27 +74,26 @@ def pop_yaml_aliases(stage: dict[str, Any], where: str) -> tuple[dict[str, Any],
     (a copy) and the keys of it that an alias supplied.
     """
     stage = dict(stage)
-    found: dict[str, Any] = {}
+    aliases: dict[str, Any] = {}
     if ALIAS in stage:
-        found[ALIAS] = stage.pop(ALIAS)
+        aliases[ALIAS] = stage.pop(ALIAS)
     runtime = stage.get(YAML_RUNTIME_KEY)
     if isinstance(runtime, dict) and YAML_RUNTIME_ALIAS in runtime:
         runtime = dict(runtime)
-        found[f"{YAML_RUNTIME_KEY}.{YAML_RUNTIME_ALIAS}"] = runtime.pop(YAML_RUNTIME_ALIAS)
+        aliases[f"{YAML_RUNTIME_KEY}.{YAML_RUNTIME_ALIAS}"] = runtime.pop(YAML_RUNTIME_ALIAS)
         if runtime:
             unknown = ", ".join(f"{YAML_RUNTIME_KEY}.{k}" for k in runtime)
             raise ValueError(f"unknown key(s) {unknown} in {where}; the legacy runtime block may hold only max_batch_size")
         del stage[YAML_RUNTIME_KEY]
-    if not found:
+    if not aliases:
         return stage, set()
 
-    if "max_num_seqs" in stage:
-        found["max_num_seqs"] = stage["max_num_seqs"]
-    if len(set(map(repr, found.values()))) > 1:
-        given = ", ".join(f"{k}={v!r}" for k, v in found.items())
+    written = {**aliases, **{k: v for k, v in stage.items() if k == "max_num_seqs"}}
+    if len(set(map(repr, written.values()))) > 1:
+        given = ", ".join(f"{k}={v!r}" for k, v in written.items())
         raise ValueError(f"conflicting batch sizes in {where}: {given}; keep max_num_seqs only.")
-    for key, value in found.items():
-        if key != "max_num_seqs":
-            _warn(_deprecation_message(f"The YAML key {key}: {value!r}", where))
-    alias_keys = set() if "max_num_seqs" in stage else {"max_num_seqs"}
-    return {**stage, "max_num_seqs": next(iter(found.values()))}, alias_keys
+    for key, value in aliases.items():
+        _warn(_deprecation_message(f"The YAML key {key}: {value!r}", where))
+    if "max_num_seqs" in stage:
+        return stage, set()
+    return {**stage, "max_num_seqs": next(iter(aliases.values()))}, {"max_num_seqs"}

@@ -49,10 +49,10 @@ def _normalize_overrides(
 ) -> dict[int, Mapping[str, Any]]:
     normalized: dict[int, Mapping[str, Any]] = {}
     for key, knobs in (stage_overrides or {}).items():
-        try:
-            stage_id = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"stage_overrides key {key!r} is not a stage id; stage ids: {stage_ids}") from None
+        is_id = (isinstance(key, int) and not isinstance(key, bool)) or (isinstance(key, str) and key.isdigit())
+        if not is_id:
+            raise ValueError(f"stage_overrides key {key!r} is not a stage id; stage ids: {stage_ids}")
+        stage_id = int(key)
         if stage_id not in stage_ids:
             raise ValueError(f"stage_overrides names stage {stage_id}, which does not exist; stage ids: {stage_ids}")
         if stage_id in normalized:

@@ -99,6 +99,8 @@ def describe_validation_error(exc: ValidationError, where: str) -> str:
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown key {key!r} in {where}; allowed keys: {', '.join(YAML_STAGE_KEYS)}")
+        elif err["type"] == "value_error":  # our own validators: the message names the problem
+            lines.append(f"invalid {key} in {where}: {err['ctx']['error']}")
         else:
             lines.append(f"invalid {key}={err.get('input')!r} in {where}: {err['msg']}")
     return "; ".join(lines)

@@ -15,8 +15,8 @@ class OmniBase:
     """Resolve the configuration (defaults < deploy YAML < keywords < stage overrides), then start the engine.
 
     ``engine_kwargs`` are further stage knobs given globally (``dtype``, ``devices``, ...).
-    The deprecated ``diffusion_batch_size`` keyword is accepted with a ``FutureWarning``
-    and acts as ``max_num_seqs``.
+    The deprecated batch-size keyword of `vllm_omni.config.legacy` is accepted with a
+    ``FutureWarning`` and acts as ``max_num_seqs``.
     """
 
     def __init__(
