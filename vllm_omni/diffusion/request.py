@@ -71,7 +71,6 @@ class OmniRequestOutput:
     """``batch_size`` (requests in the batch it ran in), ``queue_ms``, ``exec_ms``, ``seed``."""
     error: str | None = None
     """Why the request failed; ``None`` on success."""
-    finished: bool = True
 
 
 class RequestFailedError(RuntimeError):
@@ -101,7 +100,6 @@ class DiffusionRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
     aborted: bool = False
-    steps_done: int = 0
 
     @classmethod
     def create(cls, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> DiffusionRequest:

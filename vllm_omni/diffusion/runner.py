@@ -164,7 +164,7 @@ class DiffusionRunner:
         if params.negative_prompt is not None:
             kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch]
         if "callback_on_step_end" in self._call_params:
-            kwargs["callback_on_step_end"] = self._step_callback(batch)
+            kwargs["callback_on_step_end"] = self._interrupt_when_all_aborted(batch)
 
         started = time.perf_counter()
         with torch.inference_mode():
@@ -183,10 +183,9 @@ class DiffusionRunner:
             for i, r in enumerate(batch)
         ]
 
-    def _step_callback(self, batch: list[DiffusionRequest]):
+    @staticmethod
+    def _interrupt_when_all_aborted(batch: list[DiffusionRequest]):
         def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
-            for request in batch:
-                request.steps_done = step + 1
             if all(request.aborted for request in batch):
                 pipeline._interrupt = True  # diffusers' loops skip the remaining steps
             return callback_kwargs
