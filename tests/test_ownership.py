@@ -66,11 +66,13 @@ def test_the_write_detector_catches_writes():
 
 def test_the_alias_name_appears_only_in_the_shim():
     name = "diffusion_" + "batch_size"
+    # The contract's batch-size histogram is named after what it measures, not after the knob.
+    metric_name = f'"vllm_omni:{name}"'
     offenders = [
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*")
         if path.is_file() and path != SHIM and path.suffix in (".py", ".yaml", ".yml", ".json", ".txt", ".md")
-        and name in path.read_text()
+        and name in path.read_text().replace(metric_name, "")
     ]
     assert offenders == []
 

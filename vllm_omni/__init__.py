@@ -5,6 +5,7 @@ from vllm_omni.diffusion.request import (
     OmniRequestOutput,
     RequestAbortedError,
     RequestFailedError,
+    SamplingParamsError,
 )
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.omni import Omni
@@ -17,5 +18,6 @@ __all__ = [
     "OmniRequestOutput",
     "RequestAbortedError",
     "RequestFailedError",
+    "SamplingParamsError",
     "__version__",
 ]

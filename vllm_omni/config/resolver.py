@@ -10,11 +10,13 @@ Precedence, lowest to highest (docs/configuration.md):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.stage import STAGE_KNOBS, DeployConfig, Source, StageDeployConfig
 
 GlobalSource = Literal["cli", "python"]
@@ -65,7 +67,7 @@ def _normalize_overrides(
 
 
 def resolve_stage_configs(
-    deploy: DeployConfig | None = None,
+    deploy: DeployConfig | str | os.PathLike[str] | None = None,
     *,
     global_knobs: Mapping[str, Any] | None = None,
     global_source: GlobalSource = "python",
@@ -74,10 +76,14 @@ def resolve_stage_configs(
 ) -> list[StageDeployConfig]:
     """Apply the four layers and return one frozen config per stage, with provenance.
 
-    ``global_knobs`` holds only the knobs the user gave (CLI flags or Python keywords);
-    ``global_alias_knobs`` names those of them that a deprecated alias supplied.
+    ``deploy`` is a `DeployConfig` or the path of a deploy YAML. ``global_knobs`` holds
+    only the knobs the user gave (CLI flags or Python keywords); ``global_alias_knobs``
+    names those of them that a deprecated alias supplied.
     """
-    deploy = deploy or DeployConfig()
+    if deploy is None:
+        deploy = DeployConfig()
+    elif not isinstance(deploy, DeployConfig):
+        deploy = load_deploy_config(deploy)
     global_knobs = dict(global_knobs or {})
     _check_knobs(global_knobs, "the command line" if global_source == "cli" else "the Omni arguments", global_source)
     overrides = _normalize_overrides(stage_overrides, [s.stage_id for s in deploy.stages])

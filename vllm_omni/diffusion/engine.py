@@ -10,6 +10,7 @@ from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingP
 from vllm_omni.diffusion.runner import DiffusionRunner
 from vllm_omni.diffusion.scheduler import Scheduler
 from vllm_omni.logger import init_logger
+from vllm_omni.metrics import prometheus as metrics
 
 logger = init_logger(__name__)
 
@@ -19,6 +20,7 @@ class DiffusionEngine:
         self.od_config = od_config
         self.runner = DiffusionRunner(od_config)
         self.scheduler = Scheduler(od_config)
+        self._stage = str(od_config.stage_id)
 
     def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
         """Queue a request; the returned future resolves to its `OmniRequestOutput`."""
@@ -34,14 +36,19 @@ class DiffusionEngine:
         batch = self.scheduler.schedule(timeout)
         if not batch:
             return 0
-        outputs = self._execute(batch, started=time.monotonic())
+        started = time.monotonic()
+        for request in batch:
+            metrics.queue_time.labels(self._stage).observe(started - request.arrival_time)
+        outputs = self._execute(batch, started)
         self.scheduler.finish(batch, outputs)
         return len(batch)
 
     def _execute(self, batch: list[DiffusionRequest], started: float) -> list[OmniRequestOutput | BaseException]:
         """Run the batch; if the batched call fails, run its requests one by one so only the bad one fails."""
+        metrics.batch_size.labels(self._stage).observe(len(batch))
         try:
-            outputs: list[OmniRequestOutput | BaseException] = list(self.runner.run(batch))
+            with metrics.batch_execution_time.labels(self._stage).time():
+                outputs: list[OmniRequestOutput | BaseException] = list(self.runner.run(batch))
         except Exception as exc:  # noqa: BLE001 - any pipeline error is isolated to its request below
             if len(batch) == 1:
                 logger.warning("request %s failed: %s: %s", batch[0].request_id, type(exc).__name__, exc)

@@ -46,6 +46,14 @@ class OmniDiffusionSamplingParams(BaseModel):
     """Further keyword arguments of the pipeline call (e.g. ``max_sequence_length``); batched requests must agree."""
 
 
+class SamplingParamsError(ValueError):
+    """Sampling parameters this pipeline cannot run; ``param`` names the offending field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class BatchKey(NamedTuple):
     """Requests batch together only when every field is equal: one pipeline call takes one value of each."""
 

@@ -11,7 +11,12 @@ from typing import Any
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams, OmniRequestOutput
+from vllm_omni.diffusion.request import (
+    DiffusionRequest,
+    OmniDiffusionSamplingParams,
+    OmniRequestOutput,
+    SamplingParamsError,
+)
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -112,27 +117,41 @@ class DiffusionRunner:
         scale = getattr(pipeline, "vae_scale_factor", None)
         return sample * scale if isinstance(sample, int) and isinstance(scale, int) else None
 
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this: latents are ``vae_scale_factor`` times smaller and
+        packed or patched 2×2 by DiT pipelines; UNet pipelines check multiples of 8 themselves."""
+        return max(8, 2 * int(getattr(self.pipeline, "vae_scale_factor", 1) or 1))
+
     def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
-        """Fill unset fields with the pipeline's defaults and reject what this pipeline cannot take."""
+        """Fill unset fields with the pipeline's defaults; raise `SamplingParamsError` for what it cannot take."""
         name = self.pipeline_name
         if params.negative_prompt is not None and "negative_prompt" not in self._call_params:
-            raise ValueError(f"negative_prompt is not accepted by {name}")
+            raise SamplingParamsError("negative_prompt", f"negative_prompt is not accepted by {name}")
         if params.guidance_scale is not None and "guidance_scale" not in self._call_params:
-            raise ValueError(f"guidance_scale is not accepted by {name}")
+            raise SamplingParamsError("guidance_scale", f"guidance_scale is not accepted by {name}")
         if params.num_outputs_per_prompt > 1 and self._outputs_arg is None:
-            raise ValueError(f"num_outputs_per_prompt > 1 is not supported by {name}")
+            raise SamplingParamsError("num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}")
         for arg in params.extra_args:
             if arg in _RESERVED_ARGS:
-                raise ValueError(f"extra_args may not set {arg!r}: it is a sampling parameter or set by vllm-omni")
+                raise SamplingParamsError(
+                    "extra_args", f"extra_args may not set {arg!r}: it is a sampling parameter or set by vllm-omni"
+                )
             if arg not in self._call_params:
-                raise ValueError(f"extra_args key {arg!r} is not an argument of {name}.__call__")
+                raise SamplingParamsError("extra_args", f"extra_args key {arg!r} is not an argument of {name}.__call__")
         size = self._default_size()
         if (params.height is None or params.width is None) and size is None:
-            raise ValueError(f"{name} has no default size: give height and width")
+            raise SamplingParamsError("height", f"{name} has no default size: give height and width")
+        height, width = params.height or size, params.width or size
+        for field, value in (("height", height), ("width", width)):
+            if value % self.size_multiple:
+                raise SamplingParamsError(
+                    field, f"{field}={value} is not a multiple of {self.size_multiple}, which {name} requires"
+                )
         return params.model_copy(
             update={
-                "height": params.height or size,
-                "width": params.width or size,
+                "height": height,
+                "width": width,
                 "num_inference_steps": params.num_inference_steps or self._default("num_inference_steps") or 50,
                 "guidance_scale": params.guidance_scale
                 if params.guidance_scale is not None

@@ -53,6 +53,11 @@ class AsyncOmniEngine:
         return any(stage.abort(request_id) for stage in self.stages)
 
     @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch, over all stages."""
+        return sum(stage.engine.scheduler.num_waiting for stage in self.stages)
+
+    @property
     def is_alive(self) -> bool:
         return all(stage.is_alive for stage in self.stages)
 

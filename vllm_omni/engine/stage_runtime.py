@@ -9,6 +9,7 @@ from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
+from vllm_omni.metrics import prometheus as metrics
 
 logger = init_logger(__name__)
 
@@ -21,6 +22,9 @@ class StageRuntime:
         self.od_config = OmniDiffusionConfig.from_stage(model, stage_config)
         logger.info("Starting %s", stage_config.describe())
         self.engine = DiffusionEngine(self.od_config)
+        scheduler, stage = self.engine.scheduler, str(stage_config.stage_id)
+        metrics.num_requests_running.labels(stage).set_function(lambda: scheduler.num_running)
+        metrics.num_requests_waiting.labels(stage).set_function(lambda: scheduler.num_waiting)
         self._stopping = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_omni.config import STAGE_KNOBS, DeployConfig, StageDeployConfig, load_deploy_config, resolve_stage_configs
+from vllm_omni.config import STAGE_KNOBS, DeployConfig, StageDeployConfig, resolve_stage_configs
 from vllm_omni.config import legacy
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 
@@ -37,17 +37,26 @@ class OmniBase:
                 f"stage knobs are: {', '.join(STAGE_KNOBS)}"
             )
         given = dict(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=request_batch_max_wait_ms, **engine_kwargs)
-        if deploy_config is not None and not isinstance(deploy_config, DeployConfig):
-            deploy_config = load_deploy_config(deploy_config)
-        self.model = os.fspath(model)
-        self.stage_configs: list[StageDeployConfig] = resolve_stage_configs(
+        stage_configs = resolve_stage_configs(
             deploy_config,
             global_knobs={k: v for k, v in given.items() if v is not None},
             global_source="python",
             global_alias_knobs={"max_num_seqs"} if from_alias else set(),
             stage_overrides=stage_overrides,
         )
-        self.engine = AsyncOmniEngine(self.model, self.stage_configs)
+        self._start(model, stage_configs)
+
+    @classmethod
+    def from_stage_configs(cls, model: str | os.PathLike[str], stage_configs: list[StageDeployConfig]):
+        """Start from stage configs that are resolved already (the CLI resolves its flags before loading)."""
+        self = cls.__new__(cls)
+        self._start(model, stage_configs)
+        return self
+
+    def _start(self, model: str | os.PathLike[str], stage_configs: list[StageDeployConfig]) -> None:
+        self.model = os.fspath(model)
+        self.stage_configs = stage_configs
+        self.engine = AsyncOmniEngine(self.model, stage_configs)
 
     def shutdown(self) -> None:
         """Stop the engine: waiting requests fail, the running batch finishes."""

@@ -1,33 +1,35 @@
-"""``vllm-omni`` command line (also the target of ``vllm ... --omni``)."""
+"""``vllm-omni`` command line, and the target of vLLM's ``--omni`` hand-off (``vllm serve MODEL --omni``)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
-def _make_tiny_model(args) -> None:
-    from vllm_omni.testing.tiny_models import make_tiny_model
-
-    print(make_tiny_model(args.dir, args.family))
-
-
 def main(argv: list[str] | None = None) -> None:
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    argv = sys.argv[1:] if argv is None else list(argv)
+    via_vllm = "--omni" in argv
+    if argv[:1] == ["serve"]:
+        from vllm_omni.entrypoints.cli.serve import serve
+
+        sys.exit(serve(argv[1:], prog="vllm serve" if via_vllm else "vllm-omni serve"))
 
     from vllm_omni.testing.tiny_models import FAMILIES
 
-    argv = sys.argv[1:] if argv is None else argv
-    argv = [a for a in argv if a != "--omni"]  # vLLM hands us its whole command line
-    parser = FlexibleArgumentParser(prog="vllm-omni", description="Serve diffusion models with vLLM.")
+    parser = argparse.ArgumentParser(prog="vllm-omni", description="Serve diffusion models with vLLM.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("serve", help="Serve a diffusers model folder (see `vllm-omni serve --help`).")
     tiny = commands.add_parser(
         "make-tiny-model", help="Write a tiny random-weight diffusers pipeline (offline demo and test model)."
     )
     tiny.add_argument("dir", help="Folder to write the pipeline to.")
     tiny.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="Pipeline family (default: flux).")
-    tiny.set_defaults(func=_make_tiny_model)
+    tiny.add_argument("--omni", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.func(args)
+
+    from vllm_omni.testing.tiny_models import make_tiny_model
+
+    print(make_tiny_model(args.dir, args.family))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""``vllm serve MODEL --omni``: vLLM's parser plus the omni group; every bad flag fails before loading."""
+
+import re
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from vllm_omni.entrypoints.cli.serve import build_serve_config, make_serve_parser, parse_serve_args
+from vllm_omni.testing.server import RemoteOmniServer, vllm_executable
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return make_serve_parser("vllm serve")
+
+
+def _config(parser, argv):
+    args, explicit = parse_serve_args(parser, argv)
+    return build_serve_config(parser, args, explicit)
+
+
+def _error(parser, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        _config(parser, argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_vllm_flags_and_omni_flags_resolve_with_cli_provenance(parser, tiny_flux):
+    model, stages, serving = _config(
+        parser,
+        [tiny_flux, "--omni", "--max-num-seqs", "4", "--request-batch-max-wait-ms", "25", "--dtype", "half",
+         "--port", "9001", "--api-key", "k1", "k2", "--served-model-name", "tiny", "--max-image-pixels", "4096",
+         "--allowed-origins", '["http://localhost"]'],
+    )  # fmt: skip
+    stage = stages[0]
+    assert model == tiny_flux
+    assert (stage.max_num_seqs, stage.request_batch_max_wait_ms, stage.dtype) == (4, 25.0, "float16")
+    assert {k: stage.provenance[k] for k in ("max_num_seqs", "request_batch_max_wait_ms", "dtype", "devices")} == {
+        "max_num_seqs": "cli", "request_batch_max_wait_ms": "cli", "dtype": "cli", "devices": "default",
+    }  # fmt: skip
+    assert (serving.port, serving.api_keys, serving.served_model_names) == (9001, ["k1", "k2"], ["tiny"])
+    assert (serving.max_image_pixels, serving.allowed_origins) == (4096, ["http://localhost"])
+
+
+def test_defaults_are_not_mistaken_for_choices(parser, tiny_flux):
+    _, stages, serving = _config(parser, [tiny_flux, "--dtype", "auto"])
+    assert stages[0].provenance["max_num_seqs"] == "default" and stages[0].max_num_seqs == 1
+    assert stages[0].provenance["dtype"] == "cli"
+    assert serving.served_model_names == [tiny_flux] and serving.api_keys == []
+
+
+def test_deploy_yaml_below_the_global_flag_below_stage_overrides(parser, tiny_flux, tmp_path):
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("stages:\n  - stage_id: 0\n    max_num_seqs: 2\n    request_batch_max_wait_ms: 40\n")
+    _, stages, _ = _config(parser, [tiny_flux, "--deploy-config", str(deploy), "--max-num-seqs", "3"])
+    assert (stages[0].max_num_seqs, stages[0].provenance["max_num_seqs"]) == (3, "cli")
+    assert stages[0].provenance["request_batch_max_wait_ms"] == "deploy_yaml"
+    _, stages, _ = _config(
+        parser, [tiny_flux, "--deploy-config", str(deploy), "--stage-overrides", '{"0": {"max_num_seqs": 5}}']
+    )
+    assert (stages[0].max_num_seqs, stages[0].provenance["max_num_seqs"]) == (5, "stage_override")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--max-num-seqs", "0"], r"--max-num-seqs 0: Input should be greater than or equal to 1"),
+        (["--max-num-seqs", "four"], r"argument --max-num-seqs: invalid int value: 'four'"),
+        (["--request-batch-max-wait-ms", "-1"], r"--request-batch-max-wait-ms -1.0: Input should be greater"),
+        (["--tensor-parallel-size", "2"], r"--tensor-parallel-size: vLLM flag\(s\) that a diffusion server does not use"),
+        (["--stage-overrides", "{"], r"argument --stage-overrides: not valid JSON"),
+        (["--stage-overrides", "[1]"], r"argument --stage-overrides: must be a JSON object"),
+        (["--stage-overrides", '{"3": {"max_num_seqs": 2}}'], r"stage_overrides names stage 3, which does not exist"),
+        (["--deploy-config", "/nonexistent.yaml"], r"deploy config not found: /nonexistent.yaml"),
+        (["--max-waiting-requests", "-1"], r"--max-waiting-requests -1: Input should be greater than or equal to 0"),
+        (["--max-num-seqs", "8", "--max-waiting-requests", "4"], r"--max-waiting-requests 4 is below max_num_seqs=8"),
+        (["--bogus-flag"], r"unrecognized arguments: --bogus-flag"),
+    ],
+)
+def test_bad_flags_fail_naming_the_flag(parser, tiny_flux, capsys, argv, message):
+    assert re.search(message, _error(parser, [tiny_flux, *argv], capsys))
+
+
+def test_model_must_be_a_diffusers_folder(parser, tmp_path, capsys):
+    assert "is not a diffusers folder" in _error(parser, [str(tmp_path)], capsys)
+    assert "give the diffusers model folder" in _error(parser, ["--max-num-seqs", "2"], capsys)
+
+
+def test_help_lists_the_omni_group(parser):
+    text = parser.format_help()
+    omni = text[text.index("\nOmni:") :]
+    for flag in ("--deploy-config", "--request-batch-max-wait-ms", "--stage-overrides", "--max-waiting-requests"):
+        assert flag in omni
+
+
+def test_the_real_vllm_cli_refuses_a_bad_flag_before_loading(tiny_flux):
+    started = time.monotonic()
+    done = subprocess.run(
+        [vllm_executable(), "serve", tiny_flux, "--omni", "--max-num-seqs", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--max-num-seqs 0" in done.stderr and "Loaded" not in done.stderr + done.stdout
+    assert time.monotonic() - started < 120
+
+
+def test_deploy_config_and_global_flag_show_in_metrics(tiny_flux, tmp_path):
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("stages:\n  - stage_id: 0\n    max_num_seqs: 2\n    request_batch_max_wait_ms: 40\n")
+    with RemoteOmniServer(tiny_flux, ["--deploy-config", str(deploy), "--max-num-seqs", "3"]) as server:
+        text = httpx.get(server.url_for("metrics")).text
+        assert 'vllm_omni:stage_max_num_seqs{source="cli",stage="0"} 3.0' in text
+        assert "deploy_yaml" not in text
+    assert server.returncode == 0
+
+
+def test_the_vllm_omni_script_has_the_same_serve_command(tiny_flux):
+    done = subprocess.run(
+        ["vllm-omni", "serve", tiny_flux, "--max-num-seqs", "2", "--max-waiting-requests", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "usage: vllm-omni serve" in done.stderr and "--max-waiting-requests 1 is below" in done.stderr

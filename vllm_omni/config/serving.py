@@ -1,0 +1,73 @@
+"""`ServingConfig`: the HTTP server's settings and the request limits an operator can set."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServingConfig(BaseModel):
+    """Settings of ``vllm serve MODEL --omni``; each field is also a flag (see docs/serving.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    host: str | None = None
+    """Address to bind (``None``: all interfaces)."""
+
+    port: int = Field(default=8000, ge=0, le=65535)
+    """Port to listen on."""
+
+    served_model_names: list[str] = Field(default_factory=list, min_length=1)
+    """Names the model answers to in ``model``; the first is the one ``/v1/models`` reports first."""
+
+    api_keys: list[str] = Field(default_factory=list)
+    """When not empty, every ``/v1/*`` route requires ``Authorization: Bearer <one of the keys>``."""
+
+    allowed_origins: list[str] = Field(default_factory=list)
+    """CORS allowed origins (empty: no CORS headers)."""
+
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
+    """CORS allowed methods."""
+
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
+    """CORS allowed headers."""
+
+    allow_credentials: bool = False
+    """CORS: allow credentials."""
+
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    """Log level of uvicorn."""
+
+    access_log: bool = True
+    """Log one line per HTTP request."""
+
+    ssl_keyfile: str | None = None
+    """TLS key file (with ``ssl_certfile``: serve HTTPS)."""
+
+    ssl_certfile: str | None = None
+    """TLS certificate file."""
+
+    root_path: str = ""
+    """ASGI root path when the server sits behind a path-rewriting proxy."""
+
+    max_waiting_requests: int = Field(default=64, ge=0)
+    """Requests that may wait for a batch; one more is answered 429 at once instead of queueing."""
+
+    max_image_pixels: int = Field(default=2048 * 2048, ge=1)
+    """Largest ``width × height`` a request may ask for."""
+
+    max_inference_steps: int = Field(default=200, ge=1, le=1000)
+    """Most ``num_inference_steps`` a request may ask for."""
+
+    max_prompt_length: int = Field(default=4000, ge=1)
+    """Longest ``prompt`` (and ``negative_prompt``), in characters."""
+
+    image_url_ttl_s: float = Field(default=3600.0, gt=0)
+    """How long an image returned as ``url`` stays downloadable."""
+
+    image_store_max_bytes: int = Field(default=512 * 1024 * 1024, ge=0)
+    """Memory budget for ``url`` images; the oldest are dropped first when it is exceeded."""
+
+    shutdown_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM, how long running requests may take to finish before they are cancelled."""

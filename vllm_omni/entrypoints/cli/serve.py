@@ -1,0 +1,182 @@
+"""``vllm serve MODEL --omni`` / ``vllm-omni serve MODEL``: vLLM's serve flags plus the omni group.
+
+Every flag is parsed and every knob resolved before the model loads, so a bad
+flag fails in a second with a message naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from pydantic import ValidationError
+
+from vllm_omni.config import resolve_stage_configs
+from vllm_omni.config.serving import ServingConfig
+
+# vLLM serve flags that mean something for a diffusion server, by argparse dest.
+# Any other vLLM flag given explicitly is refused rather than silently ignored.
+_USED_VLLM_FLAGS = frozenset(
+    {
+        "model_tag", "model", "host", "port", "api_key", "served_model_name", "max_num_seqs", "dtype",
+        "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "uvicorn_log_level",
+        "disable_uvicorn_access_log", "ssl_keyfile", "ssl_certfile", "root_path",
+    }
+)  # fmt: skip
+# ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
+_OMNI_SERVING_FLAGS = (
+    "max_waiting_requests", "max_image_pixels", "max_inference_steps", "max_prompt_length",
+    "image_url_ttl_s", "image_store_max_bytes", "shutdown_timeout_s",
+)  # fmt: skip
+_VLLM_DTYPES = {"half": "float16", "float": "float32"}
+
+
+def set_device_hint() -> None:
+    """vLLM's parser needs a platform; without CUDA, tell it the CPU (see vllm/platforms)."""
+    if "VLLM_TARGET_DEVICE" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+
+
+def _stage_overrides(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('must be a JSON object of stage id to knobs, e.g. \'{"0": {"max_num_seqs": 8}}\'')
+    return value
+
+
+def make_serve_parser(prog: str):
+    """vLLM's own serve parser (FlexibleArgumentParser + its serve arguments) with an 'Omni' group added."""
+    set_device_hint()
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class OmniServeParser(FlexibleArgumentParser):
+        def format_help(self) -> str:
+            """vLLM's help lists its groups by name; the Omni group's flags are listed in full below them."""
+            text = super().format_help()
+            if self._search_keyword is not None:
+                return text
+            formatter = self._get_formatter()
+            for group in self._action_groups:
+                if group.title == "Omni":
+                    formatter.start_section(group.title)
+                    formatter.add_text(group.description)
+                    formatter.add_arguments(group._group_actions)
+                    formatter.end_section()
+            return text + "\n" + formatter.format_help()
+
+    parser = make_arg_parser(
+        OmniServeParser(prog=prog, description="Serve a diffusers model folder with the OpenAI Images API.")
+    )
+    omni = parser.add_argument_group(
+        "Omni", "Diffusion serving (vllm-omni). Of vLLM's flags above, these are used: "
+        + ", ".join("--" + f.replace("_", "-") for f in sorted(_USED_VLLM_FLAGS - {"model_tag"}))
+        + "; any other vLLM flag is refused.",
+    )  # fmt: skip
+    omni.add_argument("--omni", action="store_true", help="Hand the command to vllm-omni (for `vllm serve ... --omni`).")
+    omni.add_argument("--deploy-config", metavar="PATH", help="Deploy YAML with per-stage knobs.")
+    omni.add_argument(
+        "--request-batch-max-wait-ms", type=float, metavar="MS",
+        help="How long an idle stage waits for more compatible requests before it starts a batch that is not full.",
+    )  # fmt: skip
+    omni.add_argument(
+        "--stage-overrides", type=_stage_overrides, metavar="JSON",
+        help='Per-stage knobs that beat every other layer, e.g. \'{"0": {"max_num_seqs": 8}}\'.',
+    )  # fmt: skip
+    for name in _OMNI_SERVING_FLAGS:
+        info = ServingConfig.model_fields[name]
+        omni.add_argument(
+            "--" + name.replace("_", "-"), type=info.annotation, default=info.default, help=info.description,
+            metavar="N" if info.annotation is int else "SECONDS",
+        )  # fmt: skip
+    return parser
+
+
+def parse_serve_args(parser, argv: list[str]) -> tuple[argparse.Namespace, set[str]]:
+    """Parse ``argv``; also return the dests the user gave explicitly (a default is not a choice)."""
+    unset = object()
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parser.parse_args(argv, namespace=namespace)
+    explicit = {dest for dest, value in vars(namespace).items() if value is not unset}
+    for action in parser._actions:
+        if getattr(namespace, action.dest, None) is unset:
+            setattr(namespace, action.dest, action.default)
+    return namespace, explicit
+
+
+def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
+    """Check the flags and resolve the stage configs; ``parser.error`` (exit 2) names the flag on any problem."""
+    omni_dests = {a.dest for group in parser._action_groups if group.title == "Omni" for a in group._group_actions}
+    unused = sorted(
+        a.option_strings[0] for a in parser._actions if a.dest in explicit - _USED_VLLM_FLAGS - omni_dests
+    )
+    if unused:
+        parser.error(f"{', '.join(unused)}: vLLM flag(s) that a diffusion server does not use; remove them")
+
+    model = args.model_tag or (args.model if "model" in explicit else None)
+    if not model:
+        parser.error("give the diffusers model folder: vllm serve MODEL --omni")
+    if not os.path.isfile(os.path.join(model, "model_index.json")):
+        parser.error(f"model {model!r} is not a diffusers folder (it has no model_index.json)")
+
+    knobs = {}
+    if args.max_num_seqs is not None:
+        knobs["max_num_seqs"] = args.max_num_seqs
+    if args.request_batch_max_wait_ms is not None:
+        knobs["request_batch_max_wait_ms"] = args.request_batch_max_wait_ms
+    if "dtype" in explicit:
+        knobs["dtype"] = _VLLM_DTYPES.get(args.dtype, args.dtype)
+    try:
+        stage_configs = resolve_stage_configs(
+            args.deploy_config, global_knobs=knobs, global_source="cli", stage_overrides=args.stage_overrides
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+
+    api_keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
+    values = dict(
+        host=args.host,
+        port=args.port,
+        served_model_names=args.served_model_name or [model],
+        api_keys=api_keys,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path or "",
+        **{name: getattr(args, name) for name in _OMNI_SERVING_FLAGS},
+    )
+    try:
+        serving = ServingConfig(**values)
+    except ValidationError as exc:
+        problems = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e.get('input')!r}: {e['msg']}" for e in exc.errors())
+        parser.error(problems)
+    for stage in stage_configs:
+        if serving.max_waiting_requests < stage.max_num_seqs:
+            parser.error(
+                f"--max-waiting-requests {serving.max_waiting_requests} is below max_num_seqs={stage.max_num_seqs} "
+                f"of stage {stage.stage_id}: full batches could never form"
+            )
+    return model, stage_configs, serving
+
+
+def serve(argv: list[str], prog: str = "vllm serve") -> int:
+    parser = make_serve_parser(prog)
+    args, explicit = parse_serve_args(parser, argv)
+    model, stage_configs, serving = build_serve_config(parser, args, explicit)
+
+    from vllm_omni.entrypoints.openai.api_server import run_server
+
+    return run_server(model, stage_configs, serving)
+

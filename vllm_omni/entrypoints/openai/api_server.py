@@ -1,0 +1,382 @@
+"""The OpenAI-compatible HTTP server: Images API, models, health and metrics (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import secrets
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm_omni.config import StageDeployConfig
+from vllm_omni.config.serving import ServingConfig
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, SamplingParamsError
+from vllm_omni.entrypoints.async_omni import AsyncOmni
+from vllm_omni.entrypoints.openai.image_store import ImageStore
+from vllm_omni.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    ModelCard,
+    ModelList,
+)
+from vllm_omni.logger import init_logger
+from vllm_omni.metrics import prometheus as metrics
+
+logger = init_logger(__name__)
+
+_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+# Sampling-parameter names as the Images API calls them.
+_API_PARAM = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
+_STATUS_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error envelope."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    error = ErrorInfo(message=message, type=_STATUS_TYPE.get(status, "server_error"), param=param, code=code)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(ErrorResponse(error=error).model_dump(), status_code=status, headers=headers)
+
+
+@dataclass
+class ServerState:
+    model: str
+    stage_configs: list[StageDeployConfig]
+    serving: ServingConfig
+    store: ImageStore
+    on_fatal: Callable[[BaseException], None]
+    omni: AsyncOmni | None = None
+    ready: bool = False
+    draining: bool = False
+    loaded_at: int = field(default_factory=lambda: int(time.time()))
+
+    def unavailable_reason(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
+        if self.omni is None or not self.ready:
+            return "the model is loading"
+        if not self.omni.engine.is_alive:
+            return "the engine has stopped; see the server log"
+        return None
+
+
+async def _load_and_warm_up(state: ServerState) -> None:
+    try:
+        state.omni = await asyncio.to_thread(AsyncOmni.from_stage_configs, state.model, state.stage_configs)
+        for stage in state.stage_configs:
+            metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(
+                stage.max_num_seqs
+            )
+        started = time.perf_counter()
+        warm_up = OmniDiffusionSamplingParams(num_inference_steps=1, seed=0)
+        async for _ in state.omni.generate("warm-up", warm_up, request_id=f"warmup-{uuid.uuid4().hex}"):
+            pass
+        state.ready = True
+        logger.info("Warm-up done in %.2f s; ready to serve %s", time.perf_counter() - started, state.model)
+    except Exception as exc:  # noqa: BLE001 - the server cannot serve without its model
+        logger.exception("Could not load and warm up %s", state.model)
+        state.on_fatal(exc)
+
+
+def _check_api_key(request: Request) -> None:
+    api_keys = request.app.state.server.serving.api_keys
+    if not api_keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # Compare with every key, always, so the time taken does not tell which key came close.
+    matches = [secrets.compare_digest(token.encode(), key.encode()) for key in api_keys]
+    if scheme.lower() != "bearer" or not any(matches):
+        raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+def _encode(image, output_format: str, compression: int | None) -> bytes:
+    buffer = io.BytesIO()
+    if output_format == "png":
+        image.save(buffer, format="PNG")
+    else:
+        quality = 100 if compression is None else compression
+        image.convert("RGB").save(buffer, format=output_format.upper(), quality=quality)
+    return buffer.getvalue()
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _until_disconnect(request: Request, work: asyncio.Task) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its request)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    raise ClientDisconnected
+
+
+def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusionSamplingParams:
+    serving = state.serving
+    if body.model is not None and body.model not in serving.served_model_names:
+        raise APIError(
+            404, f"The model '{body.model}' does not exist; this server serves {serving.served_model_names[0]!r}",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(body, name)
+        if text is not None and len(text) > serving.max_prompt_length:
+            raise APIError(
+                400, f"{name} is longer than {serving.max_prompt_length} characters", param=name, code="invalid_value"
+            )
+    dimensions = body.dimensions()
+    if dimensions and dimensions[0] * dimensions[1] > serving.max_image_pixels:
+        raise APIError(
+            400, f"size {body.size} exceeds the limit of {serving.max_image_pixels} pixels", param="size",
+            code="invalid_value",
+        )  # fmt: skip
+    if body.num_inference_steps is not None and body.num_inference_steps > serving.max_inference_steps:
+        raise APIError(
+            400, f"num_inference_steps must be at most {serving.max_inference_steps}", param="num_inference_steps",
+            code="invalid_value",
+        )  # fmt: skip
+    if body.output_compression is not None and body.output_format == "png":
+        raise APIError(
+            400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
+        )
+    width, height = dimensions or (None, None)
+    return OmniDiffusionSamplingParams(
+        height=height,
+        width=width,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        num_outputs_per_prompt=body.n,
+        seed=body.seed,
+        negative_prompt=body.negative_prompt,
+    )
+
+
+async def create_image(body: ImageGenerationRequest, raw_request: Request) -> ImageGenerationResponse | Response:
+    state: ServerState = raw_request.app.state.server
+    outcome = "invalid"
+    try:
+        params = _validate(body, state)
+        reason = state.unavailable_reason()
+        if reason is not None:
+            outcome = "unavailable"
+            raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
+        omni = state.omni
+        if omni.engine.num_waiting >= state.serving.max_waiting_requests:
+            outcome = "overloaded"
+            raise APIError(
+                429, f"Too many requests waiting ({state.serving.max_waiting_requests}); retry later",
+                code="too_many_waiting_requests",
+            )  # fmt: skip
+        generation = omni.generate(body.prompt, params, request_id=f"img-{uuid.uuid4().hex}")
+        try:
+            output = await _until_disconnect(raw_request, asyncio.ensure_future(anext(generation, None)))
+        except ClientDisconnected:
+            outcome = "aborted"
+            return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
+        except SamplingParamsError as exc:
+            raise APIError(400, str(exc), param=_API_PARAM.get(exc.param, exc.param), code="invalid_value") from None
+        except RequestFailedError as exc:
+            reason = state.unavailable_reason()
+            outcome = "unavailable" if reason else "failed"
+            raise APIError(503 if reason else 500, str(exc), code="generation_failed") from None
+        if output is None:
+            outcome = "aborted"
+            raise APIError(503, "The request was aborted", code="aborted")
+
+        encoded = await asyncio.to_thread(
+            lambda: [_encode(image, body.output_format, body.output_compression) for image in output.images]
+        )
+        data = []
+        for payload in encoded:
+            if body.response_format == "b64_json":
+                data.append(ImageData(b64_json=base64.b64encode(payload).decode(), revised_prompt=body.prompt))
+                continue
+            image_id = state.store.put(payload, _MEDIA_TYPES[body.output_format])
+            if image_id is None:
+                outcome = "failed"
+                raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
+            url = str(raw_request.url_for("get_image", image_id=image_id))
+            data.append(ImageData(url=url, revised_prompt=body.prompt))
+        outcome = "completed"
+        first_image = output.images[0]
+        return ImageGenerationResponse(
+            data=data, output_format=body.output_format, size=f"{first_image.width}x{first_image.height}"
+        )
+    finally:
+        metrics.image_requests.labels(outcome).inc()
+
+
+def build_app(
+    model: str,
+    stage_configs: list[StageDeployConfig],
+    serving: ServingConfig,
+    on_fatal: Callable[[BaseException], None],
+) -> FastAPI:
+    """The app; the model loads in the background once it starts, and ``/health`` turns 200 when it is warm."""
+    state = ServerState(
+        model=model,
+        stage_configs=stage_configs,
+        serving=serving,
+        store=ImageStore(serving.image_url_ttl_s, serving.image_store_max_bytes),
+        on_fatal=on_fatal,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(_load_and_warm_up(state))
+        yield
+        state.draining = True
+        await loading
+        if state.omni is not None:
+            await asyncio.to_thread(state.omni.shutdown)
+
+    app = FastAPI(title="vllm-omni", lifespan=lifespan)
+    app.state.server = state
+    if serving.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=serving.allowed_origins,
+            allow_methods=serving.allowed_methods,
+            allow_headers=serving.allowed_headers,
+            allow_credentials=serving.allow_credentials,
+        )
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.image_requests.labels("invalid").inc()
+        error = exc.errors()[0]
+        location = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if error.get("type") == "json_invalid":
+            return _error_response(400, "The request body is not valid JSON", code="invalid_json")
+        if error.get("type") == "extra_forbidden":
+            return _error_response(
+                400, f"Unrecognized request argument supplied: {location[-1]}", location[-1], code="unknown_parameter"
+            )
+        param = location[0] if location else None
+        reason = error["ctx"]["error"] if error.get("type") == "value_error" else error["msg"]
+        if param is None:
+            return _error_response(400, f"The request body must be a JSON object: {reason}", code="invalid_request")
+        code = "missing_required_parameter" if error.get("type") == "missing" else "invalid_value"
+        return _error_response(400, f"{param}: {reason}", param, code=code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Unhandled error")
+        return _error_response(500, f"Internal server error: {type(exc).__name__}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        reason = state.unavailable_reason()
+        if reason is not None:
+            return _error_response(503, f"Service unavailable: {reason}", code="service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/images/{image_id}", name="get_image")
+    async def get_image(image_id: str) -> Response:
+        stored = state.store.get(image_id)
+        if stored is None:
+            raise APIError(404, "No such image, or it has expired", code="image_not_found")
+        return Response(stored.data, media_type=stored.media_type)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(
+            data=[ModelCard(id=name, created=state.loaded_at, root=model) for name in serving.served_model_names]
+        )
+
+    v1.add_api_route(
+        "/images/generations",
+        create_image,
+        methods=["POST"],
+        response_model=ImageGenerationResponse,
+        response_model_exclude_none=True,
+        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)},
+    )
+    app.include_router(v1)
+    return app
+
+
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM:
+            # An orderly stop: drain and exit 0 (uvicorn would re-raise the signal after draining).
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)
+
+
+def run_server(model: str, stage_configs: list[StageDeployConfig], serving: ServingConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code."""
+    failure: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        failure.append(exc)
+        server.should_exit = True
+
+    app = build_app(model, stage_configs, serving, on_fatal)
+    config = uvicorn.Config(
+        app,
+        host=serving.host,
+        port=serving.port,
+        log_level=serving.uvicorn_log_level,
+        access_log=serving.access_log,
+        ssl_keyfile=serving.ssl_keyfile,
+        ssl_certfile=serving.ssl_certfile,
+        root_path=serving.root_path,
+        timeout_graceful_shutdown=serving.shutdown_timeout_s,
+    )
+    server = _Server(config)
+    logger.info("Serving %s as %s on %s:%d", model, serving.served_model_names, serving.host or "0.0.0.0", serving.port)
+    server.run()
+    return 1 if failure else 0
+

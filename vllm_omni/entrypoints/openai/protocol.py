@@ -1,0 +1,86 @@
+"""Request and response shapes of the OpenAI Images API, plus the extensions of docs/serving.md."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from vllm_omni.diffusion.request import MAX_SEED
+
+SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
+
+
+class ImageGenerationRequest(BaseModel):
+    """``POST /v1/images/generations``; unknown fields are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: StrictInt = Field(default=1, ge=1, le=10)
+    size: str = "auto"
+    """``WIDTHxHEIGHT`` in pixels, or ``auto`` for the model's default."""
+    response_format: Literal["url", "b64_json"] = "url"
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: StrictInt | None = Field(default=None, ge=0, le=100)
+    """Quality for jpeg and webp, 0–100."""
+    user: str | None = None
+    # Extensions.
+    negative_prompt: str | None = None
+    num_inference_steps: StrictInt | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
+
+    @field_validator("size")
+    @classmethod
+    def _check_size(cls, size: str) -> str:
+        if size != "auto" and not SIZE_PATTERN.match(size):
+            raise ValueError("size must be 'auto' or WIDTHxHEIGHT in pixels, such as '512x512'")
+        return size
+
+    def dimensions(self) -> tuple[int, int] | None:
+        """``(width, height)``, or ``None`` for ``auto``."""
+        match = SIZE_PATTERN.match(self.size)
+        return (int(match[1]), int(match[2])) if match else None
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+
+
+class ImageGenerationResponse(BaseModel):
+    created: int = Field(default_factory=lambda: int(time.time()))
+    data: list[ImageData]
+    output_format: str
+    size: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope: every non-2xx answer of this server has this body."""
+
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "vllm-omni"
+    root: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,1 @@
+"""Prometheus metrics (``vllm_omni:*``) in the default prometheus_client registry."""

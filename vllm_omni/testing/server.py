@@ -1,0 +1,84 @@
+"""Start a real ``vllm serve MODEL --omni`` process on 127.0.0.1 and wait until it is ready.
+
+Used by the tests, the demo and the benchmarks: they all talk to the server the
+way a user would, through the real CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    """The ``vllm`` script next to this Python (the one that hands ``--omni`` to vllm-omni)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "vllm")
+    return beside if os.path.exists(beside) else shutil.which("vllm") or "vllm"
+
+
+class RemoteOmniServer:
+    """``with RemoteOmniServer(model, ["--max-num-seqs", "4"]) as server: server.url_for("v1")``."""
+
+    def __init__(self, model: str, args: list[str] = (), *, startup_timeout_s: float = 300.0, log_path: str | None = None):
+        self.port = free_port()
+        self.command = [vllm_executable(), "serve", model, "--omni", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self.returncode: int | None = None
+        self.health_before_ready: list[tuple[int, dict]] = []
+        """``/health`` answers (status, JSON body) seen while the server was listening but not ready."""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url_for(self, *parts: str) -> str:
+        return "/".join([self.base_url, *parts])
+
+    def __enter__(self) -> RemoteOmniServer:
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed by the child's exit
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode} before it was ready: {self.command}")
+            try:
+                health = httpx.get(self.url_for("health"), timeout=2)
+            except httpx.HTTPError:
+                pass
+            else:
+                if health.status_code == 200:
+                    return self
+                self.health_before_ready.append((health.status_code, health.json()))
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"server not ready after {self.startup_timeout_s} s: {self.command}")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.returncode = self.process.returncode if self.process else None
+        return self.returncode
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
