@@ -7,7 +7,7 @@ install:
 	@$(PYTHON) scripts/check_install.py || $(PYTHON) -m pip install -e '.[test]'
 
 demo: install
-	$(PYTHON) examples/offline_demo.py
+	$(PYTHON) examples/serve_demo.py
 
 test: install
 	$(PYTHON) -m pytest
