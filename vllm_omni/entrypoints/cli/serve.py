@@ -126,16 +126,17 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
     if not os.path.isfile(os.path.join(model, "model_index.json")):
         parser.error(f"model {model!r} is not a diffusers folder (it has no model_index.json)")
 
-    knobs = {}
-    if args.max_num_seqs is not None:
-        knobs["max_num_seqs"] = args.max_num_seqs
-    if args.request_batch_max_wait_ms is not None:
-        knobs["request_batch_max_wait_ms"] = args.request_batch_max_wait_ms
-    if "dtype" in explicit:
-        knobs["dtype"] = _VLLM_DTYPES.get(args.dtype, args.dtype)
+    given = dict(
+        max_num_seqs=args.max_num_seqs,
+        request_batch_max_wait_ms=args.request_batch_max_wait_ms,
+        dtype=_VLLM_DTYPES.get(args.dtype, args.dtype) if "dtype" in explicit else None,
+    )
     try:
         stage_configs = resolve_stage_configs(
-            args.deploy_config, global_knobs=knobs, global_source="cli", stage_overrides=args.stage_overrides
+            args.deploy_config,
+            global_knobs={k: v for k, v in given.items() if v is not None},
+            global_source="cli",
+            stage_overrides=args.stage_overrides,
         )
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
