@@ -38,6 +38,7 @@ stage_max_num_seqs = Gauge(
 )
 image_requests = Counter(
     "vllm_omni:image_generation_requests",
-    "Image generation requests received over HTTP, by outcome.",
+    "Image generation requests by outcome: completed, invalid, overloaded, unavailable, failed, aborted "
+    "(requests refused for a missing or wrong API key are not counted).",
     ["outcome"],
 )

@@ -137,6 +137,9 @@ async def _until_disconnect(request: Request, work: asyncio.Task) -> Any:
     watcher = asyncio.create_task(disconnected())
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server cancels us (shutdown timeout): abort the request too
+        work.cancel()
+        raise
     finally:
         watcher.cancel()
     if work in done:
@@ -189,9 +192,13 @@ def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusion
 
 async def create_image(body: ImageGenerationRequest, raw_request: Request) -> ImageGenerationResponse | Response:
     state: ServerState = raw_request.app.state.server
-    outcome = "invalid"
+    outcome = "failed"
     try:
-        params = _validate(body, state)
+        try:
+            params = _validate(body, state)
+        except APIError:
+            outcome = "invalid"
+            raise
         reason = state.unavailable_reason()
         if reason is not None:
             outcome = "unavailable"
@@ -209,7 +216,11 @@ async def create_image(body: ImageGenerationRequest, raw_request: Request) -> Im
         except ClientDisconnected:
             outcome = "aborted"
             return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
+        except asyncio.CancelledError:
+            outcome = "aborted"
+            raise
         except SamplingParamsError as exc:
+            outcome = "invalid"
             raise APIError(400, str(exc), param=_API_PARAM.get(exc.param, exc.param), code="invalid_value") from None
         except RequestFailedError as exc:
             reason = state.unavailable_reason()
@@ -229,7 +240,6 @@ async def create_image(body: ImageGenerationRequest, raw_request: Request) -> Im
                 continue
             image_id = state.store.put(payload, _MEDIA_TYPES[body.output_format])
             if image_id is None:
-                outcome = "failed"
                 raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
             url = str(raw_request.url_for("get_image", image_id=image_id))
             data.append(ImageData(url=url, revised_prompt=body.prompt))
@@ -347,7 +357,12 @@ def build_app(
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
     def handle_exit(self, sig: int, frame) -> None:
+        self.state.draining = True  # /health and new requests answer 503 while running requests finish
         if sig == signal.SIGTERM:
             # An orderly stop: drain and exit 0 (uvicorn would re-raise the signal after draining).
             self.should_exit = True
@@ -375,7 +390,7 @@ def run_server(model: str, stage_configs: list[StageDeployConfig], serving: Serv
         root_path=serving.root_path,
         timeout_graceful_shutdown=serving.shutdown_timeout_s,
     )
-    server = _Server(config)
+    server = _Server(config, app.state.server)
     logger.info("Serving %s as %s on %s:%d", model, serving.served_model_names, serving.host or "0.0.0.0", serving.port)
     server.run()
     return 1 if failure else 0
