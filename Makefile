@@ -13,4 +13,4 @@ test: install
 	$(PYTHON) -m pytest
 
 bench: install
-	$(PYTHON) benchmarks/bench_offline_batching.py
+	$(PYTHON) benchmarks/batching_sweep.py

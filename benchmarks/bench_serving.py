@@ -1,13 +1,15 @@
-"""Served throughput and latency for several --max-num-seqs values, measured in one run.
+"""Drive a running vllm-omni server over HTTP and report throughput, latency and what the server saw.
 
-    python benchmarks/bench_serving.py [--model DIR | --family flux] [--max-num-seqs 1,4]
-        [--concurrency 4] [--rounds 10] [--size 32] [--steps 4] [--json out.json]
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 \
+        [--concurrency 4 | --request-rate 10] [--num-requests 64] \
+        [--shapes 32x32:4,64x64:4:0.5] [--warmup 4] [--json out.json]
 
-For each value N it starts a real `vllm serve MODEL --omni --max-num-seqs N`
-server on 127.0.0.1, sends warm-up requests, then ``--rounds`` rounds of
-``--concurrency`` simultaneous requests through the `openai` client, and reads
-the batch sizes the server executed from its /metrics. The servers run one
-after the other on the same machine; the ratios between them are the result.
+Closed loop (``--concurrency C``: C clients, each sends its next request when
+the previous one is answered) or open loop (``--request-rate R``: Poisson
+arrivals at R requests/s). ``--shapes`` is a weighted mix of ``WxH:STEPS[:WEIGHT]``.
+Besides client-side numbers, the server's own queue wait and executed batch
+sizes come from the difference of its ``/metrics`` before and after the run,
+and its peak RSS from ``process_resident_memory_bytes`` sampled during the run.
 """
 
 from __future__ import annotations
@@ -15,94 +17,202 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import re
+import random
 import statistics
-import tempfile
 import time
+from dataclasses import dataclass
 
-import httpx
-import openai
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
-from vllm_omni.testing.server import RemoteOmniServer
-from vllm_omni.testing.tiny_models import make_tiny_model
-
-
-def _batch_histogram(server: RemoteOmniServer) -> tuple[float, float]:
-    """(executed batches, requests in them) from /metrics."""
-    text = httpx.get(server.url_for("metrics")).text
-    values = dict(re.findall(r'^vllm_omni:diffusion_batch_size_(count|sum)\{stage="0"\} (\S+)$', text, re.M))
-    return float(values.get("count", 0)), float(values.get("sum", 0))
+PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse", "a blue house", "a tree", "a small dog"]
 
 
-async def _round(client: openai.AsyncOpenAI, concurrency: int, size: int, steps: int, seed: int) -> list[float]:
-    async def one(i: int) -> float:
-        started = time.perf_counter()
-        await client.images.generate(
-            prompt=f"benchmark prompt {i}", size=f"{size}x{size}", response_format="b64_json",
-            extra_body={"num_inference_steps": steps, "seed": seed + i},
-        )  # fmt: skip
-        return time.perf_counter() - started
+@dataclass(frozen=True)
+class Shape:
+    width: int
+    height: int
+    steps: int
+    weight: float = 1.0
 
-    return list(await asyncio.gather(*(one(i) for i in range(concurrency))))
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        size, steps, *weight = text.split(":")
+        width, height = size.split("x")
+        return cls(int(width), int(height), int(steps), float(weight[0]) if weight else 1.0)
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}:{self.steps}"
 
 
-def bench_one(model: str, max_num_seqs: int, args) -> dict:
-    server_args = ["--max-num-seqs", str(max_num_seqs), "--request-batch-max-wait-ms", str(args.wait_ms),
-                   "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]  # fmt: skip
-    with RemoteOmniServer(model, server_args) as server:
-
-        async def run() -> tuple[list[float], list[float]]:
-            async with openai.AsyncOpenAI(base_url=server.url_for("v1"), api_key="unused", max_retries=0) as client:
-                for _ in range(args.warmup):
-                    await _round(client, args.concurrency, args.size, args.steps, seed=0)
-                rounds, latencies = [], []
-                for r in range(args.rounds):
-                    started = time.perf_counter()
-                    latencies += await _round(client, args.concurrency, args.size, args.steps, seed=r * 1000)
-                    rounds.append(time.perf_counter() - started)
-                return rounds, latencies
-
-        before = _batch_histogram(server)
-        rounds, latencies = asyncio.run(run())
-        after = _batch_histogram(server)
-    batches, requests = after[0] - before[0], after[1] - before[1]
-    round_s = statistics.median(rounds)
-    quantiles = statistics.quantiles(latencies, n=10)
+async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``/metrics`` keyed by (name, sorted labels)."""
+    async with session.get(f"{base_url}/metrics") as response:
+        text = await response.text()
     return {
-        "max_num_seqs": max_num_seqs,
-        "round_wall_s_median": round(round_s, 4),
-        "images_per_s": round(args.concurrency / round_s, 2),
-        "latency_s_p50": round(statistics.median(latencies), 4),
-        "latency_s_p90": round(quantiles[8], 4),
-        "mean_executed_batch_size": round(requests / batches, 2) if batches else None,
-        "server_exit_code": server.returncode,
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def server_view(before: dict, after: dict) -> dict:
+    """Queue wait and executed batch sizes during the run, from the server's histograms."""
+    batches = _delta(before, after, "vllm_omni:diffusion_batch_size_count", stage="0")
+    requests = _delta(before, after, "vllm_omni:diffusion_batch_size_sum", stage="0")
+    waits = _delta(before, after, "vllm_omni:request_queue_time_seconds_count", stage="0")
+    wait_s = _delta(before, after, "vllm_omni:request_queue_time_seconds_sum", stage="0")
+    exec_s = _delta(before, after, "vllm_omni:batch_execution_time_seconds_sum", stage="0")
+    histogram, below = {}, 0.0
+    for le in ("1.0", "2.0", "4.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0"):
+        cumulative = _delta(before, after, "vllm_omni:diffusion_batch_size_bucket", stage="0", le=le)
+        if cumulative - below:
+            histogram[f"<={int(float(le))}"] = int(cumulative - below)
+        below = cumulative
+    return {
+        "executed_batches": int(batches),
+        "mean_batch_size": round(requests / batches, 3) if batches else None,
+        "batch_size_histogram": histogram,
+        "mean_queue_wait_ms": round(1000 * wait_s / waits, 2) if waits else None,
+        "mean_batch_exec_ms": round(1000 * exec_s / batches, 2) if batches else None,
+    }
+
+
+async def _rss_sampler(session, base_url: str, peak: list[float], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        samples = await scrape(session, base_url)
+        peak[0] = max(peak[0], samples.get(("process_resident_memory_bytes", ()), 0.0))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=2.0)  # a scrape costs the server ~2 ms of its event loop
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_benchmark(
+    base_url: str,
+    *,
+    shapes: list[Shape],
+    num_requests: int,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    warmup: int = 2,
+    api_key: str | None = None,
+    model: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    rng = random.Random(seed)
+    plan = rng.choices(shapes, weights=[s.weight for s in shapes], k=num_requests)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+
+        async def send(i: int, shape: Shape) -> dict:
+            body = {
+                "prompt": PROMPTS[i % len(PROMPTS)], "size": f"{shape.width}x{shape.height}",
+                "num_inference_steps": shape.steps, "seed": seed + i, "response_format": "b64_json",
+            }  # fmt: skip
+            if model:
+                body["model"] = model
+            started = time.perf_counter()
+            async with session.post(f"{base_url}/v1/images/generations", json=body) as response:
+                payload = await response.json()
+            latency = time.perf_counter() - started
+            images = len(payload.get("data", [])) if response.status == 200 else 0
+            return {"status": response.status, "latency_s": latency, "images": images, "shape": str(shape)}
+
+        for i, shape in enumerate(shapes * warmup):
+            await asyncio.gather(*(send(-1 - i - j, shape) for j in range(concurrency or 1)))
+
+        before = await scrape(session, base_url)
+        peak_rss, stop = [0.0], asyncio.Event()
+        sampler = asyncio.create_task(_rss_sampler(session, base_url, peak_rss, stop))
+        bar = tqdm(total=num_requests, disable=not progress, desc="requests", unit="req")
+        results: list[dict] = []
+
+        async def tracked(i: int, shape: Shape) -> None:
+            results.append(await send(i, shape))
+            bar.update()
+
+        started = time.perf_counter()
+        if request_rate:
+            tasks = []
+            for i, shape in enumerate(plan):
+                tasks.append(asyncio.create_task(tracked(i, shape)))
+                await asyncio.sleep(rng.expovariate(request_rate))
+            await asyncio.gather(*tasks)
+        else:
+            queue = list(enumerate(plan))[::-1]
+
+            async def client() -> None:
+                while queue:
+                    await tracked(*queue.pop())
+
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        duration = time.perf_counter() - started
+        bar.close()
+        stop.set()
+        await sampler
+        after = await scrape(session, base_url)
+
+    ok = [r for r in results if r["status"] == 200]
+    latencies = sorted(r["latency_s"] for r in ok)
+
+    def pct(q: float) -> float | None:
+        return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 4) if latencies else None
+
+    return {
+        "base_url": base_url,
+        "mode": f"rate={request_rate}/s" if request_rate else f"concurrency={concurrency}",
+        "shapes": [str(s) for s in shapes],
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "failed_statuses": sorted({r["status"] for r in results if r["status"] != 200}),
+        "duration_s": round(duration, 3),
+        "requests_per_s": round(len(ok) / duration, 3),
+        "images_per_s": round(sum(r["images"] for r in ok) / duration, 3),
+        "latency_mean_s": round(statistics.fmean(latencies), 4) if latencies else None,
+        "latency_p50_s": pct(0.50),
+        "latency_p90_s": pct(0.90),
+        "latency_p99_s": pct(0.99),
+        "latencies_s": [round(x, 5) for x in latencies],
+        "server": server_view(before, after) | {"peak_rss_mb": round(peak_rss[0] / 2**20, 1)},
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="diffusers folder (default: build a tiny one of --family)")
-    parser.add_argument("--family", default="flux", choices=["flux", "sd"])
-    parser.add_argument("--max-num-seqs", default="1,4", help="comma-separated values to compare")
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds per server")
-    parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--wait-ms", type=float, default=50.0, help="--request-batch-max-wait-ms for every server")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, help="closed loop with this many clients (default 1)")
+    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals per second")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--shapes", default="32x32:4", help="comma-separated WxH:STEPS[:WEIGHT]")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds per shape (not measured)")
+    parser.add_argument("--api-key")
+    parser.add_argument("--model", help="the request's model field (a served model name)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
-
-    model = args.model or make_tiny_model(os.path.join(tempfile.mkdtemp(), args.family), args.family)
-    runs = [bench_one(model, int(n), args) for n in args.max_num_seqs.split(",")]
-    base = runs[0]["round_wall_s_median"]
-    for run in runs:
-        run["speedup_vs_first"] = round(base / run["round_wall_s_median"], 2)
-    result = {
-        "model": model, "concurrency": args.concurrency, "rounds": args.rounds, "size": args.size,
-        "steps": args.steps, "wait_ms": args.wait_ms, "runs": runs,
-    }  # fmt: skip
+    result = asyncio.run(
+        run_benchmark(
+            args.base_url.rstrip("/"),
+            shapes=[Shape.parse(s) for s in args.shapes.split(",")],
+            num_requests=args.num_requests,
+            concurrency=None if args.request_rate else (args.concurrency or 1),
+            request_rate=args.request_rate,
+            warmup=args.warmup,
+            api_key=args.api_key,
+            model=args.model,
+            seed=args.seed,
+        )
+    )
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -170,8 +170,12 @@ def build_tiny_sd():
     )
 
 
-def build_tiny_flux():
-    """FLUX.1 style (MMDiT transformer, flow matching): CLIP + T5 + AutoencoderKL."""
+def build_tiny_flux(bench: bool = False):
+    """FLUX.1 style (MMDiT transformer, flow matching): CLIP + T5 + AutoencoderKL.
+
+    ``bench=True`` builds a bigger one for GPU benchmarks: a VAE that scales by 8 (so
+    256–512 px images make 256–1024 image tokens) and a 6-block, 256-wide transformer.
+    """
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -201,9 +205,9 @@ def build_tiny_flux():
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(32, 64, 64, 64) if bench else (32, 64),
+        down_block_types=("DownEncoderBlock2D",) * (4 if bench else 2),
+        up_block_types=("UpDecoderBlock2D",) * (4 if bench else 2),
         latent_channels=4,
         layers_per_block=1,
         norm_num_groups=32,
@@ -216,13 +220,13 @@ def build_tiny_flux():
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=16,  # 4 latent channels packed 2x2
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        num_layers=2 if bench else 1,
+        num_single_layers=4 if bench else 1,
+        attention_head_dim=64 if bench else 16,
+        num_attention_heads=4 if bench else 2,
         joint_attention_dim=32,  # == T5 d_model
         pooled_projection_dim=32,  # == CLIP hidden size
-        axes_dims_rope=[4, 4, 8],
+        axes_dims_rope=[16, 24, 24] if bench else [4, 4, 8],  # sums to attention_head_dim
     )
     scheduler = FlowMatchEulerDiscreteScheduler()
     return FluxPipeline(
@@ -236,7 +240,7 @@ def build_tiny_flux():
     )
 
 
-FAMILIES = {"sd": build_tiny_sd, "flux": build_tiny_flux}
+FAMILIES = {"sd": build_tiny_sd, "flux": build_tiny_flux, "flux-bench": lambda: build_tiny_flux(bench=True)}
 
 
 def make_tiny_model(path: str | os.PathLike[str], family: str = "flux") -> str:

@@ -102,7 +102,8 @@ async def _load_and_warm_up(state: ServerState) -> None:
         state.on_fatal(exc)
 
 
-def _check_api_key(request: Request) -> None:
+async def _check_api_key(request: Request) -> None:
+    # async: FastAPI would run a plain function in its thread pool, a thread hop per request
     api_keys = request.app.state.server.serving.api_keys
     if not api_keys:
         return

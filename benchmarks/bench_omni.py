@@ -1,6 +1,6 @@
-"""Batched vs sequential generation through `Omni`, measured as ratios in one run.
+"""Batched vs sequential generation through the Python API (`Omni`), measured as ratios in one run.
 
-    python benchmarks/bench_offline_batching.py [--model DIR | --family flux] [--size 32]
+    python benchmarks/bench_omni.py [--model DIR | --family flux] [--size 32]
         [--steps 4] [--batch 4] [--reps 5] [--json out.json]
 
 Two engines on the same model run side by side, alternating each repetition:

@@ -1,0 +1,61 @@
+"""Smoke runs of the benchmark scripts: they run end to end and write what they promise.
+
+Speed targets are the benchmarks' business (docs/performance.md), not asserted here.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_batching_sweep_writes_json_table_and_plot(tiny_flux, tmp_path):
+    _run(
+        "batching_sweep.py", "--model", tiny_flux, "--name", "smoke", "--out-dir", str(tmp_path),
+        "--max-num-seqs", "1,2", "--shapes", "32x32:2", "--blocks", "1", "--rounds", "2", "--warmup", "1",
+    )  # fmt: skip
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert [(r["n"], r["shape"]) for r in result["rows"]] == [(1, "32x32:2"), (2, "32x32:2")]
+    for row in result["rows"]:
+        assert row["efficiency"] > 0 and row["server_mean_batch_size"] == row["n"]
+    assert set(result["concurrency1_latency_over_direct_call"]) == {"32x32:2"}
+    assert (tmp_path / "smoke.md").read_text().startswith("| shape | N |")
+    assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serving_open_loop_with_a_shape_mix(tiny_flux, tmp_path):
+    from vllm_omni.testing.server import RemoteOmniServer
+
+    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "2"]) as server:
+        out = tmp_path / "serving.json"
+        _run(
+            "bench_serving.py", "--base-url", server.base_url, "--request-rate", "20", "--num-requests", "8",
+            "--shapes", "32x32:2:3,64x64:2:1", "--warmup", "1", "--json", str(out),
+        )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"]) == (8, 0)
+    assert result["server"]["executed_batches"] >= 1 and result["server"]["peak_rss_mb"] > 0
+    assert result["latency_p50_s"] <= result["latency_p99_s"]
+
+
+def test_bench_offline_and_bench_omni(tiny_flux):
+    offline = json.loads(
+        _run("bench_offline.py", "--model", tiny_flux, "--batches", "1,2", "--shapes", "32x32:2", "--reps", "1").stdout
+    )
+    assert [r["batch"] for r in offline["results"]] == [1, 2]
+    omni = json.loads(_run("bench_omni.py", "--model", tiny_flux, "--batch", "2", "--reps", "1", "--steps", "2").stdout)
+    assert omni["batch"] == 2 and omni["speedup_batched_vs_sequential"] > 0
