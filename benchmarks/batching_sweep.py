@@ -1,7 +1,7 @@
 """Batching efficiency sweep: served throughput at --max-num-seqs N against the offline batch-N ceiling.
 
     python benchmarks/batching_sweep.py [--name cpu-tiny-flux] [--family flux] [--model DIR]
-        [--max-num-seqs 1,2,4,8] [--shapes 32x32:4,64x64:4] [--blocks 4] [--rounds 4]
+        [--max-num-seqs 1,2,4,8] [--shapes 32x32:4,64x64:4] [--blocks 6] [--rounds 4]
 
 For each N it starts `vllm serve MODEL --omni --max-num-seqs N` and a
 bench_offline worker process holding the same pipeline. For each shape it then
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--family", default="flux", choices=sorted(FAMILIES))
     parser.add_argument("--max-num-seqs", default="1,2,4,8")
     parser.add_argument("--shapes", default="32x32:4,64x64:4", help="comma-separated WxH:STEPS")
-    parser.add_argument("--blocks", type=int, default=4, help="served/offline alternations per shape and N")
+    parser.add_argument("--blocks", type=int, default=6, help="served/offline alternations per shape and N")
     parser.add_argument("--rounds", type=int, default=4, help="requests per client, and offline calls, per block")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds per shape")
     parser.add_argument("--wait-ms", type=float, default=100.0, help="--request-batch-max-wait-ms of the servers")
