@@ -54,6 +54,9 @@ class ServingConfig(BaseModel):
     max_waiting_requests: int = Field(default=64, ge=0)
     """Requests that may wait for a batch; one more is answered 429 at once instead of queueing."""
 
+    max_request_body_bytes: int = Field(default=1024 * 1024, ge=1)
+    """Largest request body; a larger one is answered 413 before it is read."""
+
     max_image_pixels: int = Field(default=2048 * 2048, ge=1)
     """Largest ``width × height`` a request may ask for."""
 

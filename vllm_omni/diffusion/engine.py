@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+import torch
+
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams, OmniRequestOutput
 from vllm_omni.diffusion.runner import DiffusionRunner
@@ -44,11 +46,21 @@ class DiffusionEngine:
         return len(batch)
 
     def _execute(self, batch: list[DiffusionRequest], started: float) -> list[OmniRequestOutput | BaseException]:
-        """Run the batch; if the batched call fails, run its requests one by one so only the bad one fails."""
+        """Run the batch. Out of memory: split it in halves and retry each. Any other error: run its
+        requests one by one, so only the request that fails on its own fails."""
         metrics.batch_size.labels(self._stage).observe(len(batch))
         try:
             with metrics.batch_execution_time.labels(self._stage).time():
                 outputs: list[OmniRequestOutput | BaseException] = list(self.runner.run(batch))
+        except torch.OutOfMemoryError as exc:
+            if len(batch) == 1:
+                logger.warning("request %s ran out of memory alone: %s", batch[0].request_id, exc)
+                return [exc]
+            half = len(batch) // 2
+            logger.warning("out of memory with a batch of %d; retrying as %d + %d", len(batch), half, len(batch) - half)
+            metrics.oom_batch_splits.labels(self._stage).inc()
+            self.runner.release_cached_memory()
+            return self._execute(batch[:half], started) + self._execute(batch[half:], started)
         except Exception as exc:  # noqa: BLE001 - any pipeline error is isolated to its request below
             if len(batch) == 1:
                 logger.warning("request %s failed: %s: %s", batch[0].request_id, type(exc).__name__, exc)

@@ -202,6 +202,11 @@ class DiffusionRunner:
             for i, r in enumerate(batch)
         ]
 
+    def release_cached_memory(self) -> None:
+        """Give the allocator's cached blocks back after an out-of-memory error, before a retry."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @staticmethod
     def _interrupt_when_all_aborted(batch: list[DiffusionRequest]):
         def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:

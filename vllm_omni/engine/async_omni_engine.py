@@ -44,6 +44,10 @@ class AsyncOmniEngine:
         future.add_done_callback(lambda _: self._done(request_id))
         return future
 
+    def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
+        """``params`` with the model's defaults filled in, as the request would run (raises `SamplingParamsError`)."""
+        return self.stages[-1].engine.runner.complete_params(params)
+
     def _done(self, request_id: str) -> None:
         with self._lock:
             self._in_flight.discard(request_id)

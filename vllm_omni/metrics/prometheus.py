@@ -25,6 +25,11 @@ batch_execution_time = Histogram(
     ["stage"],
     buckets=_SECONDS_BUCKETS,
 )
+oom_batch_splits = Counter(
+    "vllm_omni:oom_batch_splits",
+    "Batches that ran out of device memory and were split in halves and retried.",
+    ["stage"],
+)
 num_requests_running = Gauge(
     "vllm_omni:num_requests_running", "Requests in the batch now running.", ["stage"]
 )

@@ -125,16 +125,18 @@ def test_seed_makes_the_request_reproducible(client):
     assert once() == once()
 
 
-def test_url_responses_download_from_an_unguessable_address(server, client):
+def test_url_responses_download_with_the_api_key_from_an_unguessable_address(server, client):
     response = client.images.generate(prompt="a tree", size="32x32", output_format="webp", extra_body=FAST)
     url = response.data[0].url
-    assert url.startswith(server.base_url + "/images/") and response.data[0].b64_json is None
+    assert url.startswith(server.base_url + "/v1/images/files/") and response.data[0].b64_json is None
     assert len(url.rsplit("/", 1)[1]) >= 40
-    download = httpx.get(url)  # no API key: the address itself is the secret
+    assert httpx.get(url).status_code == 401
+    download = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"})
     assert download.status_code == 200 and download.headers["content-type"] == "image/webp"
     assert Image.open(io.BytesIO(download.content)).size == (32, 32)
-    missing = httpx.get(server.url_for("images", "x" * 43))
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "image_not_found"
+    for image_id in ("x" * 43, "..%2F..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", url.rsplit("/", 1)[1][:-1]):
+        missing = httpx.get(server.url_for("v1", "images", "files", image_id), headers={"Authorization": f"Bearer {API_KEY}"})
+        assert missing.status_code == 404 and "error" in missing.json()
 
 
 BAD_REQUESTS = [
@@ -142,12 +144,13 @@ BAD_REQUESTS = [
     ({"prompt": "x", "size": "64x"}, 400, "size"),
     ({"prompt": "x", "size": "99999x99999"}, 400, "size"),
     ({"prompt": "x", "size": "128x128"}, 400, "size"),  # over --max-image-pixels
+    ({"prompt": "x", "size": "auto"}, 400, "size"),  # the model's default, 256x256, is over it too
     ({"prompt": "x", "size": "36x36"}, 400, "size"),  # not a multiple the model allows
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "n": 11}, 400, "n"),
     ({"prompt": "x", "n": 1.5}, 400, "n"),
     ({"prompt": "x", "num_inference_steps": 0}, 400, "num_inference_steps"),
-    ({"prompt": "x", "num_inference_steps": 401}, 400, "num_inference_steps"),
+    ({"prompt": "x", "size": "32x32", "num_inference_steps": 401}, 400, "num_inference_steps"),
     ({"prompt": "x", "seed": -1}, 400, "seed"),
     ({"prompt": "x", "seed": 2.5}, 400, "seed"),
     ({"prompt": "x", "seed": 2**63}, 400, "seed"),

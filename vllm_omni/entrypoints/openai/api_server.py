@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.config import StageDeployConfig
@@ -45,7 +46,41 @@ _MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 # Sampling-parameter names as the Images API calls them.
 _API_PARAM = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
 _STATUS_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+
+
+class BodyLimitMiddleware:
+    """Answer 413 as soon as a request body is larger than the limit, declared or streamed."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await self._reject(send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # a chunked body: FastAPI passes this on to the 413 handler
+                raise StarletteHTTPException(413, self.message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    @property
+    def message(self) -> str:
+        return f"The request body is larger than {self.max_bytes} bytes"
+
+    async def _reject(self, send) -> None:
+        response = _error_response(413, self.message, code="request_too_large")
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
 
 
 class APIError(Exception):
@@ -152,6 +187,7 @@ async def _until_disconnect(request: Request, work: asyncio.Task) -> Any:
 
 
 def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusionSamplingParams:
+    """The request as complete sampling parameters (model defaults filled in), within the operator's limits."""
     serving = state.serving
     if body.model is not None and body.model not in serving.served_model_names:
         raise APIError(
@@ -164,31 +200,49 @@ def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusion
             raise APIError(
                 400, f"{name} is longer than {serving.max_prompt_length} characters", param=name, code="invalid_value"
             )
-    dimensions = body.dimensions()
-    if dimensions and dimensions[0] * dimensions[1] > serving.max_image_pixels:
-        raise APIError(
-            400, f"size {body.size} exceeds the limit of {serving.max_image_pixels} pixels", param="size",
-            code="invalid_value",
-        )  # fmt: skip
-    if body.num_inference_steps is not None and body.num_inference_steps > serving.max_inference_steps:
-        raise APIError(
-            400, f"num_inference_steps must be at most {serving.max_inference_steps}", param="num_inference_steps",
-            code="invalid_value",
-        )  # fmt: skip
     if body.output_compression is not None and body.output_format == "png":
         raise APIError(
             400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
         )
-    width, height = dimensions or (None, None)
-    return OmniDiffusionSamplingParams(
-        height=height,
-        width=width,
-        num_inference_steps=body.num_inference_steps,
-        guidance_scale=body.guidance_scale,
-        num_outputs_per_prompt=body.n,
-        seed=body.seed,
-        negative_prompt=body.negative_prompt,
-    )
+    reason = state.unavailable_reason()
+    if reason is not None:
+        raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
+    width, height = body.dimensions() or (None, None)
+    if width is not None and width * height > serving.max_image_pixels:
+        raise APIError(
+            400, f"size {body.size} exceeds the limit of {serving.max_image_pixels} pixels", param="size",
+            code="invalid_value",
+        )  # fmt: skip
+    try:
+        # Defaults ("auto" size, the pipeline's steps) are filled in first, so the limits hold for them too.
+        params = state.omni.engine.complete_params(
+            OmniDiffusionSamplingParams(
+                height=height,
+                width=width,
+                num_inference_steps=body.num_inference_steps,
+                guidance_scale=body.guidance_scale,
+                num_outputs_per_prompt=body.n,
+                seed=body.seed,
+                negative_prompt=body.negative_prompt,
+            )
+        )
+    except ValidationError as exc:  # beyond what any model accepts, e.g. a side over 16384 px
+        error = exc.errors()[0]
+        param = _API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
+        raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=_API_PARAM.get(exc.param, exc.param), code="invalid_value") from None
+    if params.width * params.height > serving.max_image_pixels:
+        raise APIError(
+            400, f"size {params.width}x{params.height} exceeds the limit of {serving.max_image_pixels} pixels",
+            param="size", code="invalid_value",
+        )  # fmt: skip
+    if params.num_inference_steps > serving.max_inference_steps:
+        raise APIError(
+            400, f"num_inference_steps={params.num_inference_steps} is above the limit of {serving.max_inference_steps}",
+            param="num_inference_steps", code="invalid_value",
+        )  # fmt: skip
+    return params
 
 
 async def create_image(body: ImageGenerationRequest, raw_request: Request) -> ImageGenerationResponse | Response:
@@ -197,13 +251,9 @@ async def create_image(body: ImageGenerationRequest, raw_request: Request) -> Im
     try:
         try:
             params = _validate(body, state)
-        except APIError:
-            outcome = "invalid"
+        except APIError as exc:
+            outcome = "unavailable" if exc.status == 503 else "invalid"
             raise
-        reason = state.unavailable_reason()
-        if reason is not None:
-            outcome = "unavailable"
-            raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
         omni = state.omni
         if omni.engine.num_waiting >= state.serving.max_waiting_requests:
             outcome = "overloaded"
@@ -220,9 +270,6 @@ async def create_image(body: ImageGenerationRequest, raw_request: Request) -> Im
         except asyncio.CancelledError:
             outcome = "aborted"
             raise
-        except SamplingParamsError as exc:
-            outcome = "invalid"
-            raise APIError(400, str(exc), param=_API_PARAM.get(exc.param, exc.param), code="invalid_value") from None
         except RequestFailedError as exc:
             reason = state.unavailable_reason()
             outcome = "unavailable" if reason else "failed"
@@ -279,6 +326,7 @@ def build_app(
 
     app = FastAPI(title="vllm-omni", lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=serving.max_request_body_bytes)
     if serving.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -312,7 +360,8 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(exc.status_code, str(exc.detail))
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return _error_response(exc.status_code, str(exc.detail), code=code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -330,14 +379,15 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/images/{image_id}", name="get_image")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+    @v1.get("/images/files/{image_id}", name="get_image")
     async def get_image(image_id: str) -> Response:
+        # An in-memory map lookup: no path is ever built from image_id, so nothing outside the store is reachable.
         stored = state.store.get(image_id)
         if stored is None:
             raise APIError(404, "No such image, or it has expired", code="image_not_found")
         return Response(stored.data, media_type=stored.media_type)
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
     @v1.get("/models")
     async def list_models() -> ModelList:
