@@ -59,3 +59,13 @@ def test_bench_offline_and_bench_omni(tiny_flux):
     assert [r["batch"] for r in offline["results"]] == [1, 2]
     omni = json.loads(_run("bench_omni.py", "--model", tiny_flux, "--batch", "2", "--reps", "1", "--steps", "2").stdout)
     assert omni["batch"] == 2 and omni["speedup_batched_vs_sequential"] > 0
+
+
+def test_load_test_fast_variant_loses_nothing(tiny_flux, tmp_path):
+    """100 requests at concurrency 32 (the 1,000-request run is in docs/reliability.md)."""
+    out = tmp_path / "load.json"
+    _run("load_test.py", "--model", tiny_flux, "--requests", "100", "--concurrency", "32", "--warmup", "32",
+         "--json", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["answered"] == 100 and result["lost"] == 0 and result["unexpected"] == 0
+    assert result["images"] + result["rejected"] == 100 and result["images"] > 0

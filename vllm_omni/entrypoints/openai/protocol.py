@@ -34,6 +34,16 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
 
+    @field_validator("prompt", "negative_prompt")
+    @classmethod
+    def _check_text(cls, text: str | None) -> str | None:
+        if text is not None:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+        return text
+
     @field_validator("size")
     @classmethod
     def _check_size(cls, size: str) -> str:
