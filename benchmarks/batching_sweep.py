@@ -26,13 +26,13 @@ import subprocess
 import sys
 import tempfile
 
+from bench_serving import run_benchmark
+from common import Shape
+
+from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.tiny_models import FAMILIES, make_tiny_model
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from bench_serving import Shape, run_benchmark  # noqa: E402
-
-from vllm_omni.testing.server import RemoteOmniServer  # noqa: E402
-from vllm_omni.testing.tiny_models import FAMILIES, make_tiny_model  # noqa: E402
 
 
 class OfflineWorker:

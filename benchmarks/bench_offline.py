@@ -19,18 +19,15 @@ sweep can interleave ceiling calls with served requests.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from common import PROMPTS, Shape, emit
 
 from vllm_omni.diffusion.runner import load_pipeline, select_device, select_dtype
-
-PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse", "a blue house", "a tree", "a small dog"]
-
 
 _THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offline-pipeline")
 
@@ -52,12 +49,12 @@ def _timed_call(pipeline, batch: int, width: int, height: int, steps: int) -> fl
     return elapsed
 
 
-def run_offline(model: str, *, batches: list[int], shapes: list[tuple[int, int, int]], reps: int = 5,
-                dtype: str = "auto") -> dict:  # fmt: skip
+def run_offline(model: str, *, batches: list[int], shapes: list[Shape], reps: int = 5, dtype: str = "auto") -> dict:
     device = select_device(None)
     pipeline = load_pipeline(model, select_dtype(dtype, device), device)
     results = []
-    for width, height, steps in shapes:
+    for shape in shapes:
+        width, height, steps = shape.width, shape.height, shape.steps
         _call(pipeline, 1, width, height, steps)  # warm-up
         for batch in batches:
             _call(pipeline, batch, width, height, steps)
@@ -67,7 +64,7 @@ def run_offline(model: str, *, batches: list[int], shapes: list[tuple[int, int, 
             )
             results.append(
                 {
-                    "shape": f"{width}x{height}:{steps}",
+                    "shape": str(shape),
                     "batch": batch,
                     "batched_call_s": round(batched, 4),
                     "images_per_s": round(batch / batched, 3),
@@ -81,20 +78,15 @@ def run_offline(model: str, *, batches: list[int], shapes: list[tuple[int, int, 
     }  # fmt: skip
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    size, steps = text.split(":")[:2]
-    width, height = size.split("x")
-    return int(width), int(height), int(steps)
-
-
 def worker(model: str, dtype: str) -> None:
     device = select_device(None)
     pipeline = load_pipeline(model, select_dtype(dtype, device), device)
     print("ready", flush=True)
     for line in sys.stdin:
-        batch, shape, count = line.split()
-        width, height, steps = parse_shape(shape)
-        print(sum(_call(pipeline, int(batch), width, height, steps) for _ in range(int(count))), flush=True)
+        batch, text, count = line.split()
+        shape = Shape.parse(text)
+        print(sum(_call(pipeline, int(batch), shape.width, shape.height, shape.steps) for _ in range(int(count))),
+              flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -112,14 +104,11 @@ def main() -> None:
     result = run_offline(
         args.model,
         batches=[int(b) for b in args.batches.split(",")],
-        shapes=[parse_shape(s) for s in args.shapes.split(",")],
+        shapes=[Shape.parse(s) for s in args.shapes.split(",")],
         reps=args.reps,
         dtype=args.dtype,
     )
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ all N images and their ratio are printed as JSON.
 """
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -19,11 +18,10 @@ import tempfile
 import time
 
 import torch
+from common import PROMPTS, emit
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.testing.tiny_models import make_tiny_model
-
-PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse", "a blue house", "a tree", "a small dog"]
 
 
 def main() -> None:
@@ -72,10 +70,7 @@ def main() -> None:
         "sequential_images_per_s": round(args.batch / sequential_s, 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -16,34 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
-from dataclasses import dataclass
 
 import aiohttp
+from common import PROMPTS, Shape, emit
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
-
-PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse", "a blue house", "a tree", "a small dog"]
-
-
-@dataclass(frozen=True)
-class Shape:
-    width: int
-    height: int
-    steps: int
-    weight: float = 1.0
-
-    @classmethod
-    def parse(cls, text: str) -> Shape:
-        size, steps, *weight = text.split(":")
-        width, height = size.split("x")
-        return cls(int(width), int(height), int(steps), float(weight[0]) if weight else 1.0)
-
-    def __str__(self) -> str:
-        return f"{self.width}x{self.height}:{self.steps}"
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[tuple[str, tuple], float]:
@@ -213,10 +193,7 @@ def main() -> None:
             seed=args.seed,
         )
     )
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

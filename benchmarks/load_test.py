@@ -17,20 +17,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import sys
 import tempfile
 import time
 
 import aiohttp
+from bench_serving import scrape
+from common import emit
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_serving import scrape  # noqa: E402
-
-from vllm_omni.testing.server import RemoteOmniServer  # noqa: E402
-from vllm_omni.testing.tiny_models import make_tiny_model  # noqa: E402
+from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.tiny_models import make_tiny_model
 
 BODY = {"prompt": "load test", "size": "32x32", "num_inference_steps": 2, "response_format": "b64_json"}
 
@@ -118,10 +115,7 @@ def main() -> None:
         and result["rss_growth"] is not None and result["rss_growth"] <= args.max_rss_growth
         and server.returncode == 0
     )  # fmt: skip
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.json)
     sys.exit(0 if result["ok"] else 1)
 
 

@@ -9,7 +9,11 @@ import yaml
 from pydantic import ValidationError
 
 from vllm_omni.config import legacy
-from vllm_omni.config.stage import DeployConfig, StageDeployConfig, describe_validation_error
+from vllm_omni.config.stage import (
+    DeployConfig,
+    StageDeployConfig,
+    describe_validation_error,
+)
 
 
 def load_deploy_config(path: str | os.PathLike[str]) -> DeployConfig:

@@ -8,7 +8,11 @@ from concurrent.futures import Future
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams, OmniRequestOutput
+from vllm_omni.diffusion.request import (
+    DiffusionRequest,
+    OmniDiffusionSamplingParams,
+    OmniRequestOutput,
+)
 from vllm_omni.diffusion.runner import DiffusionRunner
 from vllm_omni.diffusion.scheduler import Scheduler
 from vllm_omni.logger import init_logger

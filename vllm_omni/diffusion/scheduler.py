@@ -20,7 +20,12 @@ import threading
 import time
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.request import DiffusionRequest, OmniRequestOutput, RequestAbortedError, RequestFailedError
+from vllm_omni.diffusion.request import (
+    DiffusionRequest,
+    OmniRequestOutput,
+    RequestAbortedError,
+    RequestFailedError,
+)
 
 
 class Scheduler:

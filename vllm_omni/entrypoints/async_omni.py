@@ -6,7 +6,11 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator
 
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, OmniRequestOutput, RequestAbortedError
+from vllm_omni.diffusion.request import (
+    OmniDiffusionSamplingParams,
+    OmniRequestOutput,
+    RequestAbortedError,
+)
 from vllm_omni.entrypoints.omni_base import OmniBase
 
 

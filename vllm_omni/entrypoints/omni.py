@@ -5,7 +5,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, OmniRequestOutput, RequestFailedError
+from vllm_omni.diffusion.request import (
+    OmniDiffusionSamplingParams,
+    OmniRequestOutput,
+    RequestFailedError,
+)
 from vllm_omni.entrypoints.omni_base import OmniBase
 
 

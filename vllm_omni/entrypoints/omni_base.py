@@ -6,8 +6,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_omni.config import STAGE_KNOBS, DeployConfig, StageDeployConfig, resolve_stage_configs
-from vllm_omni.config import legacy
+from vllm_omni.config import (
+    STAGE_KNOBS,
+    DeployConfig,
+    StageDeployConfig,
+    legacy,
+    resolve_stage_configs,
+)
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 
 

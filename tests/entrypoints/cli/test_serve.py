@@ -7,7 +7,11 @@ import time
 import httpx
 import pytest
 
-from vllm_omni.entrypoints.cli.serve import build_serve_config, make_serve_parser, parse_serve_args
+from vllm_omni.entrypoints.cli.serve import (
+    build_serve_config,
+    make_serve_parser,
+    parse_serve_args,
+)
 from vllm_omni.testing.server import RemoteOmniServer, vllm_executable
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, SamplingParamsError
+from vllm_omni.diffusion.request import (
+    OmniDiffusionSamplingParams,
+    RequestFailedError,
+    SamplingParamsError,
+)
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.image_store import ImageStore
 from vllm_omni.entrypoints.openai.protocol import (
