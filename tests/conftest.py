@@ -22,3 +22,9 @@ def tiny_flux(tmp_path_factory) -> str:
 def tiny_sd(tmp_path_factory) -> str:
     """A tiny random-weight StableDiffusionPipeline folder, built offline once per test session."""
     return _tiny_model(tmp_path_factory, "sd")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory) -> str:
+    """A tiny random-weight WanPipeline (text-to-video) folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "wan")

@@ -31,7 +31,13 @@ class OmniDiffusionSamplingParams(BaseModel):
     """Guidance scale (classifier-free, or embedded guidance for distilled models)."""
 
     num_outputs_per_prompt: int = Field(default=1, ge=1, le=64)
-    """Images generated for the prompt."""
+    """Images (or videos) generated for the prompt."""
+
+    num_frames: int | None = Field(default=None, ge=1, le=1024)
+    """Frames of each video (video pipelines only; ``None``: the pipeline's default)."""
+
+    fps: int | None = Field(default=None, ge=1, le=240)
+    """Frames per second the video is meant to play at (carried to the output; video pipelines only)."""
 
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     """Seed of the request's own generator; a random one is drawn (and reported) when unset."""
@@ -62,6 +68,8 @@ class BatchKey(NamedTuple):
     num_inference_steps: int
     guidance_scale: float | None
     num_outputs_per_prompt: int
+    num_frames: int | None
+    fps: int | None
     output_type: str
     has_negative_prompt: bool
     extra_args: tuple[tuple[str, str], ...]
@@ -74,7 +82,9 @@ class OmniRequestOutput:
     request_id: str
     prompt: str
     images: list[Any] = field(default_factory=list)
-    """``num_outputs_per_prompt`` images (PIL images, or arrays for ``output_type='np'``)."""
+    """``num_outputs_per_prompt`` images (PIL images, or arrays for ``output_type='np'``); empty for videos."""
+    videos: list[list[Any]] = field(default_factory=list)
+    """``num_outputs_per_prompt`` videos, each a list of frames like ``images``; empty for images."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """``batch_size`` (requests in the batch it ran in), ``queue_ms``, ``exec_ms``, ``seed``."""
     error: str | None = None
@@ -117,6 +127,8 @@ class DiffusionRequest:
             num_inference_steps=params.num_inference_steps,
             guidance_scale=params.guidance_scale,
             num_outputs_per_prompt=params.num_outputs_per_prompt,
+            num_frames=params.num_frames,
+            fps=params.fps,
             output_type=params.output_type,
             has_negative_prompt=params.negative_prompt is not None,
             extra_args=tuple(sorted((k, repr(v)) for k, v in params.extra_args.items())),

@@ -21,11 +21,14 @@ from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
+DEFAULT_VIDEO_FPS = 16
+"""Frame rate a video is reported at when the request gives none (Wan models are trained at 16 fps)."""
+
 # Arguments the runner sets itself; extra_args may not carry them.
 _RESERVED_ARGS = frozenset(
     {
         "prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale", "generator",
-        "output_type", "num_images_per_prompt", "num_videos_per_prompt", "callback_on_step_end",
+        "output_type", "num_images_per_prompt", "num_videos_per_prompt", "num_frames", "callback_on_step_end",
         "callback_on_step_end_tensor_inputs", "return_dict", "latents", "prompt_embeds",
     }
 )  # fmt: skip
@@ -99,6 +102,7 @@ class DiffusionRunner:
         self._outputs_arg = next(
             (n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in self._call_params), None
         )
+        self.is_video = "num_frames" in self._call_params
         logger.info(
             "Loaded %s from %s on %s (%s) in %.2f s",
             self.pipeline_name, od_config.model, self.device, self.dtype, time.perf_counter() - started,
@@ -108,20 +112,24 @@ class DiffusionRunner:
         parameter = self._call_params.get(name)
         return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
-    def _default_size(self) -> int | None:
-        pipeline = self.pipeline
-        sample = getattr(pipeline, "default_sample_size", None)
+    def _default_size(self) -> tuple[int, int] | None:
+        """(height, width) the pipeline uses when none is given: its call defaults, else its sample size."""
+        height, width = self._default("height"), self._default("width")
+        if isinstance(height, int) and isinstance(width, int):
+            return height, width
+        sample = getattr(self.pipeline, "default_sample_size", None)
         if sample is None:
-            denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
+            denoiser = getattr(self.pipeline, "unet", None) or getattr(self.pipeline, "transformer", None)
             sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
-        scale = getattr(pipeline, "vae_scale_factor", None)
-        return sample * scale if isinstance(sample, int) and isinstance(scale, int) else None
+        scale = getattr(self.pipeline, "vae_scale_factor", None)
+        return (sample * scale,) * 2 if isinstance(sample, int) and isinstance(scale, int) else None
 
     @property
     def size_multiple(self) -> int:
-        """Height and width must be multiples of this: latents are ``vae_scale_factor`` times smaller and
+        """Height and width must be multiples of this: latents are the VAE's spatial factor times smaller and
         packed or patched 2×2 by DiT pipelines; UNet pipelines check multiples of 8 themselves."""
-        return max(8, 2 * int(getattr(self.pipeline, "vae_scale_factor", 1) or 1))
+        scale = getattr(self.pipeline, "vae_scale_factor", None) or getattr(self.pipeline, "vae_scale_factor_spatial", 1)
+        return max(8, 2 * int(scale))
 
     def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
         """Fill unset fields with the pipeline's defaults; raise `SamplingParamsError` for what it cannot take."""
@@ -142,7 +150,8 @@ class DiffusionRunner:
         size = self._default_size()
         if (params.height is None or params.width is None) and size is None:
             raise SamplingParamsError("height", f"{name} has no default size: give height and width")
-        height, width = params.height or size, params.width or size
+        height, width = params.height or size[0], params.width or size[1]
+        video = self._complete_video(params)
         for field, value in (("height", height), ("width", width)):
             if value % self.size_multiple:
                 raise SamplingParamsError(
@@ -150,6 +159,7 @@ class DiffusionRunner:
                 )
         return params.model_copy(
             update={
+                **video,
                 "height": height,
                 "width": width,
                 "num_inference_steps": params.num_inference_steps or self._default("num_inference_steps") or 50,
@@ -158,6 +168,21 @@ class DiffusionRunner:
                 else self._default("guidance_scale"),
             }
         )
+
+    def _complete_video(self, params: OmniDiffusionSamplingParams) -> dict[str, int]:
+        """num_frames and fps for a video pipeline (checked against its temporal VAE factor); none for images."""
+        if not self.is_video:
+            for field in ("num_frames", "fps"):
+                if getattr(params, field) is not None:
+                    raise SamplingParamsError(field, f"{field} applies to video pipelines; {self.pipeline_name} makes images")
+            return {}
+        num_frames = params.num_frames or self._default("num_frames")
+        temporal = int(getattr(self.pipeline, "vae_scale_factor_temporal", 1) or 1)
+        if (num_frames - 1) % temporal:
+            raise SamplingParamsError(
+                "num_frames", f"num_frames={num_frames} must be 1 more than a multiple of {temporal} for {self.pipeline_name}"
+            )
+        return {"num_frames": num_frames, "fps": params.fps or DEFAULT_VIDEO_FPS}
 
     def run(self, batch: list[DiffusionRequest]) -> list[OmniRequestOutput]:
         """One pipeline call for the whole batch; raises if the call raises."""
@@ -176,6 +201,8 @@ class DiffusionRunner:
             generator=[g for g in generators for _ in range(n)],
             **params.extra_args,
         )
+        if params.num_frames is not None:
+            kwargs["num_frames"] = params.num_frames
         if params.guidance_scale is not None:
             kwargs["guidance_scale"] = params.guidance_scale
         if self._outputs_arg is not None:
@@ -189,18 +216,24 @@ class DiffusionRunner:
         with torch.inference_mode():
             result = self.pipeline(**kwargs)
         exec_ms = (time.perf_counter() - started) * 1000.0
-        images = list(result.images)
-        if len(images) != len(batch) * n:
-            raise RuntimeError(f"{self.pipeline_name} returned {len(images)} images for {len(batch)} x {n} requested")
-        return [
-            OmniRequestOutput(
-                request_id=r.request_id,
-                prompt=r.prompt,
-                images=images[i * n : (i + 1) * n],
-                metrics={"batch_size": len(batch), "exec_ms": exec_ms, "seed": r.seed},
+        # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
+        items = [list(video) for video in result.frames] if self.is_video else list(result.images)
+        if len(items) != len(batch) * n:
+            raise RuntimeError(f"{self.pipeline_name} returned {len(items)} outputs for {len(batch)} x {n} requested")
+        metrics = {"batch_size": len(batch), "exec_ms": exec_ms} | ({"fps": params.fps} if self.is_video else {})
+        outputs = []
+        for i, request in enumerate(batch):
+            mine = items[i * n : (i + 1) * n]
+            outputs.append(
+                OmniRequestOutput(
+                    request_id=request.request_id,
+                    prompt=request.prompt,
+                    images=[] if self.is_video else mine,
+                    videos=mine if self.is_video else [],
+                    metrics=metrics | {"seed": request.seed},
+                )
             )
-            for i, r in enumerate(batch)
-        ]
+        return outputs
 
     def release_cached_memory(self) -> None:
         """Give the allocator's cached blocks back after an out-of-memory error, before a retry."""

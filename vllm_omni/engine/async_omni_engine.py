@@ -48,6 +48,11 @@ class AsyncOmniEngine:
         """``params`` with the model's defaults filled in, as the request would run (raises `SamplingParamsError`)."""
         return self.stages[-1].engine.runner.complete_params(params)
 
+    @property
+    def makes_videos(self) -> bool:
+        """Whether the model generates videos (its outputs fill ``videos``) rather than images."""
+        return self.stages[-1].engine.runner.is_video
+
     def _done(self, request_id: str) -> None:
         with self._lock:
             self._in_flight.discard(request_id)

@@ -4,7 +4,7 @@ Every component, tokenizers included, is built from an in-memory config and
 vocabulary, then saved with ``save_pretrained`` so that it loads through the
 real ``DiffusionPipeline.from_pretrained`` path. Nothing is downloaded.
 
-    vllm-omni make-tiny-model DIR --family sd|flux
+    vllm-omni make-tiny-model DIR --family sd|flux|flux-bench|wan
 """
 
 from __future__ import annotations
@@ -240,7 +240,58 @@ def build_tiny_flux(bench: bool = False):
     )
 
 
-FAMILIES = {"sd": build_tiny_sd, "flux": build_tiny_flux, "flux-bench": lambda: build_tiny_flux(bench=True)}
+def build_tiny_wan():
+    """Wan 2.1 style text-to-video: UMT5 + AutoencoderKLWan (×8 spatial, ×4 temporal) + WanTransformer3DModel."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    tokenizer = make_t5_tokenizer()
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=0,
+        )
+    ).eval()
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])  # fmt: skip
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,  # == z_dim
+        out_channels=16,
+        text_dim=32,  # == UMT5 d_model
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=1024,
+    )
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        transformer=transformer,
+    )
+
+
+FAMILIES = {
+    "sd": build_tiny_sd,
+    "flux": build_tiny_flux,
+    "flux-bench": lambda: build_tiny_flux(bench=True),
+    "wan": build_tiny_wan,
+}
 
 
 def make_tiny_model(path: str | os.PathLike[str], family: str = "flux") -> str:

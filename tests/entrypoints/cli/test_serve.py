@@ -130,3 +130,12 @@ def test_the_vllm_omni_script_has_the_same_serve_command(tiny_flux):
     )  # fmt: skip
     assert done.returncode == 2
     assert "usage: vllm-omni serve" in done.stderr and "--max-waiting-requests 1 is below" in done.stderr
+
+
+def test_a_video_model_serves_and_the_images_api_refuses_it(tiny_wan):
+    with RemoteOmniServer(tiny_wan, ["--max-num-seqs", "2"]) as server:  # warm-up: one frame at the default size
+        response = httpx.post(server.url_for("v1", "images", "generations"), json={"prompt": "x", "size": "32x32"})
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "model_not_supported"
+        assert "text-to-video model" in response.json()["error"]["message"]
+    assert server.returncode == 0

@@ -63,7 +63,9 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+        if declared is not None and (
+            not declared.isdigit() or int(declared) > self.max_bytes
+        ):
             return await self._reject(send)
         received = 0
 
@@ -71,7 +73,9 @@ class BodyLimitMiddleware:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_bytes:  # a chunked body: FastAPI passes this on to the 413 handler
+            if (
+                received > self.max_bytes
+            ):  # a chunked body: FastAPI passes this on to the 413 handler
                 raise StarletteHTTPException(413, self.message)
             return message
 
@@ -83,22 +87,44 @@ class BodyLimitMiddleware:
 
     async def _reject(self, send) -> None:
         response = _error_response(413, self.message, code="request_too_large")
-        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": response.raw_headers,
+            }
+        )
         await send({"type": "http.response.body", "body": response.body})
 
 
 class APIError(Exception):
     """An answer in OpenAI's error envelope."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    error = ErrorInfo(message=message, type=_STATUS_TYPE.get(status, "server_error"), param=param, code=code)
+def _error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    error = ErrorInfo(
+        message=message,
+        type=_STATUS_TYPE.get(status, "server_error"),
+        param=param,
+        code=code,
+    )
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(ErrorResponse(error=error).model_dump(), status_code=status, headers=headers)
+    return JSONResponse(
+        ErrorResponse(error=error).model_dump(), status_code=status, headers=headers
+    )
 
 
 @dataclass
@@ -125,17 +151,30 @@ class ServerState:
 
 async def _load_and_warm_up(state: ServerState) -> None:
     try:
-        state.omni = await asyncio.to_thread(AsyncOmni.from_stage_configs, state.model, state.stage_configs)
+        state.omni = await asyncio.to_thread(
+            AsyncOmni.from_stage_configs, state.model, state.stage_configs
+        )
         for stage in state.stage_configs:
-            metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(
-                stage.max_num_seqs
-            )
+            metrics.stage_max_num_seqs.labels(
+                str(stage.stage_id), stage.provenance["max_num_seqs"]
+            ).set(stage.max_num_seqs)
         started = time.perf_counter()
-        warm_up = OmniDiffusionSamplingParams(num_inference_steps=1, seed=0)
-        async for _ in state.omni.generate("warm-up", warm_up, request_id=f"warmup-{uuid.uuid4().hex}"):
+        # One step at the model's default size (and a single frame for video models) initialises every component.
+        warm_up = OmniDiffusionSamplingParams(
+            num_inference_steps=1,
+            seed=0,
+            num_frames=1 if state.omni.engine.makes_videos else None,
+        )
+        async for _ in state.omni.generate(
+            "warm-up", warm_up, request_id=f"warmup-{uuid.uuid4().hex}"
+        ):
             pass
         state.ready = True
-        logger.info("Warm-up done in %.2f s; ready to serve %s", time.perf_counter() - started, state.model)
+        logger.info(
+            "Warm-up done in %.2f s; ready to serve %s",
+            time.perf_counter() - started,
+            state.model,
+        )
     except Exception as exc:  # noqa: BLE001 - the server cannot serve without its model
         logger.exception("Could not load and warm up %s", state.model)
         state.on_fatal(exc)
@@ -150,7 +189,11 @@ async def _check_api_key(request: Request) -> None:
     # Compare with every key, always, so the time taken does not tell which key came close.
     matches = [secrets.compare_digest(token.encode(), key.encode()) for key in api_keys]
     if scheme.lower() != "bearer" or not any(matches):
-        raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise APIError(
+            401,
+            "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
 
 
 def _encode(image, output_format: str, compression: int | None) -> bytes:
@@ -176,8 +219,12 @@ async def _until_disconnect(request: Request, work: asyncio.Task) -> Any:
 
     watcher = asyncio.create_task(disconnected())
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server cancels us (shutdown timeout): abort the request too
+        done, _ = await asyncio.wait(
+            {work, watcher}, return_when=asyncio.FIRST_COMPLETED
+        )
+    except (
+        asyncio.CancelledError
+    ):  # the server cancels us (shutdown timeout): abort the request too
         work.cancel()
         raise
     finally:
@@ -190,7 +237,9 @@ async def _until_disconnect(request: Request, work: asyncio.Task) -> Any:
     raise ClientDisconnected
 
 
-def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusionSamplingParams:
+def _validate(
+    body: ImageGenerationRequest, state: ServerState
+) -> OmniDiffusionSamplingParams:
     """The request as complete sampling parameters (model defaults filled in), within the operator's limits."""
     serving = state.serving
     if body.model is not None and body.model not in serving.served_model_names:
@@ -202,15 +251,28 @@ def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusion
         text = getattr(body, name)
         if text is not None and len(text) > serving.max_prompt_length:
             raise APIError(
-                400, f"{name} is longer than {serving.max_prompt_length} characters", param=name, code="invalid_value"
+                400,
+                f"{name} is longer than {serving.max_prompt_length} characters",
+                param=name,
+                code="invalid_value",
             )
     if body.output_compression is not None and body.output_format == "png":
         raise APIError(
-            400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
+            400,
+            "output_compression applies to jpeg and webp only",
+            param="output_compression",
+            code="invalid_value",
         )
     reason = state.unavailable_reason()
     if reason is not None:
-        raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
+        raise APIError(
+            503, f"Service unavailable: {reason}", code="service_unavailable"
+        )
+    if state.omni.engine.makes_videos:
+        raise APIError(
+            400, f"{serving.served_model_names[0]} is a text-to-video model; the Images API serves image models only",
+            param="model", code="model_not_supported",
+        )  # fmt: skip
     width, height = body.dimensions() or (None, None)
     if width is not None and width * height > serving.max_image_pixels:
         raise APIError(
@@ -230,12 +292,21 @@ def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusion
                 negative_prompt=body.negative_prompt,
             )
         )
-    except ValidationError as exc:  # beyond what any model accepts, e.g. a side over 16384 px
+    except (
+        ValidationError
+    ) as exc:  # beyond what any model accepts, e.g. a side over 16384 px
         error = exc.errors()[0]
         param = _API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
-        raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
+        raise APIError(
+            400, f"{param}: {error['msg']}", param=param, code="invalid_value"
+        ) from None
     except SamplingParamsError as exc:
-        raise APIError(400, str(exc), param=_API_PARAM.get(exc.param, exc.param), code="invalid_value") from None
+        raise APIError(
+            400,
+            str(exc),
+            param=_API_PARAM.get(exc.param, exc.param),
+            code="invalid_value",
+        ) from None
     if params.width * params.height > serving.max_image_pixels:
         raise APIError(
             400, f"size {params.width}x{params.height} exceeds the limit of {serving.max_image_pixels} pixels",
@@ -249,7 +320,9 @@ def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusion
     return params
 
 
-async def create_image(body: ImageGenerationRequest, raw_request: Request) -> ImageGenerationResponse | Response:
+async def create_image(
+    body: ImageGenerationRequest, raw_request: Request
+) -> ImageGenerationResponse | Response:
     state: ServerState = raw_request.app.state.server
     outcome = "failed"
     try:
@@ -265,40 +338,61 @@ async def create_image(body: ImageGenerationRequest, raw_request: Request) -> Im
                 429, f"Too many requests waiting ({state.serving.max_waiting_requests}); retry later",
                 code="too_many_waiting_requests",
             )  # fmt: skip
-        generation = omni.generate(body.prompt, params, request_id=f"img-{uuid.uuid4().hex}")
+        generation = omni.generate(
+            body.prompt, params, request_id=f"img-{uuid.uuid4().hex}"
+        )
         try:
-            output = await _until_disconnect(raw_request, asyncio.ensure_future(anext(generation, None)))
+            output = await _until_disconnect(
+                raw_request, asyncio.ensure_future(anext(generation, None))
+            )
         except ClientDisconnected:
             outcome = "aborted"
-            return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
+            return Response(
+                status_code=499
+            )  # nobody reads it; the request was aborted and its slot freed
         except asyncio.CancelledError:
             outcome = "aborted"
             raise
         except RequestFailedError as exc:
             reason = state.unavailable_reason()
             outcome = "unavailable" if reason else "failed"
-            raise APIError(503 if reason else 500, str(exc), code="generation_failed") from None
+            raise APIError(
+                503 if reason else 500, str(exc), code="generation_failed"
+            ) from None
         if output is None:
             outcome = "aborted"
             raise APIError(503, "The request was aborted", code="aborted")
 
         encoded = await asyncio.to_thread(
-            lambda: [_encode(image, body.output_format, body.output_compression) for image in output.images]
+            lambda: [
+                _encode(image, body.output_format, body.output_compression)
+                for image in output.images
+            ]
         )
         data = []
         for payload in encoded:
             if body.response_format == "b64_json":
-                data.append(ImageData(b64_json=base64.b64encode(payload).decode(), revised_prompt=body.prompt))
+                data.append(
+                    ImageData(
+                        b64_json=base64.b64encode(payload).decode(),
+                        revised_prompt=body.prompt,
+                    )
+                )
                 continue
             image_id = state.store.put(payload, _MEDIA_TYPES[body.output_format])
             if image_id is None:
-                raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
+                raise APIError(
+                    500,
+                    "The image is larger than the image store; use response_format=b64_json",
+                )
             url = str(raw_request.url_for("get_image", image_id=image_id))
             data.append(ImageData(url=url, revised_prompt=body.prompt))
         outcome = "completed"
         first_image = output.images[0]
         return ImageGenerationResponse(
-            data=data, output_format=body.output_format, size=f"{first_image.width}x{first_image.height}"
+            data=data,
+            output_format=body.output_format,
+            size=f"{first_image.width}x{first_image.height}",
         )
     finally:
         metrics.image_requests.labels(outcome).inc()
@@ -350,21 +444,42 @@ def build_app(
         error = exc.errors()[0]
         location = [str(p) for p in error.get("loc", ()) if p != "body"]
         if error.get("type") == "json_invalid":
-            return _error_response(400, "The request body is not valid JSON", code="invalid_json")
+            return _error_response(
+                400, "The request body is not valid JSON", code="invalid_json"
+            )
         if error.get("type") == "extra_forbidden":
             return _error_response(
-                400, f"Unrecognized request argument supplied: {location[-1]}", location[-1], code="unknown_parameter"
+                400,
+                f"Unrecognized request argument supplied: {location[-1]}",
+                location[-1],
+                code="unknown_parameter",
             )
         param = location[0] if location else None
-        reason = error["ctx"]["error"] if error.get("type") == "value_error" else error["msg"]
+        reason = (
+            error["ctx"]["error"]
+            if error.get("type") == "value_error"
+            else error["msg"]
+        )
         if param is None:
-            return _error_response(400, f"The request body must be a JSON object: {reason}", code="invalid_request")
-        code = "missing_required_parameter" if error.get("type") == "missing" else "invalid_value"
+            return _error_response(
+                400,
+                f"The request body must be a JSON object: {reason}",
+                code="invalid_request",
+            )
+        code = (
+            "missing_required_parameter"
+            if error.get("type") == "missing"
+            else "invalid_value"
+        )
         return _error_response(400, f"{param}: {reason}", param, code=code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        code = {
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "request_too_large",
+        }.get(exc.status_code)
         return _error_response(exc.status_code, str(exc.detail), code=code)
 
     @app.exception_handler(Exception)
@@ -376,7 +491,9 @@ def build_app(
     async def health() -> Response:
         reason = state.unavailable_reason()
         if reason is not None:
-            return _error_response(503, f"Service unavailable: {reason}", code="service_unavailable")
+            return _error_response(
+                503, f"Service unavailable: {reason}", code="service_unavailable"
+            )
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -390,13 +507,18 @@ def build_app(
         # An in-memory map lookup: no path is ever built from image_id, so nothing outside the store is reachable.
         stored = state.store.get(image_id)
         if stored is None:
-            raise APIError(404, "No such image, or it has expired", code="image_not_found")
+            raise APIError(
+                404, "No such image, or it has expired", code="image_not_found"
+            )
         return Response(stored.data, media_type=stored.media_type)
 
     @v1.get("/models")
     async def list_models() -> ModelList:
         return ModelList(
-            data=[ModelCard(id=name, created=state.loaded_at, root=model) for name in serving.served_model_names]
+            data=[
+                ModelCard(id=name, created=state.loaded_at, root=model)
+                for name in serving.served_model_names
+            ]
         )
 
     v1.add_api_route(
@@ -405,7 +527,9 @@ def build_app(
         methods=["POST"],
         response_model=ImageGenerationResponse,
         response_model_exclude_none=True,
-        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)},
+        responses={
+            code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)
+        },
     )
     app.include_router(v1)
     return app
@@ -417,7 +541,9 @@ class _Server(uvicorn.Server):
         self.state = state
 
     def handle_exit(self, sig: int, frame) -> None:
-        self.state.draining = True  # /health and new requests answer 503 while running requests finish
+        self.state.draining = (
+            True  # /health and new requests answer 503 while running requests finish
+        )
         if sig == signal.SIGTERM:
             # An orderly stop: drain and exit 0 (uvicorn would re-raise the signal after draining).
             self.should_exit = True
@@ -425,7 +551,9 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(model: str, stage_configs: list[StageDeployConfig], serving: ServingConfig) -> int:
+def run_server(
+    model: str, stage_configs: list[StageDeployConfig], serving: ServingConfig
+) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
     failure: list[BaseException] = []
 
@@ -446,7 +574,12 @@ def run_server(model: str, stage_configs: list[StageDeployConfig], serving: Serv
         timeout_graceful_shutdown=serving.shutdown_timeout_s,
     )
     server = _Server(config, app.state.server)
-    logger.info("Serving %s as %s on %s:%d", model, serving.served_model_names, serving.host or "0.0.0.0", serving.port)
+    logger.info(
+        "Serving %s as %s on %s:%d",
+        model,
+        serving.served_model_names,
+        serving.host or "0.0.0.0",
+        serving.port,
+    )
     server.run()
     return 1 if failure else 0
-
