@@ -242,7 +242,12 @@ def build_tiny_flux(bench: bool = False):
 
 def build_tiny_wan():
     """Wan 2.1 style text-to-video: UMT5 + AutoencoderKLWan (×8 spatial, ×4 temporal) + WanTransformer3DModel."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(0)
