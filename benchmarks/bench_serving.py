@@ -44,14 +44,14 @@ def _delta(before: dict, after: dict, name: str, **labels) -> float:
 
 def server_view(before: dict, after: dict) -> dict:
     """Queue wait and executed batch sizes during the run, from the server's histograms."""
-    batches = _delta(before, after, "vllm_omni:diffusion_batch_size_count", stage="0")
-    requests = _delta(before, after, "vllm_omni:diffusion_batch_size_sum", stage="0")
-    waits = _delta(before, after, "vllm_omni:request_queue_time_seconds_count", stage="0")
-    wait_s = _delta(before, after, "vllm_omni:request_queue_time_seconds_sum", stage="0")
-    exec_s = _delta(before, after, "vllm_omni:batch_execution_time_seconds_sum", stage="0")
+    batches = _delta(before, after, "vllm_omni:diffusion_batch_size_count", stage="0", task="image")
+    requests = _delta(before, after, "vllm_omni:diffusion_batch_size_sum", stage="0", task="image")
+    waits = _delta(before, after, "vllm_omni:request_queue_time_seconds_count", stage="0", task="image")
+    wait_s = _delta(before, after, "vllm_omni:request_queue_time_seconds_sum", stage="0", task="image")
+    exec_s = _delta(before, after, "vllm_omni:batch_execution_time_seconds_sum", stage="0", task="image")
     histogram, below = {}, 0.0
     for le in ("1.0", "2.0", "4.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0"):
-        cumulative = _delta(before, after, "vllm_omni:diffusion_batch_size_bucket", stage="0", le=le)
+        cumulative = _delta(before, after, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le=le)
         if cumulative - below:
             histogram[f"<={int(float(le))}"] = int(cumulative - below)
         below = cumulative

@@ -66,6 +66,15 @@ class ServingConfig(BaseModel):
     max_prompt_length: int = Field(default=4000, ge=1)
     """Longest ``prompt`` (and ``negative_prompt``), in characters."""
 
+    max_video_frames: int = Field(default=161, ge=1)
+    """Most frames a video request may ask for (``num_frames``, or ``seconds`` × fps)."""
+
+    video_ttl_s: float = Field(default=3600.0, gt=0)
+    """How long a finished video job (and its MP4) is kept."""
+
+    video_store_max_bytes: int = Field(default=1024**3, ge=0)
+    """Memory budget for finished MP4s; the oldest finished jobs are dropped first when it is exceeded."""
+
     image_url_ttl_s: float = Field(default=3600.0, gt=0)
     """How long an image returned as ``url`` stays downloadable."""
 

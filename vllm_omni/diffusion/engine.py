@@ -26,7 +26,7 @@ class DiffusionEngine:
         self.od_config = od_config
         self.runner = DiffusionRunner(od_config)
         self.scheduler = Scheduler(od_config)
-        self._stage = str(od_config.stage_id)
+        self._labels = (str(od_config.stage_id), "video" if self.runner.is_video else "image")
 
     def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
         """Queue a request; the returned future resolves to its `OmniRequestOutput`."""
@@ -44,7 +44,7 @@ class DiffusionEngine:
             return 0
         started = time.monotonic()
         for request in batch:
-            metrics.queue_time.labels(self._stage).observe(started - request.arrival_time)
+            metrics.queue_time.labels(*self._labels).observe(started - request.arrival_time)
         outputs = self._execute(batch, started)
         self.scheduler.finish(batch, outputs)
         return len(batch)
@@ -52,9 +52,9 @@ class DiffusionEngine:
     def _execute(self, batch: list[DiffusionRequest], started: float) -> list[OmniRequestOutput | BaseException]:
         """Run the batch. Out of memory: split it in halves and retry each. Any other error: run its
         requests one by one, so only the request that fails on its own fails."""
-        metrics.batch_size.labels(self._stage).observe(len(batch))
+        metrics.batch_size.labels(*self._labels).observe(len(batch))
         try:
-            with metrics.batch_execution_time.labels(self._stage).time():
+            with metrics.batch_execution_time.labels(*self._labels).time():
                 outputs: list[OmniRequestOutput | BaseException] = list(self.runner.run(batch))
         except torch.OutOfMemoryError as exc:
             if len(batch) == 1:
@@ -62,7 +62,7 @@ class DiffusionEngine:
                 return [exc]
             half = len(batch) // 2
             logger.warning("out of memory with a batch of %d; retrying as %d + %d", len(batch), half, len(batch) - half)
-            metrics.oom_batch_splits.labels(self._stage).inc()
+            metrics.oom_batch_splits.labels(self._labels[0]).inc()
             self.runner.release_cached_memory()
             return self._execute(batch[:half], started) + self._execute(batch[half:], started)
         except Exception as exc:  # noqa: BLE001 - any pipeline error is isolated to its request below

@@ -118,6 +118,8 @@ class DiffusionRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
     aborted: bool = False
+    steps_done: int = 0
+    """Denoising steps finished so far (updated by the pipeline's step callback)."""
 
     @classmethod
     def create(cls, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> DiffusionRequest:

@@ -169,6 +169,11 @@ class DiffusionRunner:
             }
         )
 
+    @property
+    def frame_multiple(self) -> int:
+        """A video's num_frames must be 1 more than a multiple of this: the VAE's temporal compression."""
+        return int(getattr(self.pipeline, "vae_scale_factor_temporal", 1) or 1)
+
     def _complete_video(self, params: OmniDiffusionSamplingParams) -> dict[str, int]:
         """num_frames and fps for a video pipeline (checked against its temporal VAE factor); none for images."""
         if not self.is_video:
@@ -177,7 +182,7 @@ class DiffusionRunner:
                     raise SamplingParamsError(field, f"{field} applies to video pipelines; {self.pipeline_name} makes images")
             return {}
         num_frames = params.num_frames or self._default("num_frames")
-        temporal = int(getattr(self.pipeline, "vae_scale_factor_temporal", 1) or 1)
+        temporal = self.frame_multiple
         if (num_frames - 1) % temporal:
             raise SamplingParamsError(
                 "num_frames", f"num_frames={num_frames} must be 1 more than a multiple of {temporal} for {self.pipeline_name}"
@@ -210,7 +215,7 @@ class DiffusionRunner:
         if params.negative_prompt is not None:
             kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch]
         if "callback_on_step_end" in self._call_params:
-            kwargs["callback_on_step_end"] = self._interrupt_when_all_aborted(batch)
+            kwargs["callback_on_step_end"] = self._on_step_end(batch)
 
         started = time.perf_counter()
         with torch.inference_mode():
@@ -241,8 +246,12 @@ class DiffusionRunner:
             torch.cuda.empty_cache()
 
     @staticmethod
-    def _interrupt_when_all_aborted(batch: list[DiffusionRequest]):
+    def _on_step_end(batch: list[DiffusionRequest]):
+        """Track each request's progress; stop early once every request of the batch was aborted."""
+
         def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
+            for request in batch:
+                request.steps_done = step + 1
             if all(request.aborted for request in batch):
                 pipeline._interrupt = True  # diffusers' loops skip the remaining steps
             return callback_kwargs

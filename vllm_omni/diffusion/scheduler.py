@@ -58,6 +58,15 @@ class Scheduler:
                     return True
         return False
 
+    def state(self, request_id: str) -> tuple[str, DiffusionRequest] | None:
+        """``("waiting" | "running", request)`` for a request in flight, else ``None``."""
+        with self._cond:
+            for state, requests in (("waiting", self._waiting), ("running", self._running)):
+                for request in requests:
+                    if request.request_id == request_id:
+                        return state, request
+        return None
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)

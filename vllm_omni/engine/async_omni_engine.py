@@ -48,6 +48,19 @@ class AsyncOmniEngine:
         """``params`` with the model's defaults filled in, as the request would run (raises `SamplingParamsError`)."""
         return self.stages[-1].engine.runner.complete_params(params)
 
+    def progress(self, request_id: str) -> tuple[str, float] | None:
+        """``(state, fraction of denoising steps done)`` of a request in flight; state is waiting or running."""
+        found = self.stages[-1].engine.scheduler.state(request_id)
+        if found is None:
+            return None
+        state, request = found
+        return state, request.steps_done / request.params.num_inference_steps
+
+    @property
+    def frame_multiple(self) -> int:
+        """A video's num_frames must be 1 more than a multiple of this (the VAE's temporal factor)."""
+        return self.stages[-1].engine.runner.frame_multiple
+
     @property
     def makes_videos(self) -> bool:
         """Whether the model generates videos (its outputs fill ``videos``) rather than images."""

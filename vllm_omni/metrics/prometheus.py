@@ -10,19 +10,19 @@ _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 batch_size = Histogram(
     "vllm_omni:diffusion_batch_size",
     "Requests in each executed diffusion batch (one observation per pipeline call).",
-    ["stage"],
+    ["stage", "task"],
     buckets=_BATCH_BUCKETS,
 )
 queue_time = Histogram(
     "vllm_omni:request_queue_time_seconds",
     "Time a request waited from arrival until its batch started.",
-    ["stage"],
+    ["stage", "task"],
     buckets=_SECONDS_BUCKETS,
 )
 batch_execution_time = Histogram(
     "vllm_omni:batch_execution_time_seconds",
     "Wall time of each executed diffusion batch (one pipeline call).",
-    ["stage"],
+    ["stage", "task"],
     buckets=_SECONDS_BUCKETS,
 )
 oom_batch_splits = Counter(
@@ -40,6 +40,11 @@ stage_max_num_seqs = Gauge(
     "vllm_omni:stage_max_num_seqs",
     "Resolved max_num_seqs of each stage, labelled with the layer it came from.",
     ["stage", "source"],
+)
+video_requests = Counter(
+    "vllm_omni:video_generation_requests",
+    "Video generation jobs by outcome: completed, invalid, overloaded, unavailable, failed, cancelled.",
+    ["outcome"],
 )
 image_requests = Counter(
     "vllm_omni:image_generation_requests",

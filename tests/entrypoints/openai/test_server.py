@@ -73,10 +73,10 @@ def test_startup_logs_the_resolved_knobs_with_their_sources(server):
 
 
 def test_four_concurrent_requests_run_as_one_batch(server):
-    batches_of_4 = metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", le="4.0") - metric(
-        server, "vllm_omni:diffusion_batch_size_bucket", stage="0", le="2.0"
+    batches_of_4 = metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le="4.0") - metric(
+        server, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le="2.0"
     )
-    count, total = (metric(server, f"vllm_omni:diffusion_batch_size_{s}", stage="0") for s in ("count", "sum"))
+    count, total = (metric(server, f"vllm_omni:diffusion_batch_size_{s}", stage="0", task="image") for s in ("count", "sum"))
 
     async def four():
         async with openai.AsyncOpenAI(base_url=server.url_for("v1"), api_key=API_KEY, max_retries=0) as aclient:
@@ -93,11 +93,11 @@ def test_four_concurrent_requests_run_as_one_batch(server):
     for response in responses:
         image = Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json)))
         assert (image.format, image.size) == ("PNG", (32, 32))
-    assert metric(server, "vllm_omni:diffusion_batch_size_count", stage="0") == count + 1
-    assert metric(server, "vllm_omni:diffusion_batch_size_sum", stage="0") == total + 4
+    assert metric(server, "vllm_omni:diffusion_batch_size_count", stage="0", task="image") == count + 1
+    assert metric(server, "vllm_omni:diffusion_batch_size_sum", stage="0", task="image") == total + 4
     assert (
-        metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", le="4.0")
-        - metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", le="2.0")
+        metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le="4.0")
+        - metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le="2.0")
         == batches_of_4 + 1
     )
 
@@ -208,6 +208,11 @@ def test_api_key_guards_v1_only(server):
     assert httpx.get(server.url_for("metrics")).status_code == 200
     unknown = httpx.get(server.url_for("nope"))
     assert unknown.status_code == 404 and "error" in unknown.json()
+
+
+def test_an_image_model_refuses_the_videos_api(server):
+    response = httpx.post(server.url_for("v1", "videos"), json={"prompt": "x"}, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "model_not_supported"
 
 
 def test_models_lists_the_served_names(client):

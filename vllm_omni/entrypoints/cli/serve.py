@@ -27,7 +27,8 @@ _USED_VLLM_FLAGS = frozenset(
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
 _OMNI_SERVING_FLAGS = (
     "max_waiting_requests", "max_request_body_bytes", "max_image_pixels", "max_inference_steps", "max_prompt_length",
-    "image_url_ttl_s", "image_store_max_bytes", "shutdown_timeout_s",
+    "max_video_frames", "image_url_ttl_s", "image_store_max_bytes", "video_ttl_s", "video_store_max_bytes",
+    "shutdown_timeout_s",
 )  # fmt: skip
 _VLLM_DTYPES = {"half": "float16", "float": "float32"}
 

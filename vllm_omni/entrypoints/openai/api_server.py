@@ -6,7 +6,6 @@ import asyncio
 import base64
 import contextlib
 import io
-import secrets
 import signal
 import time
 import uuid
@@ -31,9 +30,15 @@ from vllm_omni.diffusion.request import (
     SamplingParamsError,
 )
 from vllm_omni.entrypoints.async_omni import AsyncOmni
+from vllm_omni.entrypoints.openai.checks import (
+    API_PARAM,
+    APIError,
+    check_api_key,
+    check_limits,
+    error_response,
+)
 from vllm_omni.entrypoints.openai.image_store import ImageStore
 from vllm_omni.entrypoints.openai.protocol import (
-    ErrorInfo,
     ErrorResponse,
     ImageData,
     ImageGenerationRequest,
@@ -41,6 +46,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from vllm_omni.entrypoints.openai.videos import VideoJobs, build_videos_router
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 
@@ -48,9 +54,7 @@ logger = init_logger(__name__)
 
 _MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 # Sampling-parameter names as the Images API calls them.
-_API_PARAM = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
-_STATUS_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+
 
 
 class BodyLimitMiddleware:
@@ -86,7 +90,7 @@ class BodyLimitMiddleware:
         return f"The request body is larger than {self.max_bytes} bytes"
 
     async def _reject(self, send) -> None:
-        response = _error_response(413, self.message, code="request_too_large")
+        response = error_response(413, self.message, code="request_too_large")
         await send(
             {
                 "type": "http.response.start",
@@ -97,34 +101,10 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": response.body})
 
 
-class APIError(Exception):
-    """An answer in OpenAI's error envelope."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def _error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    error = ErrorInfo(
-        message=message,
-        type=_STATUS_TYPE.get(status, "server_error"),
-        param=param,
-        code=code,
-    )
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(
-        ErrorResponse(error=error).model_dump(), status_code=status, headers=headers
-    )
+
+
 
 
 @dataclass
@@ -133,6 +113,7 @@ class ServerState:
     stage_configs: list[StageDeployConfig]
     serving: ServingConfig
     store: ImageStore
+    videos: VideoJobs
     on_fatal: Callable[[BaseException], None]
     omni: AsyncOmni | None = None
     ready: bool = False
@@ -180,20 +161,7 @@ async def _load_and_warm_up(state: ServerState) -> None:
         state.on_fatal(exc)
 
 
-async def _check_api_key(request: Request) -> None:
-    # async: FastAPI would run a plain function in its thread pool, a thread hop per request
-    api_keys = request.app.state.server.serving.api_keys
-    if not api_keys:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # Compare with every key, always, so the time taken does not tell which key came close.
-    matches = [secrets.compare_digest(token.encode(), key.encode()) for key in api_keys]
-    if scheme.lower() != "bearer" or not any(matches):
-        raise APIError(
-            401,
-            "Missing or invalid API key: send 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-        )
+
 
 
 def _encode(image, output_format: str, compression: int | None) -> bytes:
@@ -296,7 +264,7 @@ def _validate(
         ValidationError
     ) as exc:  # beyond what any model accepts, e.g. a side over 16384 px
         error = exc.errors()[0]
-        param = _API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
+        param = API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
         raise APIError(
             400, f"{param}: {error['msg']}", param=param, code="invalid_value"
         ) from None
@@ -304,19 +272,10 @@ def _validate(
         raise APIError(
             400,
             str(exc),
-            param=_API_PARAM.get(exc.param, exc.param),
+            param=API_PARAM.get(exc.param, exc.param),
             code="invalid_value",
         ) from None
-    if params.width * params.height > serving.max_image_pixels:
-        raise APIError(
-            400, f"size {params.width}x{params.height} exceeds the limit of {serving.max_image_pixels} pixels",
-            param="size", code="invalid_value",
-        )  # fmt: skip
-    if params.num_inference_steps > serving.max_inference_steps:
-        raise APIError(
-            400, f"num_inference_steps={params.num_inference_steps} is above the limit of {serving.max_inference_steps}",
-            param="num_inference_steps", code="invalid_value",
-        )  # fmt: skip
+    check_limits(params, serving)
     return params
 
 
@@ -410,6 +369,7 @@ def build_app(
         stage_configs=stage_configs,
         serving=serving,
         store=ImageStore(serving.image_url_ttl_s, serving.image_store_max_bytes),
+        videos=VideoJobs(serving.video_ttl_s, serving.video_store_max_bytes),
         on_fatal=on_fatal,
     )
 
@@ -419,6 +379,7 @@ def build_app(
         yield
         state.draining = True
         await loading
+        state.videos.cancel_all()
         if state.omni is not None:
             await asyncio.to_thread(state.omni.shutdown)
 
@@ -436,7 +397,7 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -444,11 +405,11 @@ def build_app(
         error = exc.errors()[0]
         location = [str(p) for p in error.get("loc", ()) if p != "body"]
         if error.get("type") == "json_invalid":
-            return _error_response(
+            return error_response(
                 400, "The request body is not valid JSON", code="invalid_json"
             )
         if error.get("type") == "extra_forbidden":
-            return _error_response(
+            return error_response(
                 400,
                 f"Unrecognized request argument supplied: {location[-1]}",
                 location[-1],
@@ -461,7 +422,7 @@ def build_app(
             else error["msg"]
         )
         if param is None:
-            return _error_response(
+            return error_response(
                 400,
                 f"The request body must be a JSON object: {reason}",
                 code="invalid_request",
@@ -471,7 +432,7 @@ def build_app(
             if error.get("type") == "missing"
             else "invalid_value"
         )
-        return _error_response(400, f"{param}: {reason}", param, code=code)
+        return error_response(400, f"{param}: {reason}", param, code=code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -480,18 +441,18 @@ def build_app(
             405: "method_not_allowed",
             413: "request_too_large",
         }.get(exc.status_code)
-        return _error_response(exc.status_code, str(exc.detail), code=code)
+        return error_response(exc.status_code, str(exc.detail), code=code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("Unhandled error")
-        return _error_response(500, f"Internal server error: {type(exc).__name__}")
+        return error_response(500, f"Internal server error: {type(exc).__name__}")
 
     @app.get("/health")
     async def health() -> Response:
         reason = state.unavailable_reason()
         if reason is not None:
-            return _error_response(
+            return error_response(
                 503, f"Service unavailable: {reason}", code="service_unavailable"
             )
         return Response(status_code=200)
@@ -500,7 +461,7 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @v1.get("/images/files/{image_id}", name="get_image")
     async def get_image(image_id: str) -> Response:
@@ -532,6 +493,7 @@ def build_app(
         },
     )
     app.include_router(v1)
+    app.include_router(build_videos_router())
     return app
 
 

@@ -1,4 +1,4 @@
-"""Request and response shapes of the OpenAI Images API, plus the extensions of docs/serving.md."""
+"""Request and response shapes of the OpenAI Images and Videos APIs, plus the extensions of docs/serving.md."""
 
 from __future__ import annotations
 
@@ -33,16 +33,6 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: StrictInt | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
-
-    @field_validator("prompt", "negative_prompt")
-    @classmethod
-    def _check_text(cls, text: str | None) -> str | None:
-        if text is not None:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
-        return text
 
     @field_validator("size")
     @classmethod
@@ -94,3 +84,61 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class VideoGenerationRequest(BaseModel):
+    """``POST /v1/videos`` (JSON or form fields); unknown fields are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    size: str | None = None
+    """``WIDTHxHEIGHT`` in pixels; unset: the model's default."""
+    seconds: float | None = Field(default=None, gt=0, le=600)
+    """Duration at ``fps``; OpenAI sends it as a string such as ``"4"``."""
+    num_frames: int | None = Field(default=None, ge=1)
+    """Extension: the frame count itself (instead of ``seconds``)."""
+    fps: int | None = Field(default=None, ge=1, le=240)
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+
+    @field_validator("size")
+    @classmethod
+    def _check_size(cls, size: str | None) -> str | None:
+        if size is not None and not SIZE_PATTERN.match(size):
+            raise ValueError("size must be WIDTHxHEIGHT in pixels, such as '832x480'")
+        return size
+
+    def dimensions(self) -> tuple[int, int] | None:
+        match = SIZE_PATTERN.match(self.size or "")
+        return (int(match[1]), int(match[2])) if match else None
+
+
+class VideoObject(BaseModel):
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    progress: int
+    created_at: int
+    completed_at: int | None = None
+    size: str
+    seconds: str
+    error: ErrorInfo | None = None
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True

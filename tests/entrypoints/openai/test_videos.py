@@ -1,0 +1,138 @@
+"""OpenAI's Videos API on a real `vllm serve TINY_WAN --omni` process."""
+
+import asyncio
+import io
+import time
+
+import av
+import httpx
+import openai
+import pytest
+
+from vllm_omni.testing.server import RemoteOmniServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+API_KEY = "sk-video"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SMALL = {"size": "32x32", "num_frames": 9, "num_inference_steps": 2, "fps": 8}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_wan):
+    args = ["--max-num-seqs", "2", "--request-batch-max-wait-ms", "500", "--api-key", API_KEY, "--max-video-frames", "33"]
+    with RemoteOmniServer(tiny_wan, args) as server:
+        yield server
+    assert server.returncode == 0
+
+
+def _create(server, **body) -> httpx.Response:
+    return httpx.post(server.url_for("v1", "videos"), json={"prompt": "a cat running", **SMALL, **body}, headers=AUTH)
+
+
+def _wait(server, video_id: str, timeout=120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = httpx.get(server.url_for("v1", "videos", video_id), headers=AUTH).json()
+        if job["status"] in ("completed", "failed") or time.monotonic() > deadline:
+            return job
+        time.sleep(0.1)
+
+
+def _metric(server, name: str) -> float:
+    for line in httpx.get(server.url_for("metrics")).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            if 'task="video"' in line or "task" not in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_video_job_runs_to_an_mp4(server):
+    created = _create(server, seed=3)
+    assert created.status_code == 200
+    job = created.json()
+    assert (job["object"], job["status"], job["progress"], job["size"], job["seconds"]) == (
+        "video", "queued", 0, "32x32", "1.125",
+    )  # fmt: skip
+    done = _wait(server, job["id"])
+    assert (done["status"], done["progress"]) == ("completed", 100) and done["completed_at"] >= done["created_at"]
+    content = httpx.get(server.url_for("v1", "videos", job["id"], "content"), headers=AUTH)
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+    with av.open(io.BytesIO(content.content)) as container:
+        stream = container.streams.video[0]
+        frames = list(container.decode(stream))
+        assert len(frames) == 9 and (frames[0].width, frames[0].height) == (32, 32)
+        assert stream.average_rate == 8
+
+
+def test_the_openai_client_and_seconds(server):
+    client = openai.OpenAI(base_url=server.url_for("v1"), api_key=API_KEY, max_retries=0)
+    video = client.videos.create(prompt="a red car", seconds="1", size="32x32", extra_body={"num_inference_steps": 2, "fps": 8})
+    assert video.status in ("queued", "in_progress") and video.seconds == "1.125"  # 9 frames at 8 fps
+    assert _wait(server, video.id)["status"] == "completed"
+    assert client.videos.retrieve(video.id).status == "completed"
+    assert len(client.videos.download_content(video.id).read()) > 0
+
+
+def test_concurrent_video_jobs_share_one_batch(server):
+    count, total = (_metric(server, f"vllm_omni:diffusion_batch_size_{s}") for s in ("count", "sum"))
+
+    async def two():
+        async with httpx.AsyncClient(headers=AUTH) as client:
+            body = {"prompt": "x", **SMALL}
+            return await asyncio.gather(*(client.post(server.url_for("v1", "videos"), json=body | {"seed": i}) for i in range(2)))
+
+    jobs = [r.json()["id"] for r in asyncio.run(two())]
+    assert all(_wait(server, video_id)["status"] == "completed" for video_id in jobs)
+    assert _metric(server, "vllm_omni:diffusion_batch_size_count") == count + 1
+    assert _metric(server, "vllm_omni:diffusion_batch_size_sum") == total + 2
+
+
+def test_list_newest_first_and_delete_cancels_a_running_job(server):
+    first = _create(server).json()["id"]
+    long = _create(server, num_inference_steps=200, size="64x64").json()["id"]
+    deadline = time.monotonic() + 60
+    while httpx.get(server.url_for("v1", "videos", long), headers=AUTH).json()["status"] != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    listing = httpx.get(server.url_for("v1", "videos"), params={"limit": 2}, headers=AUTH).json()
+    assert [v["id"] for v in listing["data"]] == [long, first] and listing["has_more"] is True
+    after = httpx.get(server.url_for("v1", "videos"), params={"limit": 1, "after": long}, headers=AUTH).json()
+    assert [v["id"] for v in after["data"]] == [first]
+    not_ready = httpx.get(server.url_for("v1", "videos", long, "content"), headers=AUTH)
+    assert not_ready.status_code == 400 and not_ready.json()["error"]["code"] == "video_not_ready"
+    deleted = httpx.delete(server.url_for("v1", "videos", long), headers=AUTH)
+    assert deleted.json() == {"id": long, "object": "video.deleted", "deleted": True}
+    deadline = time.monotonic() + 30
+    while _metric(server, 'vllm_omni:num_requests_running{stage="0"}') != 0:
+        assert time.monotonic() < deadline, "the deleted job still holds its slot"
+        time.sleep(0.05)
+    assert httpx.get(server.url_for("v1", "videos", long), headers=AUTH).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"num_frames": 10}, "num_frames"),
+        ({"num_frames": 37}, "num_frames"),  # over --max-video-frames
+        ({"seconds": 1}, "seconds"),  # together with num_frames
+        ({"size": "40x32"}, "size"),
+        ({"size": "32"}, "size"),
+        ({"seed": -1}, "seed"),
+        ({"n": 2}, "n"),
+        ({"model": "other"}, "model"),
+    ],
+)
+def test_invalid_video_requests(server, body, param):
+    response = _create(server, **body)
+    assert 400 <= response.status_code < 500
+    assert response.json()["error"]["param"] == param
+
+
+def test_form_bodies_and_auth(server):
+    form = httpx.post(server.url_for("v1", "videos"), data={"prompt": "x", "size": "32x32", "num_frames": "5",
+                                                              "num_inference_steps": "1"}, headers=AUTH)  # fmt: skip
+    assert form.status_code == 200 and _wait(server, form.json()["id"])["status"] == "completed"
+    assert httpx.get(server.url_for("v1", "videos")).status_code == 401
+    missing = httpx.get(server.url_for("v1", "videos", "video_nope"), headers=AUTH)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "video_not_found"

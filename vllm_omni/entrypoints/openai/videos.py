@@ -1,0 +1,274 @@
+"""OpenAI's Videos API: asynchronous video jobs on the same engine, MP4 output (PyAV)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from vllm_omni.diffusion.request import (
+    OmniDiffusionSamplingParams,
+    RequestFailedError,
+    SamplingParamsError,
+)
+from vllm_omni.entrypoints.openai.checks import (
+    API_PARAM,
+    APIError,
+    check_api_key,
+    check_limits,
+)
+from vllm_omni.entrypoints.openai.protocol import (
+    ErrorInfo,
+    VideoDeleted,
+    VideoGenerationRequest,
+    VideoList,
+    VideoObject,
+)
+from vllm_omni.logger import init_logger
+from vllm_omni.metrics import prometheus as metrics
+
+logger = init_logger(__name__)
+
+
+def encode_mp4(frames: list[Any], fps: int) -> bytes:
+    """H.264 (or MPEG-4 Part 2 where the bundled FFmpeg has no x264) in an MP4 container."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
+        stream.width, stream.height = frames[0].size
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_image(frame.convert("RGB"))):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+@dataclass(eq=False)
+class VideoJob:
+    id: str
+    model: str
+    prompt: str
+    params: OmniDiffusionSamplingParams
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "queued"
+    completed_at: int | None = None
+    finished_monotonic: float | None = None
+    error: ErrorInfo | None = None
+    content: bytes | None = None
+    task: asyncio.Task | None = None
+
+    def view(self, engine) -> VideoObject:
+        status, progress = self.status, 100 if self.status == "completed" else 0
+        if status == "queued" and (found := engine.progress(self.id)) is not None and found[0] == "running":
+            status, progress = "in_progress", int(100 * found[1])
+        return VideoObject(
+            id=self.id, model=self.model, status=status, progress=progress, created_at=self.created_at,
+            completed_at=self.completed_at, size=f"{self.params.width}x{self.params.height}",
+            seconds=f"{self.params.num_frames / self.params.fps:g}", error=self.error,
+        )  # fmt: skip
+
+
+class VideoJobs:
+    """Jobs in creation order; finished ones expire after ``ttl_s`` or when their MP4s exceed ``max_bytes``."""
+
+    def __init__(self, ttl_s: float, max_bytes: int):
+        self.ttl_s, self.max_bytes = ttl_s, max_bytes
+        self._jobs: dict[str, VideoJob] = {}
+
+    def add(self, job: VideoJob) -> None:
+        self._jobs[job.id] = job
+        self.evict()
+
+    def get(self, job_id: str) -> VideoJob | None:
+        self.evict()
+        return self._jobs.get(job_id)
+
+    def pop(self, job_id: str) -> VideoJob | None:
+        return self._jobs.pop(job_id, None)
+
+    def newest_first(self) -> list[VideoJob]:
+        self.evict()
+        return list(reversed(self._jobs.values()))
+
+    def evict(self) -> None:
+        now = time.monotonic()
+        finished = [j for j in self._jobs.values() if j.finished_monotonic is not None]
+        total = sum(len(j.content or b"") for j in finished)
+        for job in finished:  # oldest first
+            if now - job.finished_monotonic > self.ttl_s or total > self.max_bytes:
+                total -= len(job.content or b"")
+                del self._jobs[job.id]
+
+    def cancel_all(self) -> None:
+        for job in self._jobs.values():
+            if job.task is not None:
+                job.task.cancel()
+
+
+async def _run(state, job: VideoJob) -> None:
+    outcome = "failed"
+    try:
+        outputs = [output async for output in state.omni.generate(job.prompt, job.params, request_id=job.id)]
+        if not outputs:
+            raise RequestFailedError(job.id, "aborted")
+        job.content = await asyncio.to_thread(encode_mp4, outputs[0].videos[0], job.params.fps)
+        job.status, outcome = "completed", "completed"
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    except RequestFailedError as exc:
+        job.status, job.error = "failed", ErrorInfo(message=str(exc), type="server_error", code="generation_failed")
+    except Exception as exc:  # noqa: BLE001 - an encoding error fails this job only
+        logger.exception("video job %s failed", job.id)
+        job.status = "failed"
+        job.error = ErrorInfo(message=f"{type(exc).__name__}: {exc}", type="server_error", code="encoding_failed")
+    finally:
+        job.completed_at, job.finished_monotonic = int(time.time()), time.monotonic()
+        metrics.video_requests.labels(outcome).inc()
+
+
+def build_videos_router() -> APIRouter:
+    """The /v1/videos routes; the server's state holds the jobs (``state.videos``)."""
+    router = APIRouter(prefix="/v1/videos", dependencies=[Depends(check_api_key)])
+
+    def _job(state, video_id: str) -> VideoJob:
+        job = state.videos.get(video_id)
+        if job is None:
+            raise APIError(404, f"No video job {video_id!r} (it may have expired)", param="video_id", code="video_not_found")
+        return job
+
+    @router.post("", response_model=VideoObject, response_model_exclude_none=True)
+    async def create_video(raw_request: Request) -> VideoObject:
+        state = raw_request.app.state.server
+        outcome = "invalid"
+        try:
+            if raw_request.headers.get("content-type", "").startswith(("multipart/form-data", "application/x-www-form")):
+                form = await raw_request.form()
+                if "input_reference" in form:
+                    raise APIError(400, "input_reference (image-to-video) is not supported", param="input_reference",
+                                    code="unsupported_parameter")  # fmt: skip
+                data = dict(form)
+            else:
+                try:
+                    data = await raw_request.json()
+                except ValueError:
+                    raise APIError(400, "The request body is not valid JSON", code="invalid_json") from None
+            try:
+                body = VideoGenerationRequest.model_validate(data)
+            except ValidationError as exc:
+                raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+            params = _video_params(state, body)
+            if state.omni.engine.num_waiting >= state.serving.max_waiting_requests:
+                outcome = "overloaded"
+                raise APIError(429, f"Too many requests waiting ({state.serving.max_waiting_requests}); retry later",
+                                code="too_many_waiting_requests")  # fmt: skip
+            job = VideoJob(id=f"video_{secrets.token_hex(16)}", model=body.model or state.serving.served_model_names[0],
+                           prompt=body.prompt, params=params)  # fmt: skip
+            state.videos.add(job)
+            job.task = asyncio.create_task(_run(state, job))
+            outcome = None  # counted when the job ends
+            return job.view(state.omni.engine)
+        except Exception as exc:
+            if outcome is not None:
+                if getattr(exc, "status", None) == 503:
+                    outcome = "unavailable"
+                metrics.video_requests.labels(outcome).inc()
+            raise
+
+    @router.get("", response_model=VideoList, response_model_exclude_none=True)
+    async def list_videos(raw_request: Request, limit: int = 20, after: str | None = None) -> VideoList:
+        state = raw_request.app.state.server
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
+        jobs = state.videos.newest_first()
+        if after is not None:
+            ids = [j.id for j in jobs]
+            if after not in ids:
+                raise APIError(400, f"after={after!r} is not a video id", param="after", code="invalid_value")
+            jobs = jobs[ids.index(after) + 1 :]
+        page = [j.view(state.omni.engine) for j in jobs[:limit]]
+        return VideoList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                         has_more=len(jobs) > limit)  # fmt: skip
+
+    @router.get("/{video_id}", response_model=VideoObject, response_model_exclude_none=True)
+    async def get_video(video_id: str, raw_request: Request) -> VideoObject:
+        state = raw_request.app.state.server
+        return _job(state, video_id).view(state.omni.engine)
+
+    @router.get("/{video_id}/content")
+    async def get_video_content(video_id: str, raw_request: Request) -> Response:
+        job = _job(raw_request.app.state.server, video_id)
+        if job.status != "completed":
+            raise APIError(400, f"Video {video_id} is {job.status}, not completed", param="video_id",
+                            code="video_not_ready")  # fmt: skip
+        return Response(job.content, media_type="video/mp4")
+
+    @router.delete("/{video_id}", response_model=VideoDeleted)
+    async def delete_video(video_id: str, raw_request: Request) -> VideoDeleted:
+        state = raw_request.app.state.server
+        job = _job(state, video_id)
+        state.videos.pop(video_id)
+        if job.task is not None and not job.task.done():
+            job.task.cancel()  # AsyncOmni aborts the request: its slot is freed
+        return VideoDeleted(id=video_id)
+
+    return router
+
+
+def _video_params(state, body: VideoGenerationRequest) -> OmniDiffusionSamplingParams:
+    serving = state.serving
+    if body.model is not None and body.model not in serving.served_model_names:
+        raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
+                        f"{serving.served_model_names[0]!r}", param="model", code="model_not_found")  # fmt: skip
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(body, name)
+        if text is not None and len(text) > serving.max_prompt_length:
+            raise APIError(400, f"{name} is longer than {serving.max_prompt_length} characters", param=name,
+                            code="invalid_value")  # fmt: skip
+    reason = state.unavailable_reason()
+    if reason is not None:
+        raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
+    engine = state.omni.engine
+    if not engine.makes_videos:
+        raise APIError(400, f"{serving.served_model_names[0]} is an image model; the Videos API serves "
+                        "text-to-video models only", param="model", code="model_not_supported")  # fmt: skip
+    if body.seconds is not None and body.num_frames is not None:
+        raise APIError(400, "give seconds or num_frames, not both", param="seconds", code="invalid_value")
+    width, height = body.dimensions() or (None, None)
+    try:
+        num_frames = body.num_frames
+        if body.seconds is not None:
+            fps = body.fps or engine.complete_params(OmniDiffusionSamplingParams(height=height, width=width)).fps
+            step = engine.frame_multiple
+            num_frames = step * max(1, round(body.seconds * fps / step)) + 1
+        params = engine.complete_params(
+            OmniDiffusionSamplingParams(
+                height=height, width=width, num_frames=num_frames, fps=body.fps,
+                num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale, seed=body.seed,
+                negative_prompt=body.negative_prompt,
+            )  # fmt: skip
+        )
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
+        raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
+    except SamplingParamsError as exc:
+        param = API_PARAM.get(exc.param, exc.param)
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
+    if params.num_frames > serving.max_video_frames:
+        raise APIError(400, f"{params.num_frames} frames are above the limit of {serving.max_video_frames}",
+                        param="seconds" if body.seconds is not None else "num_frames", code="invalid_value")  # fmt: skip
+    check_limits(params, serving)
+    return params
