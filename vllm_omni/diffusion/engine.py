@@ -74,7 +74,7 @@ class DiffusionEngine:
                 len(batch), type(exc).__name__, exc,
             )  # fmt: skip
             return [self._execute([request], started)[0] for request in batch]
-        for request, output in zip(batch, outputs):
+        for request, output in zip(batch, outputs, strict=True):
             output.metrics["queue_ms"] = (started - request.arrival_time) * 1000.0
         return outputs
 

@@ -37,7 +37,7 @@ class Omni(OmniBase):
                 )
         submitted = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params in zip(prompts, params_list, strict=True):
                 request_id = f"omni-{uuid.uuid4().hex}"
                 submitted.append((request_id, prompt, self.engine.add_request(request_id, prompt, params)))
             outputs = []
