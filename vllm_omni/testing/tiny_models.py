@@ -118,6 +118,22 @@ def _clip_text_config(tokenizer, hidden: int = 32, projection_dim: int | None = 
     return CLIPTextConfig(**kw)
 
 
+def _t5_config(tokenizer) -> dict:
+    """A 2-layer, 32-wide T5-family text encoder (T5 for Flux, UMT5 for Wan) over ``tokenizer``."""
+    return dict(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=0,
+    )
+
+
 def build_tiny_sd():
     """Stable-Diffusion-1.x style: UNet2DConditionModel + AutoencoderKL + CLIP."""
     from diffusers import (
@@ -189,18 +205,7 @@ def build_tiny_flux(bench: bool = False):
     text_encoder = CLIPTextModel(_clip_text_config(tokenizer, projection_dim=32)).eval()
     tokenizer_2 = make_t5_tokenizer()
     text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=32,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=0,
-        )
+        T5Config(**_t5_config(tokenizer_2))
     ).eval()
     vae = AutoencoderKL(
         in_channels=3,
@@ -253,18 +258,7 @@ def build_tiny_wan():
     torch.manual_seed(0)
     tokenizer = make_t5_tokenizer()
     text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=32,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=0,
-        )
+        UMT5Config(**_t5_config(tokenizer))
     ).eval()
     vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True])  # fmt: skip

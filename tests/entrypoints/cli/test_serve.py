@@ -137,5 +137,5 @@ def test_a_video_model_serves_and_the_images_api_refuses_it(tiny_wan):
         response = httpx.post(server.url_for("v1", "images", "generations"), json={"prompt": "x", "size": "32x32"})
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "model_not_supported"
-        assert "text-to-video model" in response.json()["error"]["message"]
+        assert "is a video model; this API serves image models only" in response.json()["error"]["message"]
     assert server.returncode == 0

@@ -19,7 +19,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.config import StageDeployConfig
@@ -27,16 +26,9 @@ from vllm_omni.config.serving import ServingConfig
 from vllm_omni.diffusion.request import (
     OmniDiffusionSamplingParams,
     RequestFailedError,
-    SamplingParamsError,
 )
 from vllm_omni.entrypoints.async_omni import AsyncOmni
-from vllm_omni.entrypoints.openai.checks import (
-    API_PARAM,
-    APIError,
-    check_api_key,
-    check_limits,
-    error_response,
-)
+from vllm_omni.entrypoints.openai.checks import APIError, check_api_key, check_request, complete_params, error_response
 from vllm_omni.entrypoints.openai.image_store import ImageStore
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
@@ -205,78 +197,24 @@ async def _until_disconnect(request: Request, work: asyncio.Task) -> Any:
     raise ClientDisconnected
 
 
-def _validate(
-    body: ImageGenerationRequest, state: ServerState
-) -> OmniDiffusionSamplingParams:
+def _validate(body: ImageGenerationRequest, state: ServerState) -> OmniDiffusionSamplingParams:
     """The request as complete sampling parameters (model defaults filled in), within the operator's limits."""
-    serving = state.serving
-    if body.model is not None and body.model not in serving.served_model_names:
-        raise APIError(
-            404, f"The model '{body.model}' does not exist; this server serves {serving.served_model_names[0]!r}",
-            param="model", code="model_not_found",
-        )  # fmt: skip
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(body, name)
-        if text is not None and len(text) > serving.max_prompt_length:
-            raise APIError(
-                400,
-                f"{name} is longer than {serving.max_prompt_length} characters",
-                param=name,
-                code="invalid_value",
-            )
+    check_request(state, body, kind="image")
     if body.output_compression is not None and body.output_format == "png":
         raise APIError(
-            400,
-            "output_compression applies to jpeg and webp only",
-            param="output_compression",
-            code="invalid_value",
+            400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
         )
-    reason = state.unavailable_reason()
-    if reason is not None:
-        raise APIError(
-            503, f"Service unavailable: {reason}", code="service_unavailable"
-        )
-    if state.omni.engine.makes_videos:
-        raise APIError(
-            400, f"{serving.served_model_names[0]} is a text-to-video model; the Images API serves image models only",
-            param="model", code="model_not_supported",
-        )  # fmt: skip
     width, height = body.dimensions() or (None, None)
-    if width is not None and width * height > serving.max_image_pixels:
-        raise APIError(
-            400, f"size {body.size} exceeds the limit of {serving.max_image_pixels} pixels", param="size",
-            code="invalid_value",
-        )  # fmt: skip
-    try:
-        # Defaults ("auto" size, the pipeline's steps) are filled in first, so the limits hold for them too.
-        params = state.omni.engine.complete_params(
-            OmniDiffusionSamplingParams(
-                height=height,
-                width=width,
-                num_inference_steps=body.num_inference_steps,
-                guidance_scale=body.guidance_scale,
-                num_outputs_per_prompt=body.n,
-                seed=body.seed,
-                negative_prompt=body.negative_prompt,
-            )
-        )
-    except (
-        ValidationError
-    ) as exc:  # beyond what any model accepts, e.g. a side over 16384 px
-        error = exc.errors()[0]
-        param = API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
-        raise APIError(
-            400, f"{param}: {error['msg']}", param=param, code="invalid_value"
-        ) from None
-    except SamplingParamsError as exc:
-        raise APIError(
-            400,
-            str(exc),
-            param=API_PARAM.get(exc.param, exc.param),
-            code="invalid_value",
-        ) from None
-    check_limits(params, serving)
-    return params
+    return complete_params(
+        state,
+        height=height,
+        width=width,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        num_outputs_per_prompt=body.n,
+        seed=body.seed,
+        negative_prompt=body.negative_prompt,
+    )
 
 
 async def create_image(

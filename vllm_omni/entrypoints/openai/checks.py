@@ -6,9 +6,10 @@ import secrets
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 # Sampling-parameter names as the OpenAI APIs call them.
@@ -75,3 +76,44 @@ def check_limits(params: OmniDiffusionSamplingParams, serving: ServingConfig) ->
             400, f"num_inference_steps={params.num_inference_steps} is above the limit of {serving.max_inference_steps}",
             param="num_inference_steps", code="invalid_value",
         )  # fmt: skip
+
+
+def check_request(state, body, *, kind: str) -> None:
+    """What every generation request must pass before its parameters are built: a served model name,
+    prompts within the length limit, a ready engine, and a model of the right ``kind`` (image or video)."""
+    serving = state.serving
+    if body.model is not None and body.model not in serving.served_model_names:
+        raise APIError(
+            404, f"The model '{body.model}' does not exist; this server serves {serving.served_model_names[0]!r}",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(body, name)
+        if text is not None and len(text) > serving.max_prompt_length:
+            raise APIError(
+                400, f"{name} is longer than {serving.max_prompt_length} characters", param=name, code="invalid_value"
+            )
+    reason = state.unavailable_reason()
+    if reason is not None:
+        raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
+    model_kind = "video" if state.omni.engine.makes_videos else "image"
+    if model_kind != kind:
+        raise APIError(
+            400, f"{serving.served_model_names[0]} is a{'n' if model_kind == 'image' else ''} {model_kind} model; "
+            f"this API serves {kind} models only", param="model", code="model_not_supported",
+        )  # fmt: skip
+
+
+def complete_params(state, **fields) -> OmniDiffusionSamplingParams:
+    """Sampling parameters with the model's defaults filled in (``size: auto``, default steps...), then the
+    operator's limits; every problem is a 400 naming the API field."""
+    try:
+        params = state.omni.engine.complete_params(OmniDiffusionSamplingParams(**fields))
+    except ValidationError as exc:  # beyond what any model accepts, e.g. a side over 16384 px
+        error = exc.errors()[0]
+        param = API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
+        raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=API_PARAM.get(exc.param, exc.param), code="invalid_value") from None
+    check_limits(params, state.serving)
+    return params

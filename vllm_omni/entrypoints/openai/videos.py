@@ -14,17 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from vllm_omni.diffusion.request import (
-    OmniDiffusionSamplingParams,
-    RequestFailedError,
-    SamplingParamsError,
-)
-from vllm_omni.entrypoints.openai.checks import (
-    API_PARAM,
-    APIError,
-    check_api_key,
-    check_limits,
-)
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
+from vllm_omni.diffusion.runner import DEFAULT_VIDEO_FPS
+from vllm_omni.entrypoints.openai.checks import APIError, check_api_key, check_request, complete_params
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
     VideoDeleted,
@@ -228,47 +220,22 @@ def build_videos_router() -> APIRouter:
 
 
 def _video_params(state, body: VideoGenerationRequest) -> OmniDiffusionSamplingParams:
-    serving = state.serving
-    if body.model is not None and body.model not in serving.served_model_names:
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                        f"{serving.served_model_names[0]!r}", param="model", code="model_not_found")  # fmt: skip
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(body, name)
-        if text is not None and len(text) > serving.max_prompt_length:
-            raise APIError(400, f"{name} is longer than {serving.max_prompt_length} characters", param=name,
-                            code="invalid_value")  # fmt: skip
-    reason = state.unavailable_reason()
-    if reason is not None:
-        raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
-    engine = state.omni.engine
-    if not engine.makes_videos:
-        raise APIError(400, f"{serving.served_model_names[0]} is an image model; the Videos API serves "
-                        "text-to-video models only", param="model", code="model_not_supported")  # fmt: skip
+    check_request(state, body, kind="video")
     if body.seconds is not None and body.num_frames is not None:
         raise APIError(400, "give seconds or num_frames, not both", param="seconds", code="invalid_value")
+    num_frames = body.num_frames
+    if body.seconds is not None:
+        step = state.omni.engine.frame_multiple
+        num_frames = step * max(1, round(body.seconds * (body.fps or DEFAULT_VIDEO_FPS) / step)) + 1
     width, height = body.dimensions() or (None, None)
-    try:
-        num_frames = body.num_frames
-        if body.seconds is not None:
-            fps = body.fps or engine.complete_params(OmniDiffusionSamplingParams(height=height, width=width)).fps
-            step = engine.frame_multiple
-            num_frames = step * max(1, round(body.seconds * fps / step)) + 1
-        params = engine.complete_params(
-            OmniDiffusionSamplingParams(
-                height=height, width=width, num_frames=num_frames, fps=body.fps,
-                num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale, seed=body.seed,
-                negative_prompt=body.negative_prompt,
-            )  # fmt: skip
-        )
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
-        raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
-    except SamplingParamsError as exc:
-        param = API_PARAM.get(exc.param, exc.param)
-        raise APIError(400, str(exc), param=param, code="invalid_value") from None
-    if params.num_frames > serving.max_video_frames:
-        raise APIError(400, f"{params.num_frames} frames are above the limit of {serving.max_video_frames}",
-                        param="seconds" if body.seconds is not None else "num_frames", code="invalid_value")  # fmt: skip
-    check_limits(params, serving)
+    params = complete_params(
+        state, height=height, width=width, num_frames=num_frames, fps=body.fps,
+        num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale, seed=body.seed,
+        negative_prompt=body.negative_prompt,
+    )  # fmt: skip
+    if params.num_frames > state.serving.max_video_frames:
+        raise APIError(
+            400, f"{params.num_frames} frames are above the limit of {state.serving.max_video_frames}",
+            param="seconds" if body.seconds is not None else "num_frames", code="invalid_value",
+        )  # fmt: skip
     return params
