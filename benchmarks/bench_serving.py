@@ -2,14 +2,24 @@
 
     python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 \
         [--concurrency 4 | --request-rate 10] [--num-requests 64] \
-        [--shapes 32x32:4,64x64:4:0.5] [--warmup 4] [--json out.json]
+        [--shapes 32x32:4,64x64:4:0.5] [--warmup 4] [--json out.json] [--task image|video]
 
 Closed loop (``--concurrency C``: C clients, each sends its next request when
 the previous one is answered) or open loop (``--request-rate R``: Poisson
-arrivals at R requests/s). ``--shapes`` is a weighted mix of ``WxH:STEPS[:WEIGHT]``.
-Besides client-side numbers, the server's own queue wait and executed batch
-sizes come from the difference of its ``/metrics`` before and after the run,
-and its peak RSS from ``process_resident_memory_bytes`` sampled during the run.
+arrivals at R requests/s, on a schedule fixed by ``--seed``). ``--shapes`` is a
+weighted mix of ``WxH:STEPS[:WEIGHT]``.
+
+``--task image`` (default) posts to ``/v1/images/generations``; latency is the
+HTTP round trip. ``--task video`` creates jobs with ``POST /v1/videos`` (shapes
+``WxHxFRAMES:STEPS``, e.g. ``32x32x5:20``; without ``xFRAMES`` the model's
+default frame count) and polls ``GET /v1/videos/{id}`` every ``--poll-ms``;
+latency is submit → seen completed (the MP4 is not downloaded).
+
+Besides client-side numbers, the server's own queue wait (mean, and a p90
+estimated from the histogram buckets like Prometheus' histogram_quantile) and
+executed batch sizes come from the difference of its ``/metrics`` before and
+after the run (the ``task`` label of ``--task``), and its peak RSS from
+``process_resident_memory_bytes`` sampled during the run.
 """
 
 from __future__ import annotations
@@ -42,16 +52,39 @@ def _delta(before: dict, after: dict, name: str, **labels) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def server_view(before: dict, after: dict) -> dict:
-    """Queue wait and executed batch sizes during the run, from the server's histograms."""
-    batches = _delta(before, after, "vllm_omni:diffusion_batch_size_count", stage="0", task="image")
-    requests = _delta(before, after, "vllm_omni:diffusion_batch_size_sum", stage="0", task="image")
-    waits = _delta(before, after, "vllm_omni:request_queue_time_seconds_count", stage="0", task="image")
-    wait_s = _delta(before, after, "vllm_omni:request_queue_time_seconds_sum", stage="0", task="image")
-    exec_s = _delta(before, after, "vllm_omni:batch_execution_time_seconds_sum", stage="0", task="image")
+def histogram_quantile(q: float, before: dict, after: dict, name: str, **labels) -> float | None:
+    """The ``q`` quantile of histogram ``name`` over the run (after − before), interpolated linearly inside its
+    bucket as Prometheus' ``histogram_quantile`` does; ``None`` without observations."""
+    wanted = sorted(labels.items())
+    buckets = sorted(
+        (float(dict(key[1])["le"]), after[key] - before.get(key, 0.0))
+        for key in after
+        if key[0] == f"{name}_bucket" and sorted((k, v) for k, v in key[1] if k != "le") == wanted
+    )
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            if upper == float("inf"):  # Prometheus answers the highest finite bound
+                return lower
+            return lower + (upper - lower) * (rank - below) / (cumulative - below)
+        lower, below = upper, cumulative
+    return lower
+
+
+def server_view(before: dict, after: dict, task: str = "image") -> dict:
+    """Queue wait and executed batch sizes during the run, from the server's histograms (``task`` label)."""
+    labels = {"stage": "0", "task": task}
+    batches = _delta(before, after, "vllm_omni:diffusion_batch_size_count", **labels)
+    requests = _delta(before, after, "vllm_omni:diffusion_batch_size_sum", **labels)
+    waits = _delta(before, after, "vllm_omni:request_queue_time_seconds_count", **labels)
+    wait_s = _delta(before, after, "vllm_omni:request_queue_time_seconds_sum", **labels)
+    exec_s = _delta(before, after, "vllm_omni:batch_execution_time_seconds_sum", **labels)
+    p90_wait_s = histogram_quantile(0.9, before, after, "vllm_omni:request_queue_time_seconds", **labels)
     histogram, below = {}, 0.0
     for le in ("1.0", "2.0", "4.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0"):
-        cumulative = _delta(before, after, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le=le)
+        cumulative = _delta(before, after, "vllm_omni:diffusion_batch_size_bucket", **labels, le=le)
         if cumulative - below:
             histogram[f"<={int(float(le))}"] = int(cumulative - below)
         below = cumulative
@@ -59,7 +92,8 @@ def server_view(before: dict, after: dict) -> dict:
         "executed_batches": int(batches),
         "mean_batch_size": round(requests / batches, 3) if batches else None,
         "batch_size_histogram": histogram,
-        "mean_queue_wait_ms": round(1000 * wait_s / waits, 2) if waits else None,
+        "mean_queue_wait_ms": round(1000 * wait_s / waits, 3) if waits else None,
+        "p90_queue_wait_ms_est": round(1000 * p90_wait_s, 3) if p90_wait_s is not None else None,
         "mean_batch_exec_ms": round(1000 * exec_s / batches, 2) if batches else None,
     }
 
@@ -86,14 +120,18 @@ async def run_benchmark(
     model: str | None = None,
     seed: int = 0,
     progress: bool = True,
+    task: str = "image",
+    poll_ms: float = 20.0,
 ) -> dict:
+    if task not in ("image", "video"):
+        raise ValueError(f"task must be 'image' or 'video', not {task!r}")
     rng = random.Random(seed)
     plan = rng.choices(shapes, weights=[s.weight for s in shapes], k=num_requests)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
 
-        async def send(i: int, shape: Shape) -> dict:
+        async def send_image(i: int, shape: Shape) -> dict:
             body = {
                 "prompt": PROMPTS[i % len(PROMPTS)], "size": f"{shape.width}x{shape.height}",
                 "num_inference_steps": shape.steps, "seed": seed + i, "response_format": "b64_json",
@@ -105,10 +143,46 @@ async def run_benchmark(
                 payload = await response.json()
             latency = time.perf_counter() - started
             images = len(payload.get("data", [])) if response.status == 200 else 0
-            return {"status": response.status, "latency_s": latency, "images": images, "shape": str(shape)}
+            result = {"status": response.status, "latency_s": latency, "images": images, "shape": str(shape)}
+            if response.status != 200:
+                result["error"] = payload.get("error")
+            return result
 
+        async def send_video(i: int, shape: Shape) -> dict:
+            body = {
+                "prompt": PROMPTS[i % len(PROMPTS)], "size": f"{shape.width}x{shape.height}",
+                "num_inference_steps": shape.steps, "seed": seed + i,
+            }  # fmt: skip
+            if shape.frames is not None:
+                body["num_frames"] = shape.frames
+            if model:
+                body["model"] = model
+            started = time.perf_counter()
+            async with session.post(f"{base_url}/v1/videos", json=body) as response:
+                job = await response.json()
+            status = response.status
+            while status == 200 and job["status"] in ("queued", "in_progress"):
+                await asyncio.sleep(poll_ms / 1000)
+                async with session.get(f"{base_url}/v1/videos/{job['id']}") as response:
+                    job, status = await response.json(), response.status
+            latency = time.perf_counter() - started
+            result = {"status": status, "latency_s": latency, "videos": 0, "shape": str(shape)}
+            if status == 200 and job["status"] == "completed":
+                result["videos"] = 1
+            elif status == 200:  # the job failed: counted as a failure with its error code
+                result["status"], result["error"] = f"job {job['status']}", job.get("error")
+            else:
+                result["error"] = job.get("error")
+            return result
+
+        send = send_image if task == "image" else send_video
+
+        # Warm-up requests get indices (so seeds) after the measured ones: seeds must be >= 0.
         for i, shape in enumerate(shapes * warmup):
-            await asyncio.gather(*(send(-1 - i - j, shape) for j in range(concurrency or 1)))
+            n = concurrency or 1
+            done = await asyncio.gather(*(send(num_requests + i * n + j, shape) for j in range(n)))
+            if bad := [r for r in done if r["status"] != 200]:
+                raise RuntimeError(f"warm-up request failed: {bad[0]['status']} {bad[0].get('error')}")
 
         before = await scrape(session, base_url)
         peak_rss, stop = [0.0], asyncio.Event()
@@ -122,10 +196,13 @@ async def run_benchmark(
 
         started = time.perf_counter()
         if request_rate:
-            tasks = []
+            # Poisson arrivals on an absolute schedule: a late wake-up does not push back later arrivals.
+            tasks, arrival = [], 0.0
             for i, shape in enumerate(plan):
+                if (delay := started + arrival - time.perf_counter()) > 0:
+                    await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(tracked(i, shape)))
-                await asyncio.sleep(rng.expovariate(request_rate))
+                arrival += rng.expovariate(request_rate)
             await asyncio.gather(*tasks)
         else:
             queue = list(enumerate(plan))[::-1]
@@ -147,22 +224,25 @@ async def run_benchmark(
     def pct(q: float) -> float | None:
         return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 4) if latencies else None
 
+    outputs = "images" if task == "image" else "videos"
     return {
         "base_url": base_url,
+        "task": task,
         "mode": f"rate={request_rate}/s" if request_rate else f"concurrency={concurrency}",
         "shapes": [str(s) for s in shapes],
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "failed_statuses": sorted({r["status"] for r in results if r["status"] != 200}),
+        "failed_statuses": sorted({r["status"] for r in results if r["status"] != 200}, key=str),
+        "errors": [r["error"] for r in results if r.get("error")][:5],
         "duration_s": round(duration, 3),
         "requests_per_s": round(len(ok) / duration, 3),
-        "images_per_s": round(sum(r["images"] for r in ok) / duration, 3),
+        f"{outputs}_per_s": round(sum(r[outputs] for r in ok) / duration, 3),
         "latency_mean_s": round(statistics.fmean(latencies), 4) if latencies else None,
         "latency_p50_s": pct(0.50),
         "latency_p90_s": pct(0.90),
         "latency_p99_s": pct(0.99),
         "latencies_s": [round(x, 5) for x in latencies],
-        "server": server_view(before, after) | {"peak_rss_mb": round(peak_rss[0] / 2**20, 1)},
+        "server": server_view(before, after, task) | {"peak_rss_mb": round(peak_rss[0] / 2**20, 1)},
     }
 
 
@@ -173,7 +253,11 @@ def main() -> None:
     load.add_argument("--concurrency", type=int, help="closed loop with this many clients (default 1)")
     load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals per second")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--shapes", default="32x32:4", help="comma-separated WxH:STEPS[:WEIGHT]")
+    parser.add_argument(
+        "--shapes", default="32x32:4", help="comma-separated WxH:STEPS[:WEIGHT] (video: WxH[xFRAMES]:STEPS[:WEIGHT])"
+    )
+    parser.add_argument("--task", choices=["image", "video"], default="image", help="Images API or Videos API")
+    parser.add_argument("--poll-ms", type=float, default=20.0, help="video: how often a job is polled")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds per shape (not measured)")
     parser.add_argument("--api-key")
     parser.add_argument("--model", help="the request's model field (a served model name)")
@@ -191,6 +275,8 @@ def main() -> None:
             api_key=args.api_key,
             model=args.model,
             seed=args.seed,
+            task=args.task,
+            poll_ms=args.poll_ms,
         )
     )
     emit(result, args.json)

@@ -10,21 +10,26 @@ PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse", "a bl
 
 @dataclass(frozen=True)
 class Shape:
-    """``WxH:STEPS[:WEIGHT]``: image size, denoising steps and (for mixes) a relative weight."""
+    """``WxH[xFRAMES]:STEPS[:WEIGHT]``: image (or video) size, video frames, denoising steps and (for mixes) a
+    relative weight. ``frames`` is for the Videos API only; unset, the model's default frame count is used."""
 
     width: int
     height: int
     steps: int
     weight: float = 1.0
+    frames: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Shape:
         size, steps, *weight = text.split(":")
-        width, height = size.split("x")
-        return cls(int(width), int(height), int(steps), float(weight[0]) if weight else 1.0)
+        width, height, *frames = size.split("x")
+        return cls(
+            int(width), int(height), int(steps), float(weight[0]) if weight else 1.0, int(frames[0]) if frames else None
+        )
 
     def __str__(self) -> str:
-        return f"{self.width}x{self.height}:{self.steps}"
+        frames = f"x{self.frames}" if self.frames is not None else ""
+        return f"{self.width}x{self.height}{frames}:{self.steps}"
 
 
 def emit(result: dict, path: str | None) -> None:

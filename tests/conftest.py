@@ -28,3 +28,36 @@ def tiny_sd(tmp_path_factory) -> str:
 def tiny_wan(tmp_path_factory) -> str:
     """A tiny random-weight WanPipeline (text-to-video) folder, built offline once per test session."""
     return _tiny_model(tmp_path_factory, "wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory) -> str:
+    """A tiny random-weight StableDiffusion3Pipeline folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "sd3")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory) -> str:
+    """A tiny random-weight StableDiffusionXLPipeline folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "sdxl")
+
+
+@pytest.fixture
+def poison_t5():
+    """``poison_t5(pipeline, word)``: a fault injected into a Flux pipeline's real T5 encoder, so that any
+    forward holding ``word`` raises ``RuntimeError("poisoned prompt")``; removed after the test."""
+    handles = []
+
+    def poison(pipeline, word: str) -> None:
+        token = pipeline.tokenizer_2(word, add_special_tokens=False).input_ids[0]
+
+        def fail_on_poison(module, args, kwargs):
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if (input_ids == token).any():
+                raise RuntimeError("poisoned prompt")
+
+        handles.append(pipeline.text_encoder_2.register_forward_pre_hook(fail_on_poison, with_kwargs=True))
+
+    yield poison
+    for handle in handles:
+        handle.remove()

@@ -7,6 +7,8 @@ import pathlib
 import pytest
 
 import vllm_omni
+from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.step_engine import StepEngine
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 from vllm_omni.engine.stage_runtime import StageRuntime
 
@@ -77,7 +79,7 @@ def test_the_alias_name_appears_only_in_the_shim():
     assert offenders == []
 
 
-@pytest.mark.parametrize("cls", [AsyncOmniEngine, StageRuntime])
+@pytest.mark.parametrize("cls", [AsyncOmniEngine, StageRuntime, DiffusionEngine, StepEngine])
 def test_engine_signatures_have_no_batch_size_alias(cls):
     params = inspect.signature(cls.__init__).parameters
     assert not {"diffusion_" + "batch_size", "batch_size"} & set(params)

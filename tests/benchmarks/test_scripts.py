@@ -69,3 +69,30 @@ def test_load_test_fast_variant_loses_nothing(tiny_flux, tmp_path):
     result = json.loads(out.read_text())
     assert result["ok"] and result["answered"] == 100 and result["lost"] == 0 and result["unexpected"] == 0
     assert result["images"] + result["rejected"] == 100 and result["images"] > 0
+
+
+def test_step_batching_quick_writes_rows_per_mode_and_load(tiny_flux, tmp_path):
+    """The smoke configuration, both modes: one row per mode and load, the ratios and the targets."""
+    modes = ["request", "step"]
+    _run(
+        "step_batching.py", "--quick", "--model", tiny_flux, "--families", "flux", "--modes", ",".join(modes),
+        "--name", "smoke", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["config"]["quick"] and result["config"]["modes"] == modes
+    [family] = result["families"]
+    assert family["family"] == "flux" and family["capacity_requests_per_s"] > 0
+    assert set(family["closed_loop"]) == set(modes)
+    assert sorted((r["family"], r["load"], r["mode"]) for r in result["rows"]) == [("flux", 0.8, m) for m in modes]
+    for row in result["rows"]:
+        assert (row["completed"], row["failed"]) == (6, 0) and row["requests_per_s"] > 0
+        assert row["latency_p50_s"] <= row["latency_p90_s"] and row["mean_batch_size"] >= 1
+        assert row["queue_wait_mean_ms"] is not None and row["queue_wait_p90_ms_est"] is not None
+    assert [t["target"] for t in result["targets"]] == [
+        "queue_wait_request_over_step", "throughput_step_over_request", "p90_e2e_step_over_request",
+    ]  # fmt: skip
+    [ratios] = result["ratios"]
+    assert ratios["load"] == 0.8 and all(ratios[t["target"]] > 0 for t in result["targets"])
+    assert all(isinstance(t["pass"], bool) for t in result["targets"])
+    assert (tmp_path / "smoke.md").read_text().startswith("| family | load | mode |")
+    assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -99,3 +99,23 @@ def test_describe_lists_every_knob_with_its_source():
     line = stage.describe()
     assert line.startswith("stage 0 (diffusion): max_num_seqs=4 (python)")
     assert "request_batch_max_wait_ms=0.0 (default)" in line
+
+
+@pytest.mark.parametrize("low,high", list(itertools.combinations(LAYERS, 2)))
+def test_execution_mode_follows_the_same_precedence(low, high):
+    modes = {"deploy_yaml": "step", "python": "request", "stage_override": "step"}
+    given = {layer: modes[layer] for layer in (low, high) if layer != "default"}
+    stage = _resolve(given.get("deploy_yaml"), given.get("python"), given.get("stage_override"), knob="execution_mode")
+    assert (stage.execution_mode, stage.provenance["execution_mode"]) == (modes.get(high, "request"), high)
+
+
+def test_an_admission_wait_with_step_mode_is_refused_naming_both_knobs_and_their_layers():
+    yaml_step = DeployConfig(stages=[StageDeployConfig(execution_mode="step", provenance={})])
+    with pytest.raises(ValueError) as excinfo:
+        resolve_stage_configs(yaml_step, global_knobs={"request_batch_max_wait_ms": 20}, global_source="cli")
+    assert str(excinfo.value) == (
+        "stage 0: --request-batch-max-wait-ms 20 (cli) applies to execution_mode 'request' only, but execution_mode "
+        "is 'step' (deploy_yaml): in step mode requests join the running batch at the next step, so leave it at 0"
+    )
+    fixed = resolve_stage_configs(yaml_step, stage_overrides={0: {"request_batch_max_wait_ms": 0}})[0]
+    assert (fixed.execution_mode, fixed.request_batch_max_wait_ms) == ("step", 0)

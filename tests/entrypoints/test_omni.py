@@ -61,21 +61,10 @@ def test_unseeded_requests_report_their_seed_and_reproduce(omni):
     assert np.abs(_pixels(first.images[0]) - _pixels(again.images[0])).max() <= 2
 
 
-def test_a_failing_request_fails_alone(omni):
+def test_a_failing_request_fails_alone(omni, poison_t5):
     """A fault injected into the real T5 encoder: any batch holding the poisoned word raises."""
-    pipeline = omni.engine.stages[0].engine.runner.pipeline
-    poison = pipeline.tokenizer_2("astronaut", add_special_tokens=False).input_ids[0]
-
-    def fail_on_poison(module, args, kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if (input_ids == poison).any():
-            raise RuntimeError("poisoned prompt")
-
-    handle = pipeline.text_encoder_2.register_forward_pre_hook(fail_on_poison, with_kwargs=True)
-    try:
-        outputs = omni.generate(PROMPTS, _params(seed=0))
-    finally:
-        handle.remove()
+    poison_t5(omni.engine.stages[0].engine.runner.pipeline, "astronaut")
+    outputs = omni.generate(PROMPTS, _params(seed=0))
     failed = [o for o in outputs if o.error]
     assert [o.prompt for o in failed] == [PROMPTS[2]]
     assert "RuntimeError: poisoned prompt" in failed[0].error and failed[0].images == []

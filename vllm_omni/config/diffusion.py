@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 from vllm_omni.config.stage import DType, StageDeployConfig
@@ -26,7 +28,10 @@ class OmniDiffusionConfig(BaseModel):
     """Scheduler capacity: most requests in one batch."""
 
     request_batch_max_wait_ms: float
-    """Admission wait of an idle engine for a fuller batch."""
+    """Admission wait of an idle engine for a fuller batch (request mode only)."""
+
+    execution_mode: Literal["request", "step"]
+    """``request``: one pipeline call per batch; ``step``: one denoiser forward per step, requests join and leave."""
 
     dtype: DType
     """Requested dtype (``auto`` resolved by the runner for its device)."""
@@ -37,11 +42,8 @@ class OmniDiffusionConfig(BaseModel):
     @classmethod
     def from_stage(cls, model: str, stage: StageDeployConfig) -> OmniDiffusionConfig:
         if stage.stage_type != "diffusion":
-            raise ValueError(f"stage {stage.stage_id} has stage_type={stage.stage_type!r}; only 'diffusion' stages run here")
-        if stage.execution_mode != "request":
             raise ValueError(
-                f"stage {stage.stage_id}: execution_mode={stage.execution_mode!r} is not available yet; "
-                "use execution_mode: request"
+                f"stage {stage.stage_id} has stage_type={stage.stage_type!r}; only 'diffusion' stages run here"
             )
         if stage.num_replicas != 1:
             raise ValueError(f"stage {stage.stage_id}: num_replicas={stage.num_replicas} is not available yet; use 1")
@@ -50,6 +52,7 @@ class OmniDiffusionConfig(BaseModel):
             stage_id=stage.stage_id,
             max_num_seqs=stage.max_num_seqs,
             request_batch_max_wait_ms=stage.request_batch_max_wait_ms,
+            execution_mode=stage.execution_mode,
             dtype=stage.dtype,
             devices=stage.devices,
         )

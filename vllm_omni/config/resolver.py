@@ -106,7 +106,20 @@ def resolve_stage_configs(
             for layer_values, layer_sources in layers:
                 if knob in layer_values:
                     values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
+        _check_combination(stage.stage_id, values, provenance)
         resolved.append(
             StageDeployConfig(stage_id=stage.stage_id, stage_type=stage.stage_type, **values, provenance=provenance)
         )
     return resolved
+
+
+def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Mapping[str, Source]) -> None:
+    """Knobs that are valid alone but not together, named as each was written."""
+    if values["execution_mode"] == "step" and values["request_batch_max_wait_ms"] > 0:
+        wait = _knob_name("request_batch_max_wait_ms", provenance["request_batch_max_wait_ms"])
+        mode = _knob_name("execution_mode", provenance["execution_mode"])
+        raise ValueError(
+            f"stage {stage_id}: {wait} {values['request_batch_max_wait_ms']} ({provenance['request_batch_max_wait_ms']}) "
+            f"applies to execution_mode 'request' only, but {mode} is 'step' ({provenance['execution_mode']}): "
+            "in step mode requests join the running batch at the next step, so leave it at 0"
+        )

@@ -34,7 +34,7 @@ class StageDeployConfig(BaseModel):
     """How long an idle stage waits for more compatible requests before it starts a batch that is not full."""
 
     execution_mode: Literal["request", "step"] = "request"
-    """``request``: batches form per request; ``step``: requests join at denoising-step boundaries (not available yet)."""
+    """``request``: a batch runs all its steps together; ``step``: requests join and leave at denoising-step boundaries."""
 
     num_replicas: int = Field(default=1, ge=1)
     """Engine replicas of this stage (more than 1 is not available yet)."""

@@ -1,9 +1,14 @@
-"""The diffusion engine core: ``schedule → run → finish``, one batch per step."""
+"""The diffusion engine core for request mode: ``schedule → run → finish``, one pipeline call per batch.
+
+`make_engine` picks this engine or the step engine (`step_engine.py`) from ``execution_mode``.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,22 +25,93 @@ from vllm_omni.metrics import prometheus as metrics
 
 logger = init_logger(__name__)
 
+T = TypeVar("T")
 
-class DiffusionEngine:
-    def __init__(self, od_config: OmniDiffusionConfig):
+
+def run_isolated(
+    run: Callable[[list[T]], Sequence[Any]],
+    items: list[T],
+    *,
+    what: str,
+    name: Callable[[T], str],
+    on_oom_split: Callable[[], None],
+) -> list[Any]:
+    """``run(items)``, with failures isolated: one result or exception per item.
+
+    Out of memory: split the items in halves and retry each (``on_oom_split`` frees
+    cached memory first). Any other error: run the items one by one, so only an
+    item that fails on its own fails.
+    """
+    try:
+        return list(run(items))
+    except torch.OutOfMemoryError as exc:
+        if len(items) == 1:
+            logger.warning("%s %s ran out of memory alone: %s", what, name(items[0]), exc)
+            return [exc]
+        half = len(items) // 2
+        logger.warning("out of memory with a batch of %d; retrying as %d + %d", len(items), half, len(items) - half)
+        on_oom_split()
+        kwargs = dict(what=what, name=name, on_oom_split=on_oom_split)
+        return run_isolated(run, items[:half], **kwargs) + run_isolated(run, items[half:], **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any pipeline error is isolated to its request below
+        if len(items) == 1:
+            logger.warning("%s %s failed: %s: %s", what, name(items[0]), type(exc).__name__, exc)
+            return [exc]
+        logger.warning(
+            "batch of %d failed (%s: %s); re-running its requests one at a time", len(items), type(exc).__name__, exc
+        )
+        return [run_isolated(run, [item], what=what, name=name, on_oom_split=on_oom_split)[0] for item in items]
+
+
+class EngineCore:
+    """What both execution modes share: the runner, a scheduler, request intake, abort and close.
+
+    A subclass sets its scheduler and implements ``step`` (one scheduling round, then device work).
+    """
+
+    def __init__(self, od_config: OmniDiffusionConfig, scheduler: Scheduler):
         self.od_config = od_config
         self.runner = DiffusionRunner(od_config)
-        self.scheduler = Scheduler(od_config)
+        self.scheduler = scheduler
         self._labels = (str(od_config.stage_id), "video" if self.runner.is_video else "image")
+
+    def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
+        """``params`` with the model's defaults filled in (raises `SamplingParamsError`)."""
+        return self.runner.complete_params(params)
+
+    def batch_key(self, params: OmniDiffusionSamplingParams) -> Hashable | None:
+        """What must match for requests to share a batch; ``None``: the request-mode `BatchKey`."""
+        return None
 
     def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
         """Queue a request; the returned future resolves to its `OmniRequestOutput`."""
-        request = DiffusionRequest.create(request_id, prompt, self.runner.complete_params(params))
+        params = self.complete_params(params)
+        request = DiffusionRequest.create(request_id, prompt, params, key=self.batch_key(params))
         self.scheduler.add(request)
         return request.future
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
+
+    def _on_oom_split(self) -> None:
+        metrics.oom_batch_splits.labels(self._labels[0]).inc()
+        self.runner.release_cached_memory()
+
+    def close(self, reason: str = "the engine is shutting down", *, include_running: bool = False) -> None:
+        """Fail the waiting requests (and the running ones with ``include_running``, when the loop died)."""
+        self.scheduler.close(reason, include_running=include_running)
+
+
+class DiffusionEngine(EngineCore):
+    """Request mode: one pipeline call per batch."""
+
+    def __init__(self, od_config: OmniDiffusionConfig):
+        super().__init__(od_config, Scheduler(od_config))
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether accepted requests are still in the engine (a batch ends within `step`, so never here)."""
+        return False
 
     def step(self, timeout: float | None = None) -> int:
         """Run at most one batch; returns how many requests it held (0 if none was due in ``timeout``)."""
@@ -45,38 +121,28 @@ class DiffusionEngine:
         started = time.monotonic()
         for request in batch:
             metrics.queue_time.labels(*self._labels).observe(started - request.arrival_time)
-        outputs = self._execute(batch, started)
+        outputs = run_isolated(
+            self._run, batch, what="request", name=lambda r: r.request_id, on_oom_split=self._on_oom_split
+        )
+        for request, output in zip(batch, outputs, strict=True):
+            if isinstance(output, OmniRequestOutput):
+                output.metrics["queue_ms"] = (started - request.arrival_time) * 1000.0
         self.scheduler.finish(batch, outputs)
         return len(batch)
 
-    def _execute(self, batch: list[DiffusionRequest], started: float) -> list[OmniRequestOutput | BaseException]:
-        """Run the batch. Out of memory: split it in halves and retry each. Any other error: run its
-        requests one by one, so only the request that fails on its own fails."""
+    def _run(self, batch: list[DiffusionRequest]) -> list[OmniRequestOutput]:
         metrics.batch_size.labels(*self._labels).observe(len(batch))
-        try:
-            with metrics.batch_execution_time.labels(*self._labels).time():
-                outputs: list[OmniRequestOutput | BaseException] = list(self.runner.run(batch))
-        except torch.OutOfMemoryError as exc:
-            if len(batch) == 1:
-                logger.warning("request %s ran out of memory alone: %s", batch[0].request_id, exc)
-                return [exc]
-            half = len(batch) // 2
-            logger.warning("out of memory with a batch of %d; retrying as %d + %d", len(batch), half, len(batch) - half)
-            metrics.oom_batch_splits.labels(self._labels[0]).inc()
-            self.runner.release_cached_memory()
-            return self._execute(batch[:half], started) + self._execute(batch[half:], started)
-        except Exception as exc:  # noqa: BLE001 - any pipeline error is isolated to its request below
-            if len(batch) == 1:
-                logger.warning("request %s failed: %s: %s", batch[0].request_id, type(exc).__name__, exc)
-                return [exc]
-            logger.warning(
-                "batch of %d failed (%s: %s); re-running its requests one at a time",
-                len(batch), type(exc).__name__, exc,
-            )  # fmt: skip
-            return [self._execute([request], started)[0] for request in batch]
-        for request, output in zip(batch, outputs, strict=True):
-            output.metrics["queue_ms"] = (started - request.arrival_time) * 1000.0
-        return outputs
+        with metrics.batch_execution_time.labels(*self._labels).time():
+            return self.runner.run(batch)
 
-    def close(self, reason: str = "the engine is shutting down") -> None:
-        self.scheduler.close(reason)
+    def shutdown(self) -> None:
+        """Release what the engine holds once its loop has stopped: request mode has no workers to stop."""
+
+
+def make_engine(od_config: OmniDiffusionConfig):
+    """The engine for the stage's ``execution_mode``."""
+    if od_config.execution_mode == "step":
+        from vllm_omni.diffusion.step_engine import StepEngine
+
+        return StepEngine(od_config)
+    return DiffusionEngine(od_config)

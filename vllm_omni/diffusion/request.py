@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -114,26 +115,46 @@ class DiffusionRequest:
     prompt: str
     params: OmniDiffusionSamplingParams
     seed: int
-    key: BatchKey
+    key: Hashable
+    """Requests batch together only when their keys are equal: a `BatchKey`, or in step mode the stepper's key."""
     arrival_time: float = field(default_factory=time.monotonic)
+    started_time: float | None = None
+    """When the engine started working on it (step mode: its encoding began)."""
     future: Future = field(default_factory=Future)
     aborted: bool = False
     steps_done: int = 0
-    """Denoising steps finished so far (updated by the pipeline's step callback)."""
+    """Denoising steps finished so far (updated by the pipeline's step callback, or by the step engine)."""
+    total_steps: int | None = None
+    """Denoiser evaluations the request needs, once known (step mode: its own schedule's length)."""
+    state: Any = None
+    """Step mode: the stepper's per-request state once its prompt is encoded; ``None`` before and after."""
+    preparing: bool = False
+    """Step mode: its encoding has been handed to the encode worker."""
+
+    @property
+    def progress(self) -> float:
+        """Fraction of its denoising steps done."""
+        return self.steps_done / (self.total_steps or self.params.num_inference_steps)
 
     @classmethod
-    def create(cls, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> DiffusionRequest:
-        key = BatchKey(
-            height=params.height,
-            width=params.width,
-            num_inference_steps=params.num_inference_steps,
-            guidance_scale=params.guidance_scale,
-            num_outputs_per_prompt=params.num_outputs_per_prompt,
-            num_frames=params.num_frames,
-            fps=params.fps,
-            output_type=params.output_type,
-            has_negative_prompt=params.negative_prompt is not None,
-            extra_args=tuple(sorted((k, repr(v)) for k, v in params.extra_args.items())),
+    def create(
+        cls, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, key: Hashable | None = None
+    ) -> DiffusionRequest:
+        key = (
+            key
+            if key is not None
+            else BatchKey(
+                height=params.height,
+                width=params.width,
+                num_inference_steps=params.num_inference_steps,
+                guidance_scale=params.guidance_scale,
+                num_outputs_per_prompt=params.num_outputs_per_prompt,
+                num_frames=params.num_frames,
+                fps=params.fps,
+                output_type=params.output_type,
+                has_negative_prompt=params.negative_prompt is not None,
+                extra_args=tuple(sorted((k, repr(v)) for k, v in params.extra_args.items())),
+            )
         )
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         return cls(request_id=request_id, prompt=prompt, params=params, seed=seed, key=key)

@@ -97,7 +97,8 @@ class DiffusionRunner:
         started = time.perf_counter()
         self.pipeline = load_pipeline(od_config.model, self.dtype, self.device)
         self.pipeline_name = type(self.pipeline).__name__
-        check_batchable(type(self.pipeline), od_config.max_num_seqs)
+        if od_config.execution_mode == "request":  # step mode batches denoiser forwards, not pipeline calls
+            check_batchable(type(self.pipeline), od_config.max_num_seqs)
         self._call_params = inspect.signature(self.pipeline.__call__).parameters
         self._outputs_arg = next(
             (n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in self._call_params), None

@@ -1,4 +1,7 @@
-"""Request-level batching policy: which waiting requests run together, and when.
+"""Batching policies: which waiting requests run together, and when.
+
+`Scheduler` is the request-level policy (``execution_mode: request``);
+`StepScheduler` the step-level one (``execution_mode: step``, see its docstring).
 
 - Capacity is ``od_config.max_num_seqs`` requests per batch.
 - Only requests with the same `BatchKey` share a batch. The oldest waiting
@@ -16,8 +19,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from concurrent.futures import InvalidStateError
+from dataclasses import dataclass, field
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.request import (
@@ -52,7 +58,7 @@ class Scheduler:
                 if request.request_id == request_id:
                     _fail(self._waiting.pop(i), RequestAbortedError(request_id))
                     return True
-            for request in self._running:
+            for request in self._in_progress():
                 if request.request_id == request_id:
                     request.aborted = True
                     return True
@@ -61,7 +67,7 @@ class Scheduler:
     def state(self, request_id: str) -> tuple[str, DiffusionRequest] | None:
         """``("waiting" | "running", request)`` for a request in flight, else ``None``."""
         with self._cond:
-            for state, requests in (("waiting", self._waiting), ("running", self._running)):
+            for state, requests in (("waiting", self._waiting), ("running", self._in_progress())):
                 for request in requests:
                     if request.request_id == request_id:
                         return state, request
@@ -106,24 +112,155 @@ class Scheduler:
             self._running = []
             self._idle_since = time.monotonic()
         for request, output in zip(batch, outputs, strict=True):
-            if request.aborted:
-                request.future.set_exception(RequestAbortedError(request.request_id))
-            elif isinstance(output, BaseException):
-                request.future.set_exception(RequestFailedError(request.request_id, f"{type(output).__name__}: {output}"))
-            else:
-                request.future.set_result(output)
+            _resolve(request, output)
 
-    def close(self, reason: str) -> None:
-        """Stop scheduling and fail every request still waiting with ``reason``."""
+    def close(self, reason: str, *, include_running: bool = False) -> None:
+        """Stop scheduling and fail every request still waiting with ``reason``; with ``include_running``
+        (the engine loop died) the running ones too."""
         with self._cond:
             self._closed = True
-            waiting, self._waiting = self._waiting, []
+            failed, self._waiting = self._waiting, []
+            if include_running:
+                failed += self._in_progress()
             self._cond.notify_all()
-        for request in waiting:
+        for request in failed:
             _fail(request, RequestFailedError(request.request_id, reason))
+
+    def _in_progress(self) -> list[DiffusionRequest]:
+        """Requests past scheduling and not yet finished."""
+        return list(self._running)
+
+
+def _resolve(request: DiffusionRequest, output: OmniRequestOutput | BaseException) -> None:
+    """Resolve a scheduled request's future: its output, `RequestAbortedError` or `RequestFailedError`."""
+    if request.future.done():  # failed already by `close(include_running=True)`
+        return
+    if request.aborted:
+        request.future.set_exception(RequestAbortedError(request.request_id))
+    elif isinstance(output, BaseException):
+        request.future.set_exception(RequestFailedError(request.request_id, f"{type(output).__name__}: {output}"))
+    else:
+        request.future.set_result(output)
 
 
 def _fail(request: DiffusionRequest, error: RequestFailedError) -> None:
-    """Fail a request that is still waiting, unless its caller has cancelled it already."""
-    if request.future.set_running_or_notify_cancel():
-        request.future.set_exception(error)
+    """Fail a request, unless it is done already or its caller has cancelled it while it waited."""
+    if request.future.done():
+        return
+    if request.future.running() or request.future.set_running_or_notify_cancel():
+        with contextlib.suppress(InvalidStateError):  # resolved meanwhile by another thread
+            request.future.set_exception(error)
+
+
+@dataclass
+class StepPlan:
+    """What the step engine does at one step boundary."""
+
+    to_prepare: list[DiffusionRequest] = field(default_factory=list)
+    """Waiting requests to hand to the encode worker now."""
+    batch: list[DiffusionRequest] = field(default_factory=list)
+    """The running requests: one denoiser forward for all of them."""
+    dropped: list[DiffusionRequest] = field(default_factory=list)
+    """Running requests aborted since the last step; their slots are free again."""
+
+
+class StepScheduler(Scheduler):
+    """Step-level policy: requests join and leave the running batch at denoising-step boundaries.
+
+    - At every boundary, waiting requests whose prompt is encoded join the running
+      batch, oldest first, while it holds fewer than ``max_num_seqs`` requests.
+    - Only requests with the same key share the running batch (what must match
+      inside one forward: size, frames, text length). Steps and guidance may differ.
+    - Fairness: when the oldest waiting request needs another key, the running key
+      stops admitting and drains; the oldest key starts once it is empty. So a
+      request waits at most for the requests that were running when it arrived.
+    - Encoding runs ahead on a worker: at most ``max_num_seqs`` waiting requests are
+      encoded (or being encoded) at a time, oldest first.
+    - An abort of a running request frees its slot at the next boundary; one of a
+      request that is being decoded drops its result.
+    """
+
+    def __init__(self, od_config: OmniDiffusionConfig):
+        super().__init__(od_config)
+        self._finishing: list[DiffusionRequest] = []
+
+    def _in_progress(self) -> list[DiffusionRequest]:
+        return self._running + self._finishing
+
+    @property
+    def has_unfinished(self) -> bool:
+        with self._cond:
+            return bool(self._running or self._finishing)
+
+    def plan(self, timeout: float | None = None) -> StepPlan:
+        """Block until there is work (an encode to start, a batch to step, an abort) and return it.
+
+        With requests running it never blocks: the running batch is stepped at once.
+        """
+        give_up = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._waiting = [r for r in self._waiting if not r.future.cancelled()]
+                plan = StepPlan(dropped=[r for r in self._running if r.aborted])
+                self._running = [r for r in self._running if not r.aborted]
+                self._admit()
+                plan.batch = list(self._running)
+                budget = self.capacity - sum(r.preparing for r in self._waiting)
+                for request in self._waiting:
+                    if budget <= 0:
+                        break
+                    if not request.preparing:
+                        request.preparing = True
+                        plan.to_prepare.append(request)
+                        budget -= 1
+                if plan.to_prepare or plan.batch or plan.dropped or (self._closed and not self._finishing):
+                    return plan
+                wait = None if give_up is None else give_up - time.monotonic()
+                if wait is not None and wait <= 0:
+                    return plan
+                self._cond.wait(wait)
+
+    def _admit(self) -> None:
+        """Move encoded waiting requests into the running batch (the policy of the class docstring)."""
+        if not self._waiting:
+            return
+        key = self._running[0].key if self._running else self._waiting[0].key
+        for request in list(self._waiting):
+            if len(self._running) >= self.capacity or request.key != key or request.state is None:
+                break
+            self._waiting.remove(request)
+            if request.future.set_running_or_notify_cancel():
+                self._running.append(request)
+
+    def prepared(self, request: DiffusionRequest, state) -> bool:
+        """Attach the encoded ``state``; False (and nothing attached) if the request left the queue meanwhile."""
+        with self._cond:
+            if not any(r is request for r in self._waiting):
+                return False
+            request.state = state
+            self._cond.notify_all()
+            return True
+
+    def fail_waiting(self, request: DiffusionRequest, error: BaseException) -> None:
+        """Fail a waiting request on its own (its encoding failed)."""
+        with self._cond:
+            self._waiting = [r for r in self._waiting if r is not request]
+            self._cond.notify_all()
+        _fail(request, RequestFailedError(request.request_id, f"{type(error).__name__}: {error}"))
+
+    def retire(self, requests: list[DiffusionRequest]) -> None:
+        """Denoising is done for ``requests``: they leave the running batch and are decoded."""
+        with self._cond:
+            done = set(map(id, requests))
+            self._running = [r for r in self._running if id(r) not in done]
+            self._finishing += requests
+            self._cond.notify_all()
+
+    def complete(self, request: DiffusionRequest, output: OmniRequestOutput | BaseException) -> None:
+        """Resolve a request that was running or decoding with its output (or error)."""
+        with self._cond:
+            self._running = [r for r in self._running if r is not request]
+            self._finishing = [r for r in self._finishing if r is not request]
+            self._cond.notify_all()
+        request.state = None
+        _resolve(request, output)

@@ -46,7 +46,7 @@ class AsyncOmniEngine:
 
     def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
         """``params`` with the model's defaults filled in, as the request would run (raises `SamplingParamsError`)."""
-        return self.stages[-1].engine.runner.complete_params(params)
+        return self.stages[-1].engine.complete_params(params)
 
     def progress(self, request_id: str) -> tuple[str, float] | None:
         """``(state, fraction of denoising steps done)`` of a request in flight; state is waiting or running."""
@@ -54,7 +54,7 @@ class AsyncOmniEngine:
         if found is None:
             return None
         state, request = found
-        return state, request.steps_done / request.params.num_inference_steps
+        return state, request.progress
 
     @property
     def frame_multiple(self) -> int:

@@ -6,7 +6,7 @@ import threading
 from concurrent.futures import Future
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
-from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.diffusion.engine import make_engine
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -15,21 +15,20 @@ logger = init_logger(__name__)
 
 
 class StageRuntime:
-    """One stage: a `DiffusionEngine` built from the resolved stage config, stepped by a background thread."""
+    """One stage: the diffusion engine of its ``execution_mode``, built from the resolved stage config and
+    stepped by a background thread."""
 
     def __init__(self, model: str, stage_config: StageDeployConfig):
         self.stage_config = stage_config
         self.od_config = OmniDiffusionConfig.from_stage(model, stage_config)
         logger.info("Starting %s", stage_config.describe())
-        self.engine = DiffusionEngine(self.od_config)
+        self.engine = make_engine(self.od_config)
         scheduler, stage = self.engine.scheduler, str(stage_config.stage_id)
         metrics.num_requests_running.labels(stage).set_function(lambda: scheduler.num_running)
         metrics.num_requests_waiting.labels(stage).set_function(lambda: scheduler.num_waiting)
         self._stopping = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._loop, name=f"vllm-omni-stage-{stage_config.stage_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name=f"vllm-omni-stage-{stage_config.stage_id}", daemon=True)
         self._thread.start()
 
     @property
@@ -38,12 +37,14 @@ class StageRuntime:
 
     def _loop(self) -> None:
         try:
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() or self.engine.has_unfinished:
                 self.engine.step()
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request below
+        except BaseException as exc:  # noqa: BLE001 - reported to every request in flight below
             self.error = exc
             logger.exception("stage %d: engine loop died", self.stage_config.stage_id)
-            self.engine.close(f"the engine loop of stage {self.stage_config.stage_id} died: {exc!r}")
+            self.engine.close(
+                f"the engine loop of stage {self.stage_config.stage_id} died: {exc!r}", include_running=True
+            )
 
     def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
         if not self.is_alive:
@@ -54,7 +55,8 @@ class StageRuntime:
         return self.engine.abort(request_id)
 
     def shutdown(self) -> None:
-        """Stop taking requests, fail the waiting ones, let the running batch finish."""
+        """Stop taking requests, fail the waiting ones, let the running ones finish."""
         self._stopping.set()
         self.engine.close()
         self._thread.join()
+        self.engine.shutdown()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from vllm_omni.config import (
     STAGE_KNOBS,
@@ -31,6 +31,7 @@ class OmniBase:
         deploy_config: str | os.PathLike[str] | DeployConfig | None = None,
         max_num_seqs: int | None = None,
         request_batch_max_wait_ms: float | None = None,
+        execution_mode: Literal["request", "step"] | None = None,
         stage_overrides: Mapping[int | str, Mapping[str, Any]] | None = None,
         **engine_kwargs: Any,
     ):
@@ -41,7 +42,12 @@ class OmniBase:
                 f"{type(self).__name__}() got unexpected keyword argument(s) {', '.join(unknown)}; "
                 f"stage knobs are: {', '.join(STAGE_KNOBS)}"
             )
-        given = dict(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=request_batch_max_wait_ms, **engine_kwargs)
+        given = dict(
+            max_num_seqs=max_num_seqs,
+            request_batch_max_wait_ms=request_batch_max_wait_ms,
+            execution_mode=execution_mode,
+            **engine_kwargs,
+        )
         stage_configs = resolve_stage_configs(
             deploy_config,
             global_knobs={k: v for k, v in given.items() if v is not None},

@@ -70,6 +70,12 @@ def test_deploy_yaml_below_the_global_flag_below_stage_overrides(parser, tiny_fl
     assert (stages[0].max_num_seqs, stages[0].provenance["max_num_seqs"]) == (5, "stage_override")
 
 
+def test_execution_mode_flag_resolves_with_cli_provenance(parser, tiny_flux):
+    _, stages, _ = _config(parser, [tiny_flux, "--execution-mode", "step", "--max-num-seqs", "4"])
+    assert (stages[0].execution_mode, stages[0].provenance["execution_mode"]) == ("step", "cli")
+    assert "execution_mode='step' (cli)" in stages[0].describe()
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -84,6 +90,8 @@ def test_deploy_yaml_below_the_global_flag_below_stage_overrides(parser, tiny_fl
         (["--max-waiting-requests", "-1"], r"--max-waiting-requests -1: Input should be greater than or equal to 0"),
         (["--max-num-seqs", "8", "--max-waiting-requests", "4"], r"--max-waiting-requests 4 is below max_num_seqs=8"),
         (["--bogus-flag"], r"unrecognized arguments: --bogus-flag"),
+        (["--execution-mode", "steps"], r"argument --execution-mode: invalid choice: 'steps' \(choose from 'request', 'step'\)"),
+        (["--execution-mode", "step", "--request-batch-max-wait-ms", "5"], r"applies to execution_mode 'request' only"),
     ],
 )
 def test_bad_flags_fail_naming_the_flag(parser, tiny_flux, capsys, argv, message):

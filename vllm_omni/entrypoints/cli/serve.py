@@ -88,6 +88,11 @@ def make_serve_parser(prog: str):
         help="How long an idle stage waits for more compatible requests before it starts a batch that is not full.",
     )  # fmt: skip
     omni.add_argument(
+        "--execution-mode", choices=["request", "step"],
+        help="request: a batch runs all its denoising steps together (default). step: requests join and leave "
+        "the running batch at every denoising step (lower queue wait; see docs/configuration.md).",
+    )  # fmt: skip
+    omni.add_argument(
         "--stage-overrides", type=_stage_overrides, metavar="JSON",
         help='Per-stage knobs that beat every other layer, e.g. \'{"0": {"max_num_seqs": 8}}\'.',
     )  # fmt: skip
@@ -130,6 +135,7 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
     given = dict(
         max_num_seqs=args.max_num_seqs,
         request_batch_max_wait_ms=args.request_batch_max_wait_ms,
+        execution_mode=args.execution_mode,
         dtype=_VLLM_DTYPES.get(args.dtype, args.dtype) if "dtype" in explicit else None,
     )
     try:

@@ -1,0 +1,160 @@
+"""Steppers against the stock pipeline: requests that join a running batch at different step indices end
+with the image (or video) the stock pipeline makes for them alone, within 2/255."""
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.steppers import SUPPORTED_PIPELINES, make_stepper
+
+pytestmark = pytest.mark.slow
+
+CPU = torch.device("cpu")
+
+
+def _load(path: str, scheduler: str | None = None):
+    pipeline = DiffusionPipeline.from_pretrained(path, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    if scheduler is not None:
+        pipeline.scheduler = getattr(diffusers, scheduler).from_config(pipeline.scheduler.config)
+    return pipeline
+
+
+def _params(**kwargs) -> OmniDiffusionSamplingParams:
+    return OmniDiffusionSamplingParams(output_type="np", **kwargs)
+
+
+def _run_joined(stepper, script):
+    """``script``: (engine step to join at, name, prompt, params, seed). One forward per engine step over all
+    running requests, as the step engine does. Returns each request's outputs and the largest forward."""
+    pending = sorted(script, key=lambda entry: entry[0])
+    running, outputs, largest, step = [], {}, 0, 0
+    with torch.inference_mode():
+        while pending or running:
+            while pending and pending[0][0] <= step:
+                _, name, prompt, params, seed = pending.pop(0)
+                running.append((name, stepper.prepare(prompt, params, seed)))
+            states = [state for _, state in running]
+            largest = max(largest, len(states))
+            stepper.advance(states, stepper.predict(states))
+            finished = [(name, state) for name, state in running if state.done]
+            if finished:
+                decoded = stepper.decode([state for _, state in finished])
+                outputs.update({name: items for (name, _), items in zip(finished, decoded, strict=True)})
+            running = [(name, state) for name, state in running if not state.done]
+            step += 1
+    return outputs, largest
+
+
+def _stock(pipeline, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> np.ndarray:
+    """The stock pipeline, this request alone, called as the request-mode runner calls it."""
+    n = params.num_outputs_per_prompt
+    kwargs = dict(
+        prompt=prompt, height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale, output_type="np",
+        generator=[torch.Generator("cpu").manual_seed(seed)] * n,
+        **params.extra_args,
+    )  # fmt: skip
+    if params.negative_prompt is not None:
+        kwargs["negative_prompt"] = params.negative_prompt
+    if params.num_frames is not None:
+        return np.asarray(pipeline(**kwargs, num_frames=params.num_frames, num_videos_per_prompt=n).frames)
+    return np.asarray(pipeline(**kwargs, num_images_per_prompt=n).images)
+
+
+def _check(pipeline, script) -> None:
+    stepper = make_stepper(pipeline, CPU)
+    outputs, largest = _run_joined(stepper, script)
+    assert largest >= 3, "the script should make requests share forwards"
+    for _, name, prompt, params, seed in script:
+        got = np.asarray(outputs[name], dtype=np.float64)
+        want = _stock(pipeline, prompt, params, seed)
+        assert got.shape == want.shape, name
+        worst = np.abs(np.round(got * 255) - np.round(want * 255)).max()
+        assert worst <= 2, f"{name}: worst pixel difference {worst}/255 against the stock pipeline alone"
+
+
+def test_flux_joins_at_different_steps(tiny_flux):
+    size = {"height": 64, "width": 64}
+    _check(
+        _load(tiny_flux),
+        [
+            (0, "A", "a photo of a cat", _params(num_inference_steps=8, guidance_scale=3.5, **size), 1),
+            (3, "B", "a red car", _params(num_inference_steps=6, guidance_scale=3.5, **size), 2),
+            (3, "C", "a blue house", _params(
+                num_inference_steps=8, guidance_scale=3.5, negative_prompt="a dog",
+                extra_args={"true_cfg_scale": 2.0}, **size), 3),  # fmt: skip
+            (5, "D", "a small tree", _params(
+                num_inference_steps=4, guidance_scale=3.5, num_outputs_per_prompt=2, **size), 4),  # fmt: skip
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [None, "DDIMScheduler", "DPMSolverMultistepScheduler", "EulerAncestralDiscreteScheduler",
+     "UniPCMultistepScheduler"],  # fmt: skip
+)
+def test_stable_diffusion_schedulers_keep_their_semantics(tiny_sd, scheduler):
+    """None is the model's own Euler; DPM++ and UniPC keep multistep history, Euler-a draws noise every step."""
+    size = {"height": 64, "width": 64}
+    _check(
+        _load(tiny_sd, scheduler),
+        [
+            (0, "A", "a photo of a cat", _params(
+                num_inference_steps=6, guidance_scale=7.5, negative_prompt="a dog", **size), 1),  # fmt: skip
+            (2, "B", "a red car", _params(num_inference_steps=5, guidance_scale=1.0, **size), 2),  # no CFG: 1 row
+            (3, "C", "a blue house", _params(num_inference_steps=6, guidance_scale=4.0, **size), 3),
+        ],
+    )
+
+
+def test_wan_videos_join_at_different_steps(tiny_wan):
+    video = {"height": 32, "width": 32, "num_frames": 5}
+    _check(
+        _load(tiny_wan),
+        [
+            (0, "A", "a photo of a cat", _params(num_inference_steps=6, guidance_scale=5.0, **video), 1),
+            (2, "B", "a red car", _params(num_inference_steps=4, guidance_scale=1.0, **video), 2),
+            (2, "C", "a blue house", _params(
+                num_inference_steps=6, guidance_scale=3.0, negative_prompt="a dog", **video), 3),  # fmt: skip
+        ],
+    )
+
+
+@pytest.mark.parametrize("family", ["tiny_sd3", "tiny_sdxl"])
+def test_sd3_and_sdxl_join_at_different_steps(family, request):
+    size = {"height": 64, "width": 64}
+    _check(
+        _load(request.getfixturevalue(family)),
+        [
+            (0, "A", "a photo of a cat", _params(num_inference_steps=6, guidance_scale=5.0, **size), 1),
+            (2, "B", "a red car", _params(num_inference_steps=5, guidance_scale=1.0, **size), 2),
+            (3, "C", "a blue house", _params(
+                num_inference_steps=4, guidance_scale=3.0, negative_prompt="a dog", **size), 3),  # fmt: skip
+        ],
+    )
+
+
+def test_keys_separate_what_cannot_share_a_forward(tiny_flux):
+    stepper = make_stepper(_load(tiny_flux), CPU)
+    base = _params(height=64, width=64, num_inference_steps=4, guidance_scale=3.5)
+    assert stepper.key(base) == stepper.key(base.model_copy(update={"num_inference_steps": 20, "guidance_scale": 7.0}))
+    assert stepper.key(base) != stepper.key(base.model_copy(update={"width": 32}))
+    assert stepper.key(base) != stepper.key(base.model_copy(update={"extra_args": {"max_sequence_length": 128}}))
+
+
+def test_unsupported_pipelines_and_arguments_are_refused(tiny_sd):
+    pipeline = _load(tiny_sd)
+    img2img = diffusers.StableDiffusionImg2ImgPipeline(**pipeline.components)
+    with pytest.raises(ValueError, match="does not support StableDiffusionImg2ImgPipeline") as excinfo:
+        make_stepper(img2img, CPU)
+    assert all(name in str(excinfo.value) for name in SUPPORTED_PIPELINES)
+    assert "--execution-mode request" in str(excinfo.value)
+    stepper = make_stepper(pipeline, CPU)
+    expected = r"'clip_skip' is not supported .* \(supported: eta, guidance_rescale\)"
+    with pytest.raises(SamplingParamsError, match=expected):
+        stepper.check_params(_params(extra_args={"clip_skip": 1}))

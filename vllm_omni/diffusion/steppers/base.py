@@ -1,0 +1,167 @@
+"""What step mode needs from a model family: a `Stepper` turns a request into denoising state and runs one
+denoising step for many requests at once.
+
+The engine never calls the pipeline's ``__call__`` in step mode: it keeps state on the pipeline object
+(``_guidance_scale``, ``_interrupt``, the shared scheduler) that requests at different steps cannot share.
+Each request gets its own scheduler instance and its own generator instead, so multistep history (DPM++,
+UniPC), second-order schedulers (Heun) and ancestral noise behave as in a run of the stock pipeline alone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
+
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
+
+
+@dataclass(eq=False)
+class StepState:
+    """One request's denoising state between steps."""
+
+    params: OmniDiffusionSamplingParams
+    """Its complete sampling parameters."""
+    latents: torch.Tensor
+    """``[n, ...]``: the latents of its ``n = num_outputs_per_prompt`` outputs."""
+    scheduler: Any
+    """Its own scheduler instance: timesteps, sigmas, multistep history."""
+    timesteps: torch.Tensor
+    """Its schedule; one engine step is one entry (second-order schedulers list ``2N - 1``)."""
+    cond: dict[str, torch.Tensor]
+    """Per-row denoiser inputs of its conditional rows, each ``[n, ...]``."""
+    uncond: dict[str, torch.Tensor] | None
+    """The same for its unconditional rows when it uses classifier-free guidance, else ``None``."""
+    shared: dict[str, Any]
+    """Denoiser inputs shared by a whole forward; equal for every request of a batch key (e.g. position ids)."""
+    guidance: float = 1.0
+    """Scale that combines the unconditional and conditional predictions."""
+    guidance_rescale: float = 0.0
+    """``guidance_rescale`` of the stock SD pipelines (0: off)."""
+    step_kwargs: dict[str, Any] | None = None
+    """Further arguments of its scheduler's ``step`` (``generator``, ``eta``)."""
+    step: int = 0
+    """Index of its next timestep."""
+    forwards: int = 0
+    """Engine steps it took part in."""
+    batch_total: int = 0
+    """Sum over those steps of the requests in the forward (for its mean batch size)."""
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        return self.timesteps[self.step]
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.timesteps)
+
+
+def generators_for(seed: int, n: int) -> list[torch.Generator]:
+    """The request's CPU generator, once per output: what the request-mode runner passes, so both modes draw
+    the same noise for the same seed."""
+    return [torch.Generator("cpu").manual_seed(seed)] * n
+
+
+def fresh_scheduler(pipeline) -> Any:
+    """A scheduler of the pipeline's class and config that belongs to one request only."""
+    return type(pipeline.scheduler).from_config(pipeline.scheduler.config)
+
+
+class Stepper:
+    """Per-family adapter; `predict` (one forward for many requests) is shared by all families."""
+
+    pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    """Pipeline class names this stepper serves (exact names: variants such as img2img are not covered)."""
+    extra_args: ClassVar[frozenset[str]] = frozenset()
+    """``extra_args`` keys it honours; any other key is refused in step mode."""
+
+    def __init__(self, pipeline, device: torch.device):
+        self.pipeline = pipeline
+        self.device = device
+
+    @classmethod
+    def check_pipeline(cls, pipeline) -> None:
+        """Raise ValueError for a configuration of a supported class that step mode cannot run."""
+
+    def check_params(self, params: OmniDiffusionSamplingParams) -> None:
+        for arg in params.extra_args:
+            if arg not in self.extra_args:
+                supported = ", ".join(sorted(self.extra_args)) or "none"
+                raise SamplingParamsError(
+                    "extra_args",
+                    f"extra_args key {arg!r} is not supported by {type(self.pipeline).__name__} in execution_mode "
+                    f"'step' (supported: {supported}); use execution_mode 'request' for it",
+                )
+
+    def key(self, params: OmniDiffusionSamplingParams) -> tuple:
+        """What must be equal for requests to share one forward."""
+        raise NotImplementedError
+
+    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        """Encode the prompt, draw the initial noise and set up the request's own schedule."""
+        raise NotImplementedError
+
+    def model_input(self, state: StepState) -> torch.Tensor:
+        """The denoiser input of the request's rows at its current step."""
+        return state.latents
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
+        """One denoiser call on ``x`` with a per-row timestep ``t``."""
+        raise NotImplementedError
+
+    def decode(self, states: list[StepState]) -> list[list[Any]]:
+        """Each request's ``n`` outputs (images, or videos as frame lists) from its final latents."""
+        raise NotImplementedError
+
+    def predict(self, states: list[StepState]) -> list[torch.Tensor]:
+        """One forward over every row of ``states``; each request's guided prediction. Changes no state."""
+        inputs, timesteps, rows, spans = [], [], defaultdict(list), []
+        start = 0
+        for state in states:
+            x = self.model_input(state)
+            groups = (state.cond,) if state.uncond is None else (state.uncond, state.cond)  # stock order
+            spans.append((start, len(x)))
+            for group in groups:
+                inputs.append(x)
+                timesteps.append(state.timestep.expand(len(x)))
+                for name, value in group.items():
+                    rows[name].append(value)
+                start += len(x)
+        output = self.forward(
+            torch.cat(inputs), torch.cat(timesteps), {k: torch.cat(v) for k, v in rows.items()}, states[0].shared
+        )
+        predictions = []
+        for state, (begin, n) in zip(states, spans, strict=True):
+            if state.uncond is None:
+                predictions.append(output[begin : begin + n])
+                continue
+            uncond, cond = output[begin : begin + n], output[begin + n : begin + 2 * n]
+            prediction = uncond + state.guidance * (cond - uncond)
+            if state.guidance_rescale > 0.0:
+                prediction = rescale_noise_cfg(prediction, cond, guidance_rescale=state.guidance_rescale)
+            predictions.append(prediction)
+        return predictions
+
+    def advance(self, states: list[StepState], predictions: list[torch.Tensor]) -> None:
+        """Move each request one step along its own schedule."""
+        for state, prediction in zip(states, predictions, strict=True):
+            state.latents = state.scheduler.step(
+                prediction, state.timestep, state.latents, **(state.step_kwargs or {}), return_dict=False
+            )[0]
+            state.step += 1
+
+    def postprocess_images(self, images: torch.Tensor, states: list[StepState], **kwargs) -> list[list[Any]]:
+        """Split a decoded batch per request and convert each to its ``output_type``."""
+        outputs, start = [], 0
+        for state in states:
+            n = len(state.latents)
+            extra = {k: v[start : start + n] for k, v in kwargs.items()}
+            chunk = images[start : start + n]
+            outputs.append(
+                list(self.pipeline.image_processor.postprocess(chunk, output_type=state.params.output_type, **extra))
+            )
+            start += n
+        return outputs

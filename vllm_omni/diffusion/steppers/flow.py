@@ -1,0 +1,237 @@
+"""Flow-matching DiTs (Flux, SD3, Wan): per-request schedules, one forward, a vectorised Euler update.
+
+``FlowMatchEulerDiscreteScheduler.step`` is ``x + (σ_next − σ)·v``; `FlowMatchStepper.advance` does it for
+the whole batch at once with each request's own σ pair, with the scheduler's exact dtype steps. Any other
+scheduler (UniPC-flow, stochastic sampling) keeps a per-request ``scheduler.step``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.diffusion.steppers.base import Stepper, StepState, fresh_scheduler, generators_for
+
+
+class FlowMatchStepper(Stepper):
+    """What Flux, SD3 and Wan share: the denoiser is ``pipeline.transformer``, the update is flow-matching Euler."""
+
+    extra_args = frozenset({"max_sequence_length"})
+
+    def __init__(self, pipeline, device: torch.device):
+        super().__init__(pipeline, device)
+        self.transformer = pipeline.transformer
+        config = pipeline.scheduler.config
+        self.vectorised = type(pipeline.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and not config.get(
+            "stochastic_sampling", False
+        )
+        self._default_text_length = inspect.signature(pipeline.__call__).parameters["max_sequence_length"].default
+
+    def max_sequence_length(self, params: OmniDiffusionSamplingParams) -> int:
+        """Text length every prompt is padded to (no mask reaches the denoiser, so it is part of the key)."""
+        return int(params.extra_args.get("max_sequence_length", self._default_text_length))
+
+    def key(self, params: OmniDiffusionSamplingParams) -> tuple:
+        return (params.height, params.width, params.num_frames, self.max_sequence_length(params))
+
+    def advance(self, states: list[StepState], predictions: list[torch.Tensor]) -> None:
+        if not self.vectorised:
+            return super().advance(states, predictions)
+        v = torch.cat(predictions)
+        dt = torch.cat(
+            [(s.scheduler.sigmas[s.step + 1] - s.scheduler.sigmas[s.step]).expand(len(s.latents)) for s in states]
+        ).view(-1, *[1] * (v.dim() - 1))
+        x = torch.cat([s.latents.float() for s in states])
+        # As the scheduler does it: the 0-d σ difference times v rounds to v's dtype, the sum is float32,
+        # the result is cast to v's dtype.
+        updated = (x + (dt.to(v.device) * v.float()).to(v.dtype)).to(v.dtype)
+        start = 0
+        for state in states:
+            n = len(state.latents)
+            state.latents = updated[start : start + n]
+            state.step += 1
+            start += n
+
+
+class FluxStepper(FlowMatchStepper):
+    """FLUX.1 (schnell- and dev-like): guidance is a per-row denoiser input; true CFG adds negative rows."""
+
+    pipeline_classes = ("FluxPipeline",)
+    extra_args = frozenset({"max_sequence_length", "true_cfg_scale"})
+
+    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        p, n, steps = self.pipeline, params.num_outputs_per_prompt, params.num_inference_steps
+        msl = self.max_sequence_length(params)
+
+        def encode(text: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+            embeds, pooled, text_ids = p.encode_prompt(
+                prompt=text, prompt_2=None, device=self.device, num_images_per_prompt=n, max_sequence_length=msl
+            )
+            return {"encoder_hidden_states": embeds, "pooled_projections": pooled}, text_ids
+
+        cond, text_ids = encode(prompt)
+        true_cfg = float(params.extra_args.get("true_cfg_scale", 1.0))
+        uncond = encode(params.negative_prompt)[0] if true_cfg > 1 and params.negative_prompt is not None else None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full([n], params.guidance_scale, device=self.device, dtype=torch.float32)
+            for group in filter(None, (cond, uncond)):
+                group["guidance"] = guidance
+        latents, image_ids = p.prepare_latents(
+            n, self.transformer.config.in_channels // 4, params.height, params.width,
+            cond["encoder_hidden_states"].dtype, self.device, generators_for(seed, n),
+        )  # fmt: skip
+        scheduler = fresh_scheduler(p)
+        config = scheduler.config
+        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / steps, steps)
+        mu = calculate_shift(
+            latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+        )  # fmt: skip
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return StepState(
+            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond, uncond=uncond,
+            shared={"txt_ids": text_ids, "img_ids": image_ids}, guidance=true_cfg,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=x,
+            timestep=t.to(x.dtype) / 1000,
+            guidance=rows.get("guidance"),
+            pooled_projections=rows["pooled_projections"],
+            encoder_hidden_states=rows["encoder_hidden_states"],
+            txt_ids=shared["txt_ids"],
+            img_ids=shared["img_ids"],
+            return_dict=False,
+        )[0]
+
+    def decode(self, states: list[StepState]) -> list[list[Any]]:
+        p, vae = self.pipeline, self.pipeline.vae
+        latents = torch.cat(
+            [p._unpack_latents(s.latents, s.params.height, s.params.width, p.vae_scale_factor) for s in states]
+        )
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        return self.postprocess_images(vae.decode(latents, return_dict=False)[0], states)
+
+
+class SD3Stepper(FlowMatchStepper):
+    """Stable Diffusion 3 / 3.5: CFG rows in the stock ``[uncond, cond]`` order."""
+
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+
+    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        p, n = self.pipeline, params.num_outputs_per_prompt
+        cfg = params.guidance_scale > 1
+        embeds, negative_embeds, pooled, negative_pooled = p.encode_prompt(
+            prompt=prompt, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=n,
+            do_classifier_free_guidance=cfg, negative_prompt=params.negative_prompt,
+            max_sequence_length=self.max_sequence_length(params),
+        )  # fmt: skip
+        latents = p.prepare_latents(
+            n, self.transformer.config.in_channels, params.height, params.width, embeds.dtype, self.device,
+            generators_for(seed, n),
+        )  # fmt: skip
+        scheduler = fresh_scheduler(p)
+        config, kwargs = scheduler.config, {}
+        if config.get("use_dynamic_shifting", None):
+            patch = self.transformer.config.patch_size
+            seq_len = (latents.shape[2] // patch) * (latents.shape[3] // patch)
+            kwargs["mu"] = calculate_shift(
+                seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5), config.get("max_shift", 1.16),
+            )  # fmt: skip
+        timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
+        return StepState(
+            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps,
+            cond={"encoder_hidden_states": embeds, "pooled_projections": pooled},
+            uncond={"encoder_hidden_states": negative_embeds, "pooled_projections": negative_pooled} if cfg else None,
+            shared={}, guidance=params.guidance_scale,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=x,
+            timestep=t,
+            encoder_hidden_states=rows["encoder_hidden_states"],
+            pooled_projections=rows["pooled_projections"],
+            return_dict=False,
+        )[0]
+
+    def decode(self, states: list[StepState]) -> list[list[Any]]:
+        vae = self.pipeline.vae
+        latents = torch.cat([s.latents for s in states])
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        return self.postprocess_images(vae.decode(latents, return_dict=False)[0], states)
+
+
+class WanStepper(FlowMatchStepper):
+    """Wan 2.1-style text-to-video. The stock pipeline runs cond and uncond as two forwards; here they are rows
+    of one forward (equal up to batching arithmetic)."""
+
+    pipeline_classes = ("WanPipeline",)
+
+    @classmethod
+    def check_pipeline(cls, pipeline) -> None:
+        if pipeline.config.get("boundary_ratio") is not None or getattr(pipeline, "transformer_2", None) is not None:
+            raise ValueError(
+                "execution_mode 'step' does not support two-expert Wan pipelines (boundary_ratio / transformer_2): "
+                "requests on either side of the boundary need different weights; use execution_mode 'request'"
+            )
+        if pipeline.config.get("expand_timesteps"):
+            raise ValueError(
+                "execution_mode 'step' does not support Wan pipelines with expand_timesteps (per-token timesteps); "
+                "use execution_mode 'request'"
+            )
+
+    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        p, n = self.pipeline, params.num_outputs_per_prompt
+        cfg = params.guidance_scale > 1
+        embeds, negative_embeds = p.encode_prompt(
+            prompt=prompt, negative_prompt=params.negative_prompt, do_classifier_free_guidance=cfg,
+            num_videos_per_prompt=n, max_sequence_length=self.max_sequence_length(params), device=self.device,
+        )  # fmt: skip
+        dtype = self.transformer.dtype
+        scheduler = fresh_scheduler(p)
+        scheduler.set_timesteps(params.num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        latents = p.prepare_latents(
+            n, self.transformer.config.in_channels, params.height, params.width, params.num_frames, torch.float32,
+            self.device, generators_for(seed, n),
+        )  # fmt: skip
+        return StepState(
+            params=params, latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps,
+            cond={"encoder_hidden_states": embeds.to(dtype)},
+            uncond={"encoder_hidden_states": negative_embeds.to(dtype)} if cfg else None,
+            shared={}, guidance=params.guidance_scale,
+        )  # fmt: skip
+
+    def model_input(self, state: StepState) -> torch.Tensor:
+        return state.latents.to(self.transformer.dtype)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=x, timestep=t, encoder_hidden_states=rows["encoder_hidden_states"], return_dict=False
+        )[0]
+
+    def decode(self, states: list[StepState]) -> list[list[Any]]:
+        vae = self.pipeline.vae
+        latents = torch.cat([s.latents for s in states]).to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        videos = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
+        outputs, start = [], 0
+        for state in states:
+            n = len(state.latents)
+            chunk = self.pipeline.video_processor.postprocess_video(
+                videos[start : start + n], output_type=state.params.output_type
+            )
+            outputs.append([list(video) for video in chunk])
+            start += n
+        return outputs

@@ -1,0 +1,110 @@
+"""UNet pipelines (Stable Diffusion 1.x/2.x and SDXL): each request's own scheduler steps its own latents.
+
+Any diffusers scheduler keeps its exact semantics this way (DDIM, Euler, Euler-ancestral, DPM++, UniPC,
+Heun): ``scale_model_input`` and ``step`` run per request on its own instance and generator; only the UNet
+forward is shared, with a per-row timestep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.diffusion.steppers.base import Stepper, StepState, fresh_scheduler, generators_for
+
+
+class UNetStepper(Stepper):
+    pipeline_classes = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
+    extra_args = frozenset({"eta", "guidance_rescale"})
+
+    def __init__(self, pipeline, device: torch.device):
+        super().__init__(pipeline, device)
+        self.unet = pipeline.unet
+        self.xl = type(pipeline).__name__ == "StableDiffusionXLPipeline"
+        vae = pipeline.vae
+        if vae.dtype == torch.float16 and vae.config.get("force_upcast", False):
+            vae.to(torch.float32)  # what the stock SDXL call does around each decode, once for good
+
+    @classmethod
+    def check_pipeline(cls, pipeline) -> None:
+        if pipeline.unet.config.time_cond_proj_dim is not None:
+            raise ValueError(
+                "execution_mode 'step' does not support UNets with a guidance embedding (time_cond_proj_dim, "
+                "e.g. LCM); use execution_mode 'request'"
+            )
+
+    def key(self, params: OmniDiffusionSamplingParams) -> tuple:
+        return (params.height, params.width)  # CLIP pads every prompt to 77 tokens
+
+    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        p, n = self.pipeline, params.num_outputs_per_prompt
+        cfg = params.guidance_scale > 1
+        if self.xl:
+            embeds, negative_embeds, pooled, negative_pooled = p.encode_prompt(
+                prompt=prompt, device=self.device, num_images_per_prompt=n, do_classifier_free_guidance=cfg,
+                negative_prompt=params.negative_prompt,
+            )  # fmt: skip
+            projection_dim = (
+                int(pooled.shape[-1]) if p.text_encoder_2 is None else p.text_encoder_2.config.projection_dim
+            )
+            size = (params.height, params.width)
+            time_ids = p._get_add_time_ids(
+                size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection_dim
+            ).to(self.device).repeat(n, 1)  # fmt: skip
+            cond = {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": time_ids}
+            uncond = {"encoder_hidden_states": negative_embeds, "text_embeds": negative_pooled, "time_ids": time_ids}
+        else:
+            embeds, negative_embeds = p.encode_prompt(prompt, self.device, n, cfg, params.negative_prompt)
+            cond, uncond = {"encoder_hidden_states": embeds}, {"encoder_hidden_states": negative_embeds}
+        scheduler = fresh_scheduler(p)
+        timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device)
+        if self.xl and hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        generators = generators_for(seed, n)
+        shape = (
+            n,
+            self.unet.config.in_channels,
+            params.height // p.vae_scale_factor,
+            params.width // p.vae_scale_factor,
+        )
+        # The request's own init_noise_sigma: the pipeline's prepare_latents reads the shared scheduler's.
+        latents = randn_tensor(shape, generator=generators, device=self.device, dtype=embeds.dtype)
+        latents = latents * scheduler.init_noise_sigma
+        return StepState(
+            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond,
+            uncond=uncond if cfg else None, shared={}, guidance=params.guidance_scale,
+            guidance_rescale=float(params.extra_args.get("guidance_rescale", 0.0)),
+            step_kwargs=p.prepare_extra_step_kwargs(generators, float(params.extra_args.get("eta", 0.0))),
+        )  # fmt: skip
+
+    def model_input(self, state: StepState) -> torch.Tensor:
+        return state.scheduler.scale_model_input(state.latents, state.timestep)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
+        added = {"text_embeds": rows["text_embeds"], "time_ids": rows["time_ids"]} if self.xl else None
+        return self.unet(
+            x, t, encoder_hidden_states=rows["encoder_hidden_states"], added_cond_kwargs=added, return_dict=False
+        )[0]
+
+    def decode(self, states: list[StepState]) -> list[list[Any]]:
+        p, vae = self.pipeline, self.pipeline.vae
+        latents = torch.cat([s.latents for s in states]).to(vae.dtype)
+        mean, std = vae.config.get("latents_mean"), vae.config.get("latents_std")
+        if mean is not None and std is not None:
+            channels = latents.shape[1]
+            mean = torch.tensor(mean).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        images = vae.decode(latents, return_dict=False)[0]
+        if getattr(p, "watermark", None) is not None:
+            images = p.watermark.apply_watermark(images)
+        if getattr(p, "safety_checker", None) is None:
+            return self.postprocess_images(images, states)
+        images, nsfw = p.run_safety_checker(images, self.device, latents.dtype)
+        return self.postprocess_images(images, states, do_denormalize=[not flagged for flagged in nsfw])
