@@ -3,11 +3,12 @@
 from vllm_omni.config.diffusion import OmniDiffusionConfig
 from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.resolver import resolve_stage_configs
-from vllm_omni.config.stage import STAGE_KNOBS, DeployConfig, Source, StageDeployConfig
+from vllm_omni.config.stage import STAGE_KNOBS, DeployConfig, ExecutionMode, Source, StageDeployConfig
 
 __all__ = [
     "STAGE_KNOBS",
     "DeployConfig",
+    "ExecutionMode",
     "OmniDiffusionConfig",
     "Source",
     "StageDeployConfig",

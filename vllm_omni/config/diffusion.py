@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict
 
-from vllm_omni.config.stage import DType, StageDeployConfig
+from vllm_omni.config.stage import DType, ExecutionMode, StageDeployConfig
 
 
 class OmniDiffusionConfig(BaseModel):
@@ -30,7 +28,7 @@ class OmniDiffusionConfig(BaseModel):
     request_batch_max_wait_ms: float
     """Admission wait of an idle engine for a fuller batch (request mode only)."""
 
-    execution_mode: Literal["request", "step"]
+    execution_mode: ExecutionMode
     """``request``: one pipeline call per batch; ``step``: one denoiser forward per step, requests join and leave."""
 
     dtype: DType

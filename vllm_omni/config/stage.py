@@ -15,6 +15,9 @@ Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "l
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
+ExecutionMode = Literal["request", "step"]
+"""How a stage batches: whole requests, or requests joining and leaving at denoising steps."""
+
 
 class StageDeployConfig(BaseModel):
     """Deploy settings of one stage; the field defaults are the built-in defaults (layer 1)."""
@@ -33,7 +36,7 @@ class StageDeployConfig(BaseModel):
     request_batch_max_wait_ms: float = Field(default=0.0, ge=0.0)
     """How long an idle stage waits for more compatible requests before it starts a batch that is not full."""
 
-    execution_mode: Literal["request", "step"] = "request"
+    execution_mode: ExecutionMode = "request"
     """``request``: a batch runs all its steps together; ``step``: requests join and leave at denoising-step boundaries."""
 
     num_replicas: int = Field(default=1, ge=1)

@@ -174,8 +174,8 @@ class StepScheduler(Scheduler):
     - Fairness: when the oldest waiting request needs another key, the running key
       stops admitting and drains; the oldest key starts once it is empty. So a
       request waits at most for the requests that were running when it arrived.
-    - Encoding runs ahead on a worker: at most ``max_num_seqs`` waiting requests are
-      encoded (or being encoded) at a time, oldest first.
+    - Encoding runs ahead of admission: at most ``max_num_seqs`` waiting requests
+      are encoded (or being encoded) at a time, oldest first.
     - An abort of a running request frees its slot at the next boundary; one of a
       request that is being decoded drops its result.
     """

@@ -113,7 +113,7 @@ class StepEngine(EngineCore):
             request.steps_done = request.state.step
 
     def _prepare(self, request: DiffusionRequest) -> None:
-        """Encode worker: the request's prompt embeddings, noise and schedule."""
+        """The request's prompt embeddings, noise and schedule (on the encode worker, where there is one)."""
         request.started_time = time.monotonic()
         metrics.queue_time.labels(*self._labels).observe(request.started_time - request.arrival_time)
         try:
@@ -127,7 +127,7 @@ class StepEngine(EngineCore):
         self.scheduler.prepared(request, state)  # dropped if aborted, cancelled or shut down meanwhile
 
     def _finish(self, requests: list[DiffusionRequest]) -> None:
-        """Decode worker: the outputs of requests whose denoising is done."""
+        """The outputs of requests whose denoising is done (on the decode worker, where there is one)."""
         outputs = run_isolated(
             self._decode, requests, what="decode of request", name=lambda r: r.request_id,
             on_oom_split=self.runner.release_cached_memory,

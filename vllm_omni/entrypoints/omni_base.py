@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 from vllm_omni.config import (
     STAGE_KNOBS,
     DeployConfig,
+    ExecutionMode,
     StageDeployConfig,
     legacy,
     resolve_stage_configs,
@@ -31,7 +32,7 @@ class OmniBase:
         deploy_config: str | os.PathLike[str] | DeployConfig | None = None,
         max_num_seqs: int | None = None,
         request_batch_max_wait_ms: float | None = None,
-        execution_mode: Literal["request", "step"] | None = None,
+        execution_mode: ExecutionMode | None = None,
         stage_overrides: Mapping[int | str, Mapping[str, Any]] | None = None,
         **engine_kwargs: Any,
     ):

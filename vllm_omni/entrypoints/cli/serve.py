@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import typing
 
 from pydantic import ValidationError
 
-from vllm_omni.config import resolve_stage_configs
+from vllm_omni.config import ExecutionMode, resolve_stage_configs
 from vllm_omni.config.serving import ServingConfig
 
 # vLLM serve flags that mean something for a diffusion server, by argparse dest.
@@ -88,7 +89,7 @@ def make_serve_parser(prog: str):
         help="How long an idle stage waits for more compatible requests before it starts a batch that is not full.",
     )  # fmt: skip
     omni.add_argument(
-        "--execution-mode", choices=["request", "step"],
+        "--execution-mode", choices=typing.get_args(ExecutionMode),
         help="request: a batch runs all its denoising steps together (default). step: requests join and leave "
         "the running batch at every denoising step (lower queue wait; see docs/configuration.md).",
     )  # fmt: skip
