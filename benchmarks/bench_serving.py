@@ -48,19 +48,19 @@ async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[tuple[st
 
 
 def _delta(before: dict, after: dict, name: str, **labels) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    return after.get(key, 0.0) - before.get(key, 0.0)
+    """How much ``name`` grew over the run, summed over the samples carrying ``labels`` (so over replicas)."""
+    return sum(
+        value - before.get(key, 0.0)
+        for key, value in after.items()
+        if key[0] == name and labels.items() <= dict(key[1]).items()
+    )
 
 
 def histogram_quantile(q: float, before: dict, after: dict, name: str, **labels) -> float | None:
-    """The ``q`` quantile of histogram ``name`` over the run (after − before), interpolated linearly inside its
-    bucket as Prometheus' ``histogram_quantile`` does; ``None`` without observations."""
-    wanted = sorted(labels.items())
-    buckets = sorted(
-        (float(dict(key[1])["le"]), after[key] - before.get(key, 0.0))
-        for key in after
-        if key[0] == f"{name}_bucket" and sorted((k, v) for k, v in key[1] if k != "le") == wanted
-    )
+    """The ``q`` quantile of histogram ``name`` over the run (after − before, summed over replicas), interpolated
+    linearly inside its bucket as Prometheus' ``histogram_quantile`` does; ``None`` without observations."""
+    bounds = {dict(key[1])["le"] for key in after if key[0] == f"{name}_bucket"}
+    buckets = sorted((float(le), _delta(before, after, f"{name}_bucket", **labels, le=le)) for le in bounds)
     if not buckets or buckets[-1][1] <= 0:
         return None
     rank, lower, below = q * buckets[-1][1], 0.0, 0.0

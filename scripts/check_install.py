@@ -20,9 +20,13 @@ def problems() -> list[str]:
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    found = []
-    for line in project["dependencies"] + project["optional-dependencies"]["test"]:
-        requirement = Requirement(line)
+    extras = project["optional-dependencies"]
+    pending, found = [Requirement(line) for line in project["dependencies"] + extras["test"]], []
+    while pending:
+        requirement = pending.pop(0)
+        if requirement.name == project["name"]:  # the test extra pulls in other extras of this project
+            pending += [Requirement(line) for extra in requirement.extras for line in extras[extra]]
+            continue
         try:
             version = importlib.metadata.version(requirement.name)
         except importlib.metadata.PackageNotFoundError:

@@ -6,6 +6,7 @@ from vllm_omni.diffusion.request import (
     RequestAbortedError,
     RequestFailedError,
     SamplingParamsError,
+    StageUnavailableError,
 )
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.omni import Omni
@@ -19,5 +20,6 @@ __all__ = [
     "RequestAbortedError",
     "RequestFailedError",
     "SamplingParamsError",
+    "StageUnavailableError",
     "__version__",
 ]

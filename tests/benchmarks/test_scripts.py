@@ -96,3 +96,16 @@ def test_step_batching_quick_writes_rows_per_mode_and_load(tiny_flux, tmp_path):
     assert all(isinstance(t["pass"], bool) for t in result["targets"])
     assert (tmp_path / "smoke.md").read_text().startswith("| family | load | mode |")
     assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replicas_benchmark_compares_one_and_two_ray_replicas(tiny_flux, tmp_path):
+    _run(
+        "replicas.py", "--model", tiny_flux, "--shape", "32x32:2", "--num-requests", "4", "--reps", "1",
+        "--overhead-requests", "2", "--out-dir", str(tmp_path), "--name", "smoke",
+    )  # fmt: skip
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert [(r["backend"], r["replicas"], r["served_by"]) for r in result["rows"]] == [
+        ("inline", 1, [0]), ("ray", 1, [0]), ("ray", 2, [0, 1])
+    ]
+    assert result["speedup"] > 0 and all(r["overhead_ms_median"] > 0 for r in result["rows"])
+    assert "2 Ray replicas / 1 Ray replica" in (tmp_path / "smoke.md").read_text()

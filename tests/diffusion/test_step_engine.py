@@ -40,7 +40,7 @@ def test_requests_with_different_steps_share_forwards_and_match_the_stock_pipeli
     assert [o.error for o in outputs] == [None] * 4
     assert [o.metrics["steps"] for o in outputs] == steps
     assert max(o.metrics["batch_size"] for o in outputs) > 1
-    pipeline = omni.engine.stages[0].engine.runner.pipeline
+    pipeline = omni.engine.stages[0].replicas[0].engine.runner.pipeline
     for i, output in enumerate(outputs):
         stock = pipeline(
             prompt=PROMPTS[i], height=32, width=32, num_inference_steps=steps[i], output_type="np",
@@ -59,20 +59,20 @@ def test_abort_between_steps_frees_the_slot_and_progress_counts_steps(omni):
     with pytest.raises(RequestAbortedError):
         long.result(timeout=30)
     assert engine.progress("long") is None
-    assert engine.stages[0].engine.scheduler.num_running == 0
+    assert engine.stages[0].replicas[0].engine.scheduler.num_running == 0
     assert omni.generate(PROMPTS[:1], _params(2))[0].error is None
 
 
 def test_a_failing_request_fails_alone(omni, poison_t5):
     """A fault injected into the real T5 encoder: only the request holding the poisoned word fails."""
-    poison_t5(omni.engine.stages[0].engine.runner.pipeline, "astronaut")
+    poison_t5(omni.engine.stages[0].replicas[0].engine.runner.pipeline, "astronaut")
     outputs = omni.generate(PROMPTS, _params(seed=0))
     assert [o.prompt for o in outputs if o.error] == [PROMPTS[2]]
     assert "RuntimeError: poisoned prompt" in outputs[2].error
 
 
 def test_out_of_memory_in_a_step_splits_the_forward(omni):
-    transformer = omni.engine.stages[0].engine.runner.pipeline.transformer
+    transformer = omni.engine.stages[0].replicas[0].engine.runner.pipeline.transformer
 
     def fail_above_two(module, args, kwargs):
         if kwargs["hidden_states"].shape[0] > 2:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from vllm_omni import AsyncOmni, OmniDiffusionSamplingParams, RequestFailedError
+from vllm_omni import AsyncOmni, OmniDiffusionSamplingParams, RequestFailedError, StageUnavailableError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ async def test_concurrent_generate_calls_share_one_batch(tiny_flux):
 
 async def test_abort_and_cancel_free_their_slots(tiny_flux):
     async with AsyncOmni(model=tiny_flux, max_num_seqs=1) as omni:
-        scheduler = omni.engine.stages[0].engine.scheduler
+        scheduler = omni.engine.stages[0].replicas[0].engine.scheduler
         slow = _params(steps=400, seed=0)
         running = asyncio.create_task(_collect(omni, "long", slow, request_id="running"))
         await _until(lambda: scheduler.num_running == 1)
@@ -62,7 +62,7 @@ async def test_abort_and_cancel_free_their_slots(tiny_flux):
 
 async def test_failed_request_raises_and_duplicate_ids_are_refused(tiny_flux):
     async with AsyncOmni(model=tiny_flux, max_num_seqs=2) as omni:
-        encoder = omni.engine.stages[0].engine.runner.pipeline.text_encoder_2
+        encoder = omni.engine.stages[0].replicas[0].engine.runner.pipeline.text_encoder_2
         handle = encoder.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("encoder fault")))
         try:
             with pytest.raises(RequestFailedError, match="request bad failed: RuntimeError: encoder fault"):
@@ -78,7 +78,7 @@ async def test_failed_request_raises_and_duplicate_ids_are_refused(tiny_flux):
 
 async def test_shutdown_fails_waiting_requests(tiny_flux):
     omni = AsyncOmni(model=tiny_flux, max_num_seqs=1)
-    scheduler = omni.engine.stages[0].engine.scheduler
+    scheduler = omni.engine.stages[0].replicas[0].engine.scheduler
     running = asyncio.create_task(_collect(omni, "long", _params(steps=200, seed=0)))
     await _until(lambda: scheduler.num_running == 1)
     waiting = asyncio.create_task(_collect(omni, "queued", _params(seed=1)))
@@ -87,5 +87,5 @@ async def test_shutdown_fails_waiting_requests(tiny_flux):
     assert len(await running) == 1  # the running batch finishes
     with pytest.raises(RequestFailedError, match="shutting down"):
         await waiting
-    with pytest.raises(RuntimeError, match="not running"):
+    with pytest.raises(StageUnavailableError, match="^stage 0 is unavailable: no replica is alive$"):
         await _collect(omni, "late", _params())

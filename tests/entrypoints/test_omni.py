@@ -63,7 +63,7 @@ def test_unseeded_requests_report_their_seed_and_reproduce(omni):
 
 def test_a_failing_request_fails_alone(omni, poison_t5):
     """A fault injected into the real T5 encoder: any batch holding the poisoned word raises."""
-    poison_t5(omni.engine.stages[0].engine.runner.pipeline, "astronaut")
+    poison_t5(omni.engine.stages[0].replicas[0].engine.runner.pipeline, "astronaut")
     outputs = omni.generate(PROMPTS, _params(seed=0))
     failed = [o for o in outputs if o.error]
     assert [o.prompt for o in failed] == [PROMPTS[2]]
@@ -120,7 +120,7 @@ def test_deploy_yaml_and_stage_override_reach_the_scheduler(tiny_flux, tmp_path)
         stage = omni.stage_configs[0]
         assert (stage.max_num_seqs, stage.provenance["max_num_seqs"]) == (3, "stage_override")
         assert stage.provenance["request_batch_max_wait_ms"] == "deploy_yaml"
-        assert omni.engine.stages[0].engine.scheduler.capacity == 3
+        assert omni.engine.stages[0].replicas[0].engine.scheduler.capacity == 3
         outputs = omni.generate(PROMPTS, _params(seed=0))
         assert sorted(o.metrics["batch_size"] for o in outputs) == [1, 3, 3, 3]
 

@@ -22,6 +22,9 @@ class OmniDiffusionConfig(BaseModel):
     stage_id: int
     """The stage this engine serves."""
 
+    replica: int
+    """Which of the stage's replicas this engine is (0 for a stage of one)."""
+
     max_num_seqs: int
     """Scheduler capacity: most requests in one batch."""
 
@@ -38,16 +41,17 @@ class OmniDiffusionConfig(BaseModel):
     """CUDA device indices, or ``None`` for the default device."""
 
     @classmethod
-    def from_stage(cls, model: str, stage: StageDeployConfig) -> OmniDiffusionConfig:
+    def from_stage(cls, model: str, stage: StageDeployConfig, replica: int = 0) -> OmniDiffusionConfig:
         if stage.stage_type != "diffusion":
             raise ValueError(
                 f"stage {stage.stage_id} has stage_type={stage.stage_type!r}; only 'diffusion' stages run here"
             )
-        if stage.num_replicas != 1:
-            raise ValueError(f"stage {stage.stage_id}: num_replicas={stage.num_replicas} is not available yet; use 1")
+        if not 0 <= replica < stage.num_replicas:
+            raise ValueError(f"stage {stage.stage_id} has {stage.num_replicas} replica(s), not a replica {replica}")
         return cls(
             model=model,
             stage_id=stage.stage_id,
+            replica=replica,
             max_num_seqs=stage.max_num_seqs,
             request_batch_max_wait_ms=stage.request_batch_max_wait_ms,
             execution_mode=stage.execution_mode,

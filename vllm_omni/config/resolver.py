@@ -10,6 +10,7 @@ Precedence, lowest to highest (docs/configuration.md):
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -17,7 +18,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from vllm_omni.config.loader import load_deploy_config
-from vllm_omni.config.stage import STAGE_KNOBS, DeployConfig, Source, StageDeployConfig
+from vllm_omni.config.stage import RAY_ONLY_KNOBS, STAGE_KNOBS, DeployConfig, Source, StageDeployConfig
 
 GlobalSource = Literal["cli", "python"]
 
@@ -106,6 +107,9 @@ def resolve_stage_configs(
             for layer_values, layer_sources in layers:
                 if knob in layer_values:
                     values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
+        if values["distributed_executor_backend"] is None:
+            use_ray = values["num_replicas"] > 1 or values["ray_address"] is not None
+            values["distributed_executor_backend"] = "ray" if use_ray else "inline"
         _check_combination(stage.stage_id, values, provenance)
         resolved.append(
             StageDeployConfig(stage_id=stage.stage_id, stage_type=stage.stage_type, **values, provenance=provenance)
@@ -115,11 +119,37 @@ def resolve_stage_configs(
 
 def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Mapping[str, Source]) -> None:
     """Knobs that are valid alone but not together, named as each was written."""
+
+    def written(knob: str, verb: str = "") -> str:
+        return f"{_knob_name(knob, provenance[knob])} {verb}{values[knob]!r} ({provenance[knob]})"
+
     if values["execution_mode"] == "step" and values["request_batch_max_wait_ms"] > 0:
-        wait = _knob_name("request_batch_max_wait_ms", provenance["request_batch_max_wait_ms"])
-        mode = _knob_name("execution_mode", provenance["execution_mode"])
         raise ValueError(
-            f"stage {stage_id}: {wait} {values['request_batch_max_wait_ms']} ({provenance['request_batch_max_wait_ms']}) "
-            f"applies to execution_mode 'request' only, but {mode} is 'step' ({provenance['execution_mode']}): "
-            "in step mode requests join the running batch at the next step, so leave it at 0"
+            f"stage {stage_id}: {written('request_batch_max_wait_ms')} applies to execution_mode 'request' only, "
+            f"but {written('execution_mode', 'is ')}: in step mode requests join the running batch at the next step, "
+            "so leave it at 0"
+        )
+    backend = written("distributed_executor_backend", "is ")
+    if values["distributed_executor_backend"] == "inline":
+        if values["num_replicas"] > 1:
+            raise ValueError(
+                f"stage {stage_id}: {written('num_replicas')} needs Ray, but {backend}: "
+                "set distributed_executor_backend to 'ray' (or leave it unset), or num_replicas to 1"
+            )
+        given = [written(k) for k in RAY_ONLY_KNOBS if provenance[k] != "default"]
+        if given:
+            raise ValueError(
+                f"stage {stage_id}: {', '.join(given)} applies to distributed_executor_backend 'ray' only, "
+                f"but {backend}: set it to 'ray' or remove the Ray setting"
+            )
+    elif importlib.util.find_spec("ray") is None:
+        if provenance["distributed_executor_backend"] != "default":
+            asked = written("distributed_executor_backend")
+        else:
+            asked = written("num_replicas" if values["num_replicas"] > 1 else "ray_address")
+        raise ValueError(f"stage {stage_id}: {asked} needs Ray, which is not installed: pip install 'vllm-omni[ray]'")
+    elif values["devices"] is not None:
+        raise ValueError(
+            f"stage {stage_id}: {written('devices')} picks CUDA devices of this process, but {backend}: "
+            "Ray gives each replica num_gpus devices of its own, so leave devices unset"
         )

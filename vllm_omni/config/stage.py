@@ -18,6 +18,15 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 ExecutionMode = Literal["request", "step"]
 """How a stage batches: whole requests, or requests joining and leaving at denoising steps."""
 
+Backend = Literal["inline", "ray"]
+"""Where a stage's replicas run: ``inline`` (one engine on a thread of this process) or ``ray`` (one Ray actor each)."""
+
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+"""Ray placement-group strategies: how replicas spread over the cluster's nodes."""
+
+RAY_ONLY_KNOBS = ("ray_address", "num_cpus", "num_gpus", "placement_strategy")
+"""Knobs that mean something only with ``distributed_executor_backend: ray``."""
+
 
 class StageDeployConfig(BaseModel):
     """Deploy settings of one stage; the field defaults are the built-in defaults (layer 1)."""
@@ -40,7 +49,22 @@ class StageDeployConfig(BaseModel):
     """``request``: a batch runs all its steps together; ``step``: requests join and leave at denoising-step boundaries."""
 
     num_replicas: int = Field(default=1, ge=1)
-    """Engine replicas of this stage (more than 1 is not available yet)."""
+    """Engine replicas of this stage, each a whole engine; ``max_num_seqs`` is per replica."""
+
+    distributed_executor_backend: Backend | None = None
+    """``inline`` or ``ray``; ``None``: ``ray`` when ``num_replicas > 1`` or ``ray_address`` is set, else ``inline``."""
+
+    ray_address: str | None = None
+    """Ray cluster to join (``auto``, ``HOST:6379``, ``ray://HOST:10001``); ``None``: start a local one."""
+
+    num_cpus: int = Field(default=1, ge=1)
+    """CPUs Ray reserves for each replica; on the CPU the replica runs this many torch threads."""
+
+    num_gpus: float | None = Field(default=None, ge=0)
+    """GPUs Ray reserves for each replica; ``None``: 1 when the cluster has GPUs, else 0."""
+
+    placement_strategy: PlacementStrategy = "PACK"
+    """How the replicas' placement group spreads over nodes (``SPREAD``: on different nodes where possible)."""
 
     devices: str | None = None
     """Comma-separated CUDA device indices for the stage (``None``: the first visible device, or the CPU)."""
@@ -61,10 +85,20 @@ class StageDeployConfig(BaseModel):
             raise ValueError(f"devices must be comma-separated CUDA device indices such as '0' or '0,1', got {value!r}")
         return ",".join(parts)
 
+    @property
+    def capacity(self) -> int:
+        """Most requests the stage runs at once, over all its replicas."""
+        return self.num_replicas * self.max_num_seqs
+
     def describe(self) -> str:
-        """The start-up line for this stage: every knob with its value and where it came from."""
-        knobs = ", ".join(f"{k}={getattr(self, k)!r} ({self.provenance.get(k, 'default')})" for k in STAGE_KNOBS)
-        return f"stage {self.stage_id} ({self.stage_type}): {knobs}"
+        """The start-up line for this stage: every knob that applies, its value and where it came from,
+        then the stage's total capacity."""
+        shown = [k for k in STAGE_KNOBS if self.distributed_executor_backend == "ray" or k not in RAY_ONLY_KNOBS]
+        knobs = ", ".join(f"{k}={getattr(self, k)!r} ({self.provenance.get(k, 'default')})" for k in shown)
+        return (
+            f"stage {self.stage_id} ({self.stage_type}): {knobs}; capacity {self.capacity} requests at once "
+            f"({self.num_replicas} replica(s) x max_num_seqs {self.max_num_seqs})"
+        )
 
 
 STAGE_KNOBS: tuple[str, ...] = tuple(

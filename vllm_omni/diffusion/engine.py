@@ -14,6 +14,7 @@ import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.request import (
+    BatchKey,
     DiffusionRequest,
     OmniDiffusionSamplingParams,
     OmniRequestOutput,
@@ -21,7 +22,7 @@ from vllm_omni.diffusion.request import (
 from vllm_omni.diffusion.runner import DiffusionRunner
 from vllm_omni.diffusion.scheduler import Scheduler
 from vllm_omni.logger import init_logger
-from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.metrics.prometheus import EngineMetrics
 
 logger = init_logger(__name__)
 
@@ -73,15 +74,18 @@ class EngineCore:
         self.od_config = od_config
         self.runner = DiffusionRunner(od_config)
         self.scheduler = scheduler
-        self._labels = (str(od_config.stage_id), "video" if self.runner.is_video else "image")
+        task = "video" if self.runner.is_video else "image"
+        self.metrics = EngineMetrics(od_config.stage_id, od_config.replica, task)
+        self.metrics.num_requests_running.set_function(lambda: scheduler.num_running)
+        self.metrics.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
 
     def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
         """``params`` with the model's defaults filled in (raises `SamplingParamsError`)."""
         return self.runner.complete_params(params)
 
-    def batch_key(self, params: OmniDiffusionSamplingParams) -> Hashable | None:
-        """What must match for requests to share a batch; ``None``: the request-mode `BatchKey`."""
-        return None
+    def batch_key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+        """What must match for complete ``params`` to share a batch."""
+        return BatchKey.of(params)
 
     def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
         """Queue a request; the returned future resolves to its `OmniRequestOutput`."""
@@ -94,7 +98,7 @@ class EngineCore:
         return self.scheduler.abort(request_id)
 
     def _on_oom_split(self) -> None:
-        metrics.oom_batch_splits.labels(self._labels[0]).inc()
+        self.metrics.oom_batch_splits.inc()
         self.runner.release_cached_memory()
 
     def close(self, reason: str = "the engine is shutting down", *, include_running: bool = False) -> None:
@@ -120,19 +124,20 @@ class DiffusionEngine(EngineCore):
             return 0
         started = time.monotonic()
         for request in batch:
-            metrics.queue_time.labels(*self._labels).observe(started - request.arrival_time)
+            self.metrics.queue_time.observe(started - request.arrival_time)
         outputs = run_isolated(
             self._run, batch, what="request", name=lambda r: r.request_id, on_oom_split=self._on_oom_split
         )
         for request, output in zip(batch, outputs, strict=True):
             if isinstance(output, OmniRequestOutput):
                 output.metrics["queue_ms"] = (started - request.arrival_time) * 1000.0
+                output.metrics["replica"] = self.od_config.replica
         self.scheduler.finish(batch, outputs)
         return len(batch)
 
     def _run(self, batch: list[DiffusionRequest]) -> list[OmniRequestOutput]:
-        metrics.batch_size.labels(*self._labels).observe(len(batch))
-        with metrics.batch_execution_time.labels(*self._labels).time():
+        self.metrics.batch_size.observe(len(batch))
+        with self.metrics.batch_execution_time.time():
             return self.runner.run(batch)
 
     def shutdown(self) -> None:

@@ -60,6 +60,9 @@ class SamplingParamsError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled across processes (Ray replicas) with both arguments
+        return type(self), (self.param, str(self))
+
 
 class BatchKey(NamedTuple):
     """Requests batch together only when every field is equal: one pipeline call takes one value of each."""
@@ -75,6 +78,22 @@ class BatchKey(NamedTuple):
     has_negative_prompt: bool
     extra_args: tuple[tuple[str, str], ...]
 
+    @classmethod
+    def of(cls, params: OmniDiffusionSamplingParams) -> BatchKey:
+        """The key of complete ``params`` (no ``None`` left in the fields it reads)."""
+        return cls(
+            height=params.height,
+            width=params.width,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            num_outputs_per_prompt=params.num_outputs_per_prompt,
+            num_frames=params.num_frames,
+            fps=params.fps,
+            output_type=params.output_type,
+            has_negative_prompt=params.negative_prompt is not None,
+            extra_args=tuple(sorted((k, repr(v)) for k, v in params.extra_args.items())),
+        )
+
 
 @dataclass
 class OmniRequestOutput:
@@ -87,7 +106,8 @@ class OmniRequestOutput:
     videos: list[list[Any]] = field(default_factory=list)
     """``num_outputs_per_prompt`` videos, each a list of frames like ``images``; empty for images."""
     metrics: dict[str, Any] = field(default_factory=dict)
-    """``batch_size`` (requests in the batch it ran in), ``queue_ms``, ``exec_ms``, ``seed``."""
+    """``batch_size`` (requests in the batch it ran in), ``queue_ms``, ``exec_ms``, ``seed``, ``replica`` (which
+    replica of the stage ran it)."""
     error: str | None = None
     """Why the request failed; ``None`` on success."""
 
@@ -98,6 +118,10 @@ class RequestFailedError(RuntimeError):
     def __init__(self, request_id: str, message: str):
         super().__init__(f"request {request_id} failed: {message}")
         self.request_id = request_id
+        self.reason = message
+
+    def __reduce__(self):  # pickled across processes (Ray replicas) with both arguments
+        return type(self), (self.request_id, self.reason)
 
 
 class RequestAbortedError(RequestFailedError):
@@ -105,6 +129,23 @@ class RequestAbortedError(RequestFailedError):
 
     def __init__(self, request_id: str):
         super().__init__(request_id, "aborted")
+
+    def __reduce__(self):
+        return type(self), (self.request_id,)
+
+
+class StageUnavailableError(RequestFailedError):
+    """No replica of the stage could take the request: every replica is down (dead or restarting)."""
+
+    def __init__(self, stage_id: int, message: str, request_id: str | None = None):
+        unavailable = f"stage {stage_id} is unavailable: {message}"
+        super().__init__(request_id, unavailable)
+        if request_id is None:  # refused before it had an id in the engine: no "request ... failed" prefix
+            self.args = (unavailable,)
+        self.stage_id, self.reason = stage_id, message
+
+    def __reduce__(self):
+        return type(self), (self.stage_id, self.reason, self.request_id)
 
 
 @dataclass(eq=False)
@@ -140,21 +181,6 @@ class DiffusionRequest:
     def create(
         cls, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, key: Hashable | None = None
     ) -> DiffusionRequest:
-        key = (
-            key
-            if key is not None
-            else BatchKey(
-                height=params.height,
-                width=params.width,
-                num_inference_steps=params.num_inference_steps,
-                guidance_scale=params.guidance_scale,
-                num_outputs_per_prompt=params.num_outputs_per_prompt,
-                num_frames=params.num_frames,
-                fps=params.fps,
-                output_type=params.output_type,
-                has_negative_prompt=params.negative_prompt is not None,
-                extra_args=tuple(sorted((k, repr(v)) for k, v in params.extra_args.items())),
-            )
-        )
+        key = key if key is not None else BatchKey.of(params)
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         return cls(request_id=request_id, prompt=prompt, params=params, seed=seed, key=key)

@@ -30,7 +30,6 @@ from vllm_omni.diffusion.request import (
 from vllm_omni.diffusion.scheduler import StepScheduler
 from vllm_omni.diffusion.steppers import make_stepper
 from vllm_omni.logger import init_logger
-from vllm_omni.metrics import prometheus as metrics
 
 logger = init_logger(__name__)
 
@@ -73,8 +72,8 @@ class StepEngine(EngineCore):
         batch = plan.batch
         if not batch:
             return 0
-        metrics.batch_size.labels(*self._labels).observe(len(batch))
-        with metrics.batch_execution_time.labels(*self._labels).time():
+        self.metrics.batch_size.observe(len(batch))
+        with self.metrics.batch_execution_time.time():
             predictions = run_isolated(
                 self._predict, batch, what="request", name=lambda r: r.request_id, on_oom_split=self._on_oom_split
             )
@@ -115,7 +114,7 @@ class StepEngine(EngineCore):
     def _prepare(self, request: DiffusionRequest) -> None:
         """The request's prompt embeddings, noise and schedule (on the encode worker, where there is one)."""
         request.started_time = time.monotonic()
-        metrics.queue_time.labels(*self._labels).observe(request.started_time - request.arrival_time)
+        self.metrics.queue_time.observe(request.started_time - request.arrival_time)
         try:
             with torch.inference_mode():
                 state = self.stepper.prepare(request.prompt, request.params, request.seed)
@@ -149,6 +148,7 @@ class StepEngine(EngineCore):
                 "queue_ms": (started - request.arrival_time) * 1000.0,
                 "exec_ms": (finished - started) * 1000.0,
                 "seed": request.seed,
+                "replica": self.od_config.replica,
             }
             if video:
                 metrics_["fps"] = request.params.fps

@@ -1,13 +1,16 @@
-"""`AsyncOmniEngine`: owns the stage runtimes, routes requests to them, tracks them until done."""
+"""`AsyncOmniEngine`: owns the stage runtimes, hands requests to them, tracks them until done."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 
 from vllm_omni.config import StageDeployConfig
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
-from vllm_omni.engine.stage_runtime import StageRuntime
+from vllm_omni.diffusion.request import MAX_SEED, OmniDiffusionSamplingParams
+from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime
+from vllm_omni.metrics.prometheus import replica_metrics
 
 
 class AsyncOmniEngine:
@@ -26,10 +29,12 @@ class AsyncOmniEngine:
         except BaseException:
             self.shutdown()
             raise
+        replica_metrics.add(self._replica_metrics)
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
 
     def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
+        """Queue a request (raises `SamplingParamsError` for parameters the model cannot take)."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         with self._lock:
@@ -37,7 +42,13 @@ class AsyncOmniEngine:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._in_flight.add(request_id)
         try:
-            future = self.stages[-1].add_request(request_id, prompt, params)
+            stage = self.stages[-1]
+            admission = stage.admit(params)
+            if admission.params.seed is None:  # drawn here, so a re-run on another replica makes the same image
+                admission = replace(
+                    admission, params=admission.params.model_copy(update={"seed": secrets.randbelow(MAX_SEED)})
+                )
+            future = stage.submit(request_id, prompt, admission)
         except BaseException:
             self._done(request_id)
             raise
@@ -46,25 +57,21 @@ class AsyncOmniEngine:
 
     def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
         """``params`` with the model's defaults filled in, as the request would run (raises `SamplingParamsError`)."""
-        return self.stages[-1].engine.complete_params(params)
+        return self.stages[-1].admit(params).params
 
     def progress(self, request_id: str) -> tuple[str, float] | None:
         """``(state, fraction of denoising steps done)`` of a request in flight; state is waiting or running."""
-        found = self.stages[-1].engine.scheduler.state(request_id)
-        if found is None:
-            return None
-        state, request = found
-        return state, request.progress
+        return self.stages[-1].progress(request_id)
 
     @property
     def frame_multiple(self) -> int:
         """A video's num_frames must be 1 more than a multiple of this (the VAE's temporal factor)."""
-        return self.stages[-1].engine.runner.frame_multiple
+        return self.stages[-1].info.frame_multiple
 
     @property
     def makes_videos(self) -> bool:
         """Whether the model generates videos (its outputs fill ``videos``) rather than images."""
-        return self.stages[-1].engine.runner.is_video
+        return self.stages[-1].info.is_video
 
     def _done(self, request_id: str) -> None:
         with self._lock:
@@ -77,12 +84,20 @@ class AsyncOmniEngine:
     @property
     def num_waiting(self) -> int:
         """Requests waiting for a batch, over all stages."""
-        return sum(stage.engine.scheduler.num_waiting for stage in self.stages)
+        return sum(stage.num_waiting for stage in self.stages)
 
     @property
     def is_alive(self) -> bool:
+        """Whether every stage has a live replica."""
         return all(stage.is_alive for stage in self.stages)
 
+    def health(self) -> list[StageHealth]:
+        return [stage.health() for stage in self.stages]
+
+    def _replica_metrics(self) -> list:
+        return [replica.collect_metrics() for stage in self.stages for replica in stage.replicas]
+
     def shutdown(self) -> None:
+        replica_metrics.discard(self._replica_metrics)
         for stage in self.stages:
             stage.shutdown()

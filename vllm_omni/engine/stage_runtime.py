@@ -1,62 +1,187 @@
-"""`StageRuntime`: runs one stage's diffusion engine on its own thread."""
+"""`StageRuntime`: one stage's replicas, the routing of its requests among them, and the re-run of a
+request whose replica was lost.
+
+Routing lives here rather than in `AsyncOmniEngine` because it is per stage: each stage balances
+over its own replicas.
+"""
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
-from vllm_omni.diffusion.engine import make_engine
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestAbortedError, StageUnavailableError
+from vllm_omni.engine.replica import Admission, EngineReplica, ReplicaInfo, ReplicaLostError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 
 logger = init_logger(__name__)
 
 
+@dataclass
+class _Routed:
+    """A request the stage holds until its future is settled."""
+
+    request_id: str
+    prompt: str
+    admission: Admission
+    future: Future
+    replica: int | None = None
+    """The replica running it; ``None`` between a lost replica and the re-run."""
+    retried: bool = False
+    aborted: bool = False
+
+
+@dataclass(frozen=True)
+class StageHealth:
+    """What ``/health`` reports of a stage."""
+
+    stage_id: int
+    num_replicas: int
+    alive: list[int]
+    """Indices of the replicas that take requests now."""
+
+    @property
+    def status(self) -> str:
+        """``ok`` (every replica alive), ``degraded`` (some) or ``down`` (none)."""
+        if len(self.alive) == self.num_replicas:
+            return "ok"
+        return "degraded" if self.alive else "down"
+
+
 class StageRuntime:
-    """One stage: the diffusion engine of its ``execution_mode``, built from the resolved stage config and
-    stepped by a background thread."""
+    """One stage: ``num_replicas`` engines (inline: one on a thread here; ray: one actor each).
+
+    A request goes to the live replica with the fewest outstanding requests; on a tie, to one that
+    already holds requests with the same batch key, so they can share a batch. A request whose replica
+    is lost is re-run once on another live replica with the same sampling parameters (seed included).
+    """
 
     def __init__(self, model: str, stage_config: StageDeployConfig):
         self.stage_config = stage_config
-        self.od_config = OmniDiffusionConfig.from_stage(model, stage_config)
+        self.stage_id = stage_config.stage_id
         logger.info("Starting %s", stage_config.describe())
-        self.engine = make_engine(self.od_config)
-        scheduler, stage = self.engine.scheduler, str(stage_config.stage_id)
-        metrics.num_requests_running.labels(stage).set_function(lambda: scheduler.num_running)
-        metrics.num_requests_waiting.labels(stage).set_function(lambda: scheduler.num_waiting)
-        self._stopping = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"vllm-omni-stage-{stage_config.stage_id}", daemon=True)
-        self._thread.start()
+        self._release_backend = None
+        if stage_config.distributed_executor_backend == "ray":
+            from vllm_omni.engine.ray_replicas import start_replicas
+
+            self.replicas, self._release_backend = start_replicas(model, stage_config)
+        else:
+            self.replicas = [EngineReplica(OmniDiffusionConfig.from_stage(model, stage_config))]
+        self.info: ReplicaInfo = self.replicas[0].info
+        self._lock = threading.Lock()
+        self._load = [0] * len(self.replicas)
+        self._keys = [Counter() for _ in self.replicas]
+        self._routed: dict[str, _Routed] = {}
+        stage = str(self.stage_id)
+        metrics.stage_replicas.labels(stage, "alive").set_function(lambda: len(self.health().alive))
+        metrics.stage_replicas.labels(stage, "down").set_function(lambda: len(self.replicas) - len(self.health().alive))
+
+    def health(self) -> StageHealth:
+        alive = [i for i, replica in enumerate(self.replicas) if replica.is_alive]
+        return StageHealth(self.stage_id, len(self.replicas), alive)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        """Whether at least one replica takes requests."""
+        return any(replica.is_alive for replica in self.replicas)
 
-    def _loop(self) -> None:
+    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
+        """``params`` completed with the model's defaults by a live replica (raises `SamplingParamsError`)."""
+        for replica in self.replicas:
+            if replica.is_alive:
+                try:
+                    return replica.admit(params)
+                except ReplicaLostError:
+                    continue
+        raise StageUnavailableError(self.stage_id, "no replica is alive")
+
+    def submit(self, request_id: str, prompt: str, admission: Admission) -> Future:
+        """Route an admitted request; the future resolves to its `OmniRequestOutput`."""
+        routed = _Routed(request_id, prompt, admission, Future())
+        with self._lock:
+            self._routed[request_id] = routed
+        self._dispatch(routed)
+        return routed.future
+
+    def _dispatch(self, routed: _Routed, lost: int | None = None) -> None:
+        key = routed.admission.key
+        with self._lock:
+            live = [i for i, replica in enumerate(self.replicas) if replica.is_alive and i != lost]
+            if routed.aborted or not live:
+                del self._routed[routed.request_id]
+            else:
+                index = min(live, key=lambda i: (self._load[i], self._keys[i][key] == 0, i))
+                self._load[index] += 1
+                self._keys[index][key] += 1
+                routed.replica = index
+        if routed.aborted:
+            routed.future.set_exception(RequestAbortedError(routed.request_id))
+            return
+        if not live:
+            message = "no replica is alive" if lost is None else f"replica {lost} was lost and no other is alive"
+            routed.future.set_exception(StageUnavailableError(self.stage_id, message, routed.request_id))
+            return
         try:
-            while not self._stopping.is_set() or self.engine.has_unfinished:
-                self.engine.step()
-        except BaseException as exc:  # noqa: BLE001 - reported to every request in flight below
-            self.error = exc
-            logger.exception("stage %d: engine loop died", self.stage_config.stage_id)
-            self.engine.close(
-                f"the engine loop of stage {self.stage_config.stage_id} died: {exc!r}", include_running=True
-            )
+            inner = self.replicas[index].submit(routed.request_id, routed.prompt, routed.admission.params)
+        except BaseException as exc:
+            self._settle(routed, index, exc)
+            return
+        inner.add_done_callback(lambda done: self._settle(routed, index, done.exception(), done))
 
-    def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
-        if not self.is_alive:
-            raise RuntimeError(f"stage {self.stage_config.stage_id} is not running (error: {self.error!r})")
-        return self.engine.add_request(request_id, prompt, params)
+    def _settle(self, routed: _Routed, index: int, exc: BaseException | None, done: Future | None = None) -> None:
+        with self._lock:
+            self._load[index] -= 1
+            keys = self._keys[index]
+            keys[routed.admission.key] -= 1
+            if not keys[routed.admission.key]:
+                del keys[routed.admission.key]
+            routed.replica = None
+            retry = isinstance(exc, ReplicaLostError) and not routed.retried and not routed.aborted
+            if not retry:
+                del self._routed[routed.request_id]
+        if retry:
+            routed.retried = True
+            metrics.request_retries.labels(str(self.stage_id)).inc()
+            logger.warning("request %s: %s; re-running it on another replica (same seed)", routed.request_id, exc)
+            self._dispatch(routed, lost=index)
+        elif isinstance(exc, ReplicaLostError):
+            lost_again = StageUnavailableError(self.stage_id, f"{exc} (after a retry)", routed.request_id)
+            routed.future.set_exception(RequestAbortedError(routed.request_id) if routed.aborted else lost_again)
+        elif exc is not None:
+            routed.future.set_exception(exc)
+        else:
+            routed.future.set_result(done.result())
 
     def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+        """Abort a request at the replica that holds it; False if the stage does not hold it."""
+        with self._lock:
+            routed = self._routed.get(request_id)
+            if routed is None:
+                return False
+            routed.aborted = True
+            index = routed.replica
+        return index is None or self.replicas[index].abort(request_id)
+
+    def progress(self, request_id: str) -> tuple[str, float] | None:
+        """``(waiting|running, fraction of denoising steps done)``, asked of the replica that holds the request."""
+        routed = self._routed.get(request_id)
+        index = None if routed is None else routed.replica
+        return None if index is None else self.replicas[index].progress(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch, over the live replicas."""
+        return sum(replica.num_waiting for replica in self.replicas if replica.is_alive)
 
     def shutdown(self) -> None:
-        """Stop taking requests, fail the waiting ones, let the running ones finish."""
-        self._stopping.set()
-        self.engine.close()
-        self._thread.join()
-        self.engine.shutdown()
+        """Stop taking requests, fail the waiting ones, let the running ones finish (all replicas at once)."""
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            list(pool.map(lambda replica: replica.shutdown(), self.replicas))
+        if self._release_backend is not None:
+            self._release_backend()
+        for state in ("alive", "down"):  # the gauges' callbacks hold this runtime
+            metrics.stage_replicas.remove(str(self.stage_id), state)

@@ -1,45 +1,126 @@
-"""Every ``vllm_omni:*`` metric, defined once. Served by ``GET /metrics``; see docs/serving.md."""
+"""Every ``vllm_omni:*`` metric, defined once. Served by ``GET /metrics``; see docs/serving.md.
+
+Server metrics live in this process's default registry. Engine metrics live in a registry per
+replica (`EngineMetrics`), because a replica may run in another process (a Ray actor); the
+server's `replica_metrics` collector gathers every live replica's at scrape time.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import threading
+from collections.abc import Callable, Iterable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
-batch_size = Histogram(
-    "vllm_omni:diffusion_batch_size",
-    "Requests in each executed diffusion batch (one observation per pipeline call).",
-    ["stage", "task"],
-    buckets=_BATCH_BUCKETS,
-)
-queue_time = Histogram(
-    "vllm_omni:request_queue_time_seconds",
-    "Time a request waited from arrival until its batch started.",
-    ["stage", "task"],
-    buckets=_SECONDS_BUCKETS,
-)
-batch_execution_time = Histogram(
-    "vllm_omni:batch_execution_time_seconds",
-    "Wall time of each executed diffusion batch (one pipeline call).",
-    ["stage", "task"],
-    buckets=_SECONDS_BUCKETS,
-)
-oom_batch_splits = Counter(
-    "vllm_omni:oom_batch_splits",
-    "Batches that ran out of device memory and were split in halves and retried.",
-    ["stage"],
-)
-num_requests_running = Gauge(
-    "vllm_omni:num_requests_running", "Requests in the batch now running.", ["stage"]
-)
-num_requests_waiting = Gauge(
-    "vllm_omni:num_requests_waiting", "Requests waiting to be scheduled.", ["stage"]
-)
+
+class EngineMetrics:
+    """The metrics one engine replica records, in its own registry, each labelled with its stage and replica."""
+
+    def __init__(self, stage: int, replica: int, task: str):
+        self.registry = CollectorRegistry(auto_describe=False)
+        ids = {"stage": str(stage), "replica": str(replica)}
+        labels = ids | {"task": task}
+
+        def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
+            return Histogram(name, documentation, list(labels), buckets=buckets, registry=self.registry).labels(
+                **labels
+            )
+
+        self.batch_size = histogram(
+            "vllm_omni:diffusion_batch_size",
+            "Requests in each executed diffusion batch (one observation per pipeline call or denoiser step).",
+            _BATCH_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm_omni:request_queue_time_seconds",
+            "Time a request waited from arrival until the engine started on it.",
+            _SECONDS_BUCKETS,
+        )
+        self.batch_execution_time = histogram(
+            "vllm_omni:batch_execution_time_seconds",
+            "Wall time of each executed diffusion batch (one pipeline call or denoiser step).",
+            _SECONDS_BUCKETS,
+        )
+        self.oom_batch_splits = Counter(
+            "vllm_omni:oom_batch_splits",
+            "Batches that ran out of device memory and were split in halves and retried.",
+            list(ids), registry=self.registry,
+        ).labels(**ids)  # fmt: skip
+        self.num_requests_running = Gauge(
+            "vllm_omni:num_requests_running", "Requests in the batch now running.", list(ids), registry=self.registry
+        ).labels(**ids)
+        self.num_requests_waiting = Gauge(
+            "vllm_omni:num_requests_waiting", "Requests waiting to be scheduled.", list(ids), registry=self.registry
+        ).labels(**ids)
+
+    def collect(self) -> list[Metric]:
+        """This replica's metric families (picklable, so a Ray actor can return them)."""
+        return list(self.registry.collect())
+
+
+class ReplicaMetricsCollector:
+    """Serves the engine metrics of every live replica from the default registry, one family per name.
+
+    One instance (`replica_metrics`) is registered; each engine adds a source that lists its replicas'
+    families and removes it when it shuts down.
+    """
+
+    def __init__(self):
+        self._sources: list[Callable[[], Iterable[list[Metric]]]] = []
+        self._lock = threading.Lock()
+        REGISTRY.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []  # the families come and go with the engines: nothing to check at registration
+
+    def add(self, source: Callable[[], Iterable[list[Metric]]]) -> None:
+        with self._lock:
+            self._sources.append(source)
+
+    def discard(self, source: Callable[[], Iterable[list[Metric]]]) -> None:
+        with self._lock:
+            if source in self._sources:
+                self._sources.remove(source)
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            sources = list(self._sources)
+        merged: dict[str, Metric] = {}
+        for source in sources:
+            for families in source():
+                for family in families:
+                    if family.name not in merged:
+                        merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name].samples.extend(family.samples)
+        return merged.values()
+
+
+replica_metrics = ReplicaMetricsCollector()
+
+
 stage_max_num_seqs = Gauge(
     "vllm_omni:stage_max_num_seqs",
-    "Resolved max_num_seqs of each stage, labelled with the layer it came from.",
+    "Resolved max_num_seqs of each stage (per replica), labelled with the layer it came from.",
     ["stage", "source"],
+)
+stage_replicas = Gauge(
+    "vllm_omni:stage_replicas",
+    "Replicas of each stage by state: alive (taking requests) or down (dead or restarting).",
+    ["stage", "state"],
+)
+replica_restarts = Counter(
+    "vllm_omni:replica_restarts",
+    "Times a replica was lost (its process died) and came back.",
+    ["stage", "replica"],
+)
+request_retries = Counter(
+    "vllm_omni:request_retries",
+    "Requests re-run on another replica because the replica running them was lost.",
+    ["stage"],
 )
 video_requests = Counter(
     "vllm_omni:video_generation_requests",

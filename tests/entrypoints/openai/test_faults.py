@@ -29,7 +29,7 @@ def wait_for(predicate, timeout=60.0):
 
 def gauge(base_url: str, name: str) -> float:
     for line in httpx.get(f"{base_url}/metrics").text.splitlines():
-        if line.startswith(f'vllm_omni:{name}{{stage="0"}}'):
+        if line.startswith(f'vllm_omni:{name}{{replica="0",stage="0"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -45,7 +45,7 @@ def test_a_dead_engine_loop_turns_health_503_and_fails_requests_fast(tiny_flux):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200 if _listening(base) else False, timeout=120)
-        scheduler = app.state.server.omni.engine.stages[0].engine.scheduler
+        scheduler = app.state.server.omni.engine.stages[0].replicas[0].engine.scheduler
         original_finish = scheduler.finish
 
         def finish_then_break(batch, outputs):
@@ -72,7 +72,7 @@ def test_a_dead_engine_loop_turns_health_503_and_fails_requests_fast(tiny_flux):
         assert results["waiting"].status_code == 503
         assert results["waiting"].json()["error"]["code"] == "generation_failed"
         health = httpx.get(f"{base}/health")
-        assert health.status_code == 503 and "engine has stopped" in health.json()["error"]["message"]
+        assert health.status_code == 503 and "no replica of stage 0 is alive" in health.json()["error"]["message"]
         started = time.monotonic()
         late = httpx.post(f"{base}/v1/images/generations", json={"prompt": "late", **QUICK}, timeout=60)
         assert late.status_code == 503 and time.monotonic() - started < 5

@@ -73,10 +73,10 @@ def test_startup_logs_the_resolved_knobs_with_their_sources(server):
 
 
 def test_four_concurrent_requests_run_as_one_batch(server):
-    batches_of_4 = metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le="4.0") - metric(
-        server, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le="2.0"
+    batches_of_4 = metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", replica="0", task="image", le="4.0") - metric(
+        server, "vllm_omni:diffusion_batch_size_bucket", stage="0", replica="0", task="image", le="2.0"
     )
-    count, total = (metric(server, f"vllm_omni:diffusion_batch_size_{s}", stage="0", task="image") for s in ("count", "sum"))
+    count, total = (metric(server, f"vllm_omni:diffusion_batch_size_{s}", stage="0", replica="0", task="image") for s in ("count", "sum"))
 
     async def four():
         async with openai.AsyncOpenAI(base_url=server.url_for("v1"), api_key=API_KEY, max_retries=0) as aclient:
@@ -93,11 +93,11 @@ def test_four_concurrent_requests_run_as_one_batch(server):
     for response in responses:
         image = Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json)))
         assert (image.format, image.size) == ("PNG", (32, 32))
-    assert metric(server, "vllm_omni:diffusion_batch_size_count", stage="0", task="image") == count + 1
-    assert metric(server, "vllm_omni:diffusion_batch_size_sum", stage="0", task="image") == total + 4
+    assert metric(server, "vllm_omni:diffusion_batch_size_count", stage="0", replica="0", task="image") == count + 1
+    assert metric(server, "vllm_omni:diffusion_batch_size_sum", stage="0", replica="0", task="image") == total + 4
     assert (
-        metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le="4.0")
-        - metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", task="image", le="2.0")
+        metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", replica="0", task="image", le="4.0")
+        - metric(server, "vllm_omni:diffusion_batch_size_bucket", stage="0", replica="0", task="image", le="2.0")
         == batches_of_4 + 1
     )
 
@@ -231,13 +231,13 @@ def _slow_request(server, timeout=120.0, **extra):
 def test_overload_is_answered_429_at_once(server):
     running = threading.Thread(target=_slow_request, args=(server,))
     running.start()
-    wait_for(lambda: metric(server, "vllm_omni:num_requests_running", stage="0") == 1)
+    wait_for(lambda: metric(server, "vllm_omni:num_requests_running", stage="0", replica="0") == 1)
     quick = {"size": "32x32", "num_inference_steps": 4}
     waiting = [threading.Thread(target=_slow_request, args=(server,), kwargs={**quick, "seed": i}) for i in range(4)]
     for thread in waiting:
         thread.start()
     try:
-        wait_for(lambda: metric(server, "vllm_omni:num_requests_waiting", stage="0") == 4)
+        wait_for(lambda: metric(server, "vllm_omni:num_requests_waiting", stage="0", replica="0") == 4)
         started = time.monotonic()
         rejected = httpx.post(
             server.url_for("v1", "images", "generations"),
@@ -255,8 +255,8 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     aborted = metric(server, "vllm_omni:image_generation_requests_total", outcome="aborted")
     with pytest.raises(httpx.ReadTimeout):
         _slow_request(server, timeout=1.0)
-    wait_for(lambda: metric(server, "vllm_omni:num_requests_running", stage="0") == 0, timeout=30)
-    assert metric(server, "vllm_omni:num_requests_waiting", stage="0") == 0
+    wait_for(lambda: metric(server, "vllm_omni:num_requests_running", stage="0", replica="0") == 0, timeout=30)
+    assert metric(server, "vllm_omni:num_requests_waiting", stage="0", replica="0") == 0
     wait_for(lambda: metric(server, "vllm_omni:image_generation_requests_total", outcome="aborted") == aborted + 1)
 
 
@@ -265,7 +265,7 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(server):
     result = {}
     running = threading.Thread(target=lambda: result.update(response=_slow_request(server, num_inference_steps=100)))
     running.start()
-    wait_for(lambda: metric(server, "vllm_omni:num_requests_running", stage="0") == 1)
+    wait_for(lambda: metric(server, "vllm_omni:num_requests_running", stage="0", replica="0") == 1)
     server.process.send_signal(signal.SIGTERM)
     running.join(timeout=120)
     assert result["response"].status_code == 200

@@ -104,7 +104,7 @@ def test_list_newest_first_and_delete_cancels_a_running_job(server):
     deleted = httpx.delete(server.url_for("v1", "videos", long), headers=AUTH)
     assert deleted.json() == {"id": long, "object": "video.deleted", "deleted": True}
     deadline = time.monotonic() + 30
-    while _metric(server, 'vllm_omni:num_requests_running{stage="0"}') != 0:
+    while _metric(server, 'vllm_omni:num_requests_running{replica="0",stage="0"}') != 0:
         assert time.monotonic() < deadline, "the deleted job still holds its slot"
         time.sleep(0.05)
     assert httpx.get(server.url_for("v1", "videos", long), headers=AUTH).status_code == 404

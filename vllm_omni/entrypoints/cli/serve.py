@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import types
 import typing
 
 from pydantic import ValidationError
 
-from vllm_omni.config import ExecutionMode, resolve_stage_configs
+from vllm_omni.config import StageDeployConfig, resolve_stage_configs
 from vllm_omni.config.serving import ServingConfig
 
 # vLLM serve flags that mean something for a diffusion server, by argparse dest.
@@ -22,9 +23,16 @@ _USED_VLLM_FLAGS = frozenset(
     {
         "model_tag", "model", "host", "port", "api_key", "served_model_name", "max_num_seqs", "dtype",
         "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "uvicorn_log_level",
-        "disable_uvicorn_access_log", "ssl_keyfile", "ssl_certfile", "root_path",
+        "disable_uvicorn_access_log", "ssl_keyfile", "ssl_certfile", "root_path", "distributed_executor_backend",
     }
 )  # fmt: skip
+# Stage knobs that the omni group sets as flags of the same name (max_num_seqs, dtype and
+# distributed_executor_backend come from vLLM's own flags).
+_OMNI_STAGE_FLAGS = (
+    "request_batch_max_wait_ms", "execution_mode", "num_replicas", "ray_address", "num_cpus", "num_gpus",
+    "placement_strategy",
+)  # fmt: skip
+_METAVARS = {"request_batch_max_wait_ms": "MS", "ray_address": "ADDRESS"}
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
 _OMNI_SERVING_FLAGS = (
     "max_waiting_requests", "max_request_body_bytes", "max_image_pixels", "max_inference_steps", "max_prompt_length",
@@ -84,15 +92,17 @@ def make_serve_parser(prog: str):
     )  # fmt: skip
     omni.add_argument("--omni", action="store_true", help="Hand the command to vllm-omni (for `vllm serve ... --omni`).")
     omni.add_argument("--deploy-config", metavar="PATH", help="Deploy YAML with per-stage knobs.")
-    omni.add_argument(
-        "--request-batch-max-wait-ms", type=float, metavar="MS",
-        help="How long an idle stage waits for more compatible requests before it starts a batch that is not full.",
-    )  # fmt: skip
-    omni.add_argument(
-        "--execution-mode", choices=typing.get_args(ExecutionMode),
-        help="request: a batch runs all its denoising steps together (default). step: requests join and leave "
-        "the running batch at every denoising step (lower queue wait; see docs/configuration.md).",
-    )  # fmt: skip
+    for name in _OMNI_STAGE_FLAGS:
+        info = StageDeployConfig.model_fields[name]
+        kind = info.annotation
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: the flag gives an X
+            kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+        omni.add_argument(
+            "--" + name.replace("_", "-"), type=None if choices else kind, choices=choices,
+            help=info.description + " Per stage; see docs/configuration.md.",
+            metavar=None if choices else _METAVARS.get(name, "N"),
+        )  # fmt: skip
     omni.add_argument(
         "--stage-overrides", type=_stage_overrides, metavar="JSON",
         help='Per-stage knobs that beat every other layer, e.g. \'{"0": {"max_num_seqs": 8}}\'.',
@@ -133,12 +143,9 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
     if not os.path.isfile(os.path.join(model, "model_index.json")):
         parser.error(f"model {model!r} is not a diffusers folder (it has no model_index.json)")
 
-    given = dict(
-        max_num_seqs=args.max_num_seqs,
-        request_batch_max_wait_ms=args.request_batch_max_wait_ms,
-        execution_mode=args.execution_mode,
-        dtype=_VLLM_DTYPES.get(args.dtype, args.dtype) if "dtype" in explicit else None,
-    )
+    given = {name: getattr(args, name) for name in ("max_num_seqs", "distributed_executor_backend", *_OMNI_STAGE_FLAGS)}
+    if "dtype" in explicit:
+        given["dtype"] = _VLLM_DTYPES.get(args.dtype, args.dtype)
     try:
         stage_configs = resolve_stage_configs(
             args.deploy_config,

@@ -26,6 +26,7 @@ from vllm_omni.config.serving import ServingConfig
 from vllm_omni.diffusion.request import (
     OmniDiffusionSamplingParams,
     RequestFailedError,
+    StageUnavailableError,
 )
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.checks import APIError, check_api_key, check_request, complete_params, error_response
@@ -117,9 +118,15 @@ class ServerState:
             return "the server is shutting down"
         if self.omni is None or not self.ready:
             return "the model is loading"
-        if not self.omni.engine.is_alive:
-            return "the engine has stopped; see the server log"
+        down = [h.stage_id for h in self.omni.engine.health() if h.status == "down"]
+        if down:
+            return f"no replica of stage {', '.join(map(str, down))} is alive; see the server log"
         return None
+
+
+async def _drain(generation) -> None:
+    async for _ in generation:
+        pass
 
 
 async def _load_and_warm_up(state: ServerState) -> None:
@@ -138,10 +145,13 @@ async def _load_and_warm_up(state: ServerState) -> None:
             seed=0,
             num_frames=1 if state.omni.engine.makes_videos else None,
         )
-        async for _ in state.omni.generate(
-            "warm-up", warm_up, request_id=f"warmup-{uuid.uuid4().hex}"
-        ):
-            pass
+        # One request per replica: routing sends each to the replica with the fewest outstanding requests.
+        await asyncio.gather(
+            *(
+                _drain(state.omni.generate("warm-up", warm_up, request_id=f"warmup-{uuid.uuid4().hex}"))
+                for _ in range(state.omni.engine.stages[-1].stage_config.num_replicas)
+            )
+        )
         state.ready = True
         logger.info(
             "Warm-up done in %.2f s; ready to serve %s",
@@ -224,7 +234,8 @@ async def create_image(
     outcome = "failed"
     try:
         try:
-            params = _validate(body, state)
+            # Completing the parameters may ask a replica (a Ray call): off the event loop.
+            params = await asyncio.to_thread(_validate, body, state)
         except APIError as exc:
             outcome = "unavailable" if exc.status == 503 else "invalid"
             raise
@@ -251,11 +262,12 @@ async def create_image(
             outcome = "aborted"
             raise
         except RequestFailedError as exc:
-            reason = state.unavailable_reason()
-            outcome = "unavailable" if reason else "failed"
+            unavailable = isinstance(exc, StageUnavailableError) or state.unavailable_reason() is not None
+            outcome = "unavailable" if unavailable else "failed"
             raise APIError(
-                503 if reason else 500, str(exc), code="generation_failed"
-            ) from None
+                503 if unavailable else 500, str(exc),
+                code="service_unavailable" if isinstance(exc, StageUnavailableError) else "generation_failed",
+            ) from None  # fmt: skip
         if output is None:
             outcome = "aborted"
             raise APIError(503, "The request was aborted", code="aborted")
@@ -388,12 +400,18 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while every stage has a live replica (``status`` says ``degraded`` when some are down), else 503."""
         reason = state.unavailable_reason()
         if reason is not None:
             return error_response(
                 503, f"Service unavailable: {reason}", code="service_unavailable"
             )
-        return Response(status_code=200)
+        stages = [
+            {"stage_id": h.stage_id, "status": h.status, "num_replicas": h.num_replicas, "alive_replicas": h.alive}
+            for h in state.omni.engine.health()
+        ]
+        status = "ok" if all(s["status"] == "ok" for s in stages) else "degraded"
+        return JSONResponse({"status": status, "stages": stages})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError, StageUnavailableError
 from vllm_omni.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 # Sampling-parameter names as the OpenAI APIs call them.
@@ -115,5 +115,7 @@ def complete_params(state, **fields) -> OmniDiffusionSamplingParams:
         raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=API_PARAM.get(exc.param, exc.param), code="invalid_value") from None
+    except StageUnavailableError as exc:
+        raise APIError(503, f"Service unavailable: {exc}", code="service_unavailable") from None
     check_limits(params, state.serving)
     return params

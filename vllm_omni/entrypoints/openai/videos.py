@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, StageUnavailableError
 from vllm_omni.diffusion.runner import DEFAULT_VIDEO_FPS
 from vllm_omni.entrypoints.openai.checks import APIError, check_api_key, check_request, complete_params
 from vllm_omni.entrypoints.openai.protocol import (
@@ -120,6 +120,9 @@ async def _run(state, job: VideoJob) -> None:
     except asyncio.CancelledError:
         outcome = "cancelled"
         raise
+    except StageUnavailableError as exc:
+        outcome = "unavailable"
+        job.status, job.error = "failed", ErrorInfo(message=str(exc), type="server_error", code="service_unavailable")
     except RequestFailedError as exc:
         job.status, job.error = "failed", ErrorInfo(message=str(exc), type="server_error", code="generation_failed")
     except Exception as exc:  # noqa: BLE001 - an encoding error fails this job only
@@ -161,7 +164,7 @@ def build_videos_router() -> APIRouter:
                 body = VideoGenerationRequest.model_validate(data)
             except ValidationError as exc:
                 raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-            params = _video_params(state, body)
+            params = await asyncio.to_thread(_video_params, state, body)  # may ask a replica: off the loop
             if state.omni.engine.num_waiting >= state.serving.max_waiting_requests:
                 outcome = "overloaded"
                 raise APIError(429, f"Too many requests waiting ({state.serving.max_waiting_requests}); retry later",

@@ -1,0 +1,148 @@
+"""Stage replicas as Ray actors on a real 2-node Ray cluster (``ray.cluster_utils.Cluster``), on tiny Flux."""
+
+import os
+import signal
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+
+from vllm_omni import Omni, OmniDiffusionSamplingParams
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes of one CPU each, in this test process."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def omni(cluster, tiny_flux):
+    """Two replicas of max_num_seqs 2, one per node, with one torch thread each."""
+    with Omni(
+        tiny_flux, num_replicas=2, max_num_seqs=2, placement_strategy="STRICT_SPREAD", ray_address=cluster.address
+    ) as omni:
+        yield omni
+
+
+def _sample(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(f"vllm_omni:{name}", labels) or 0.0
+
+
+def _pixels(output) -> np.ndarray:
+    return np.asarray(output.images[0], dtype=np.int16)
+
+
+def _wait_all_alive(omni, timeout_s: float = 120.0) -> float:
+    started = time.monotonic()
+    while omni.engine.health()[0].status != "ok":
+        assert time.monotonic() - started < timeout_s, f"replicas not back: {omni.engine.health()}"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def test_replicas_run_on_different_nodes_and_share_the_requests(cluster, omni):
+    replicas = omni.engine.stages[0].replicas
+    nodes = {replica.info.node_id for replica in replicas}
+    assert nodes == {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    assert omni.stage_configs[0].capacity == 4
+    # On the CPU a replica runs num_cpus (here 1) torch threads.
+    threads = [r._actor.__ray_call__.remote(lambda actor: __import__("torch").get_num_threads()) for r in replicas]
+    assert ray.get(threads) == [1, 1]
+
+    batches_before = {r: _sample("diffusion_batch_size_sum", stage="0", replica=r, task="image") for r in "01"}
+    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=8, seed=i % 2) for i in range(8)]
+    outputs = omni.generate(["a red car"] * 8, params)
+
+    assert [o.error for o in outputs] == [None] * 8
+    served = Counter(o.metrics["replica"] for o in outputs)
+    assert set(served) == {0, 1}, served
+    # Each replica's engine metrics reach this process's /metrics under its own label.
+    for replica in "01":
+        observed = (
+            _sample("diffusion_batch_size_sum", stage="0", replica=replica, task="image") - batches_before[replica]
+        )
+        assert observed == served[int(replica)]
+    # The same seed gives the same image on either replica.
+    for seed in (0, 1):
+        images = [_pixels(o) for o, p in zip(outputs, params, strict=True) if p.seed == seed]
+        assert all(np.array_equal(images[0], image) for image in images[1:])
+
+
+def test_a_tie_goes_to_the_replica_that_holds_the_same_batch_key(omni):
+    engine = omni.engine
+    small = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=60, seed=0)
+    large = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=60, seed=0)
+    # Loads when each is routed: (0,0) -> 0; (1,0) -> 1; tie (1,1): 1 holds the small key; (1,2) -> 0;
+    # tie (2,2): 1 holds the small key; (2,3) -> 0. Index order alone would send the ties to replica 0.
+    order = [("a", large), ("b", small), ("c", small), ("d", large), ("e", small), ("f", large)]
+    futures = {name: engine.add_request(f"tie-{name}", "a cat", params) for name, params in order}
+    placed = {name: future.result(timeout=120).metrics["replica"] for name, future in futures.items()}
+    assert placed == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1, "f": 0}
+
+
+def test_killing_a_replica_mid_load_loses_no_request_and_it_comes_back(omni, capsys):
+    stage = omni.engine.stages[0]
+    victim = stage.replicas[0]
+    old_pid = victim.info.pid
+    retries_before = _sample("request_retries_total", stage="0")
+    restarts_before = _sample("replica_restarts_total", stage="0", replica="0")
+    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=20, seed=100 + i) for i in range(12)]
+    futures = [omni.engine.add_request(f"kill-{i}", f"prompt {i}", p) for i, p in enumerate(params)]
+
+    time.sleep(0.3)  # both replicas are busy with their first batch
+    os.kill(old_pid, signal.SIGKILL)
+    outputs = [future.result(timeout=180) for future in futures]  # nothing hangs, nothing fails
+
+    retried = _sample("request_retries_total", stage="0") - retries_before
+    counts = {"ok": sum(o.error is None for o in outputs), "retried": int(retried), "failed": 12 - len(outputs)}
+    with capsys.disabled():
+        print(f"\nreplica kill mid-load: {counts}")
+    assert counts["ok"] == 12 and counts["retried"] >= 1
+    assert _sample("replica_restarts_total", stage="0", replica="0") >= restarts_before + 1
+
+    back_after = _wait_all_alive(omni)
+    assert victim.info.pid != old_pid
+    with capsys.disabled():
+        print(f"replica 0 back {back_after:.1f} s after the last request finished (new pid {victim.info.pid})")
+    # The restarted replica serves again, and every request, retried or not, gave the image its seed gives.
+    again = omni.generate([f"prompt {i}" for i in range(12)], params)
+    assert {o.metrics["replica"] for o in again} == {0, 1}
+    assert all(np.array_equal(_pixels(a), _pixels(b)) for a, b in zip(outputs, again, strict=True))
+
+
+def test_a_replica_whose_engine_loop_dies_is_restarted_and_its_requests_rerun(omni):
+    _wait_all_alive(omni)
+    victim = omni.engine.stages[0].replicas[1]
+    old_pid = victim.info.pid
+
+    def break_engine_loop(actor):  # runs in the replica's process (a local function travels by value)
+        scheduler = actor.replica.engine.scheduler
+        finish = scheduler.finish
+
+        def finish_then_break(batch, outputs):
+            finish(batch, outputs)
+            raise RuntimeError("simulated scheduler bug")
+
+        scheduler.finish = finish_then_break
+
+    ray.get(victim._actor.__ray_call__.remote(break_engine_loop))
+    retries = _sample("request_retries_total", stage="0")
+    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=20, seed=i) for i in range(6)]
+    outputs = omni.generate(["a blue house"] * 6, params)
+    assert [o.error for o in outputs] == [None] * 6  # those the dying loop held were re-run on replica 0
+    assert _sample("request_retries_total", stage="0") > retries
+    _wait_all_alive(omni)
+    assert victim.info.pid != old_pid

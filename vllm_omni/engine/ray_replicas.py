@@ -1,0 +1,293 @@
+"""Ray replicas: each replica of a stage is a Ray actor holding an `EngineReplica`, placed by a placement group.
+
+Imported only for ``distributed_executor_backend: ray``; Ray is the optional extra
+``pip install 'vllm-omni[ray]'``. Ray restarts a replica whose process dies (the actor reloads
+the model); `RayReplica` watches for that so the stage routes around a replica while it is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+# Ray's failure-signal handler also takes SIGTERM, which the server uses to drain: with it the process
+# aborted (exit -6) once drained. It must be off before Ray is imported (Ray reads this at import).
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+try:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as exc:  # the resolver checks this first; here for a broken install
+    raise ImportError(f"distributed_executor_backend 'ray' needs Ray: pip install 'vllm-omni[ray]' ({exc})") from exc
+from prometheus_client.metrics_core import Metric
+
+from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, SamplingParamsError
+from vllm_omni.engine.replica import Admission, EngineReplica, ReplicaInfo, ReplicaLostError
+from vllm_omni.logger import init_logger
+from vllm_omni.metrics import prometheus as metrics
+
+logger = init_logger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+"""How long the stage waits for Ray to reserve every replica's resources."""
+CALL_TIMEOUT_S = 10.0
+"""Longest wait for a short call to a replica (admit, abort, progress, metrics, health)."""
+WATCH_INTERVAL_S = 0.5
+"""How often a replica's engine is checked inside the actor, and a restarting replica is asked whether it is back."""
+
+
+class _ReplicaActor:
+    """The Ray actor: one `EngineReplica` in its own process. Results cross back by value; a request's own
+    failure is returned, not raised, so the driver can tell it from the actor dying."""
+
+    def __init__(self, model: str, stage_config: StageDeployConfig, replica: int):
+        import torch
+
+        if not torch.cuda.is_available():  # on the CPU a replica's share of the node is its torch threads
+            torch.set_num_threads(stage_config.num_cpus)
+        od_config = OmniDiffusionConfig.from_stage(model, stage_config, replica)
+        self.replica = EngineReplica(od_config, node_id=ray.get_runtime_context().get_node_id())
+        self.stopped = False
+
+    async def info(self) -> ReplicaInfo:
+        if not self.replica.is_alive:
+            raise RuntimeError(f"the engine of replica {self.replica.info.index} died: {self.replica.error!r}")
+        return self.replica.info
+
+    async def watch(self) -> str:
+        """Answers once the engine stops (shut down, or its loop died); fails at once if the process dies."""
+        while self.replica.is_alive and not self.stopped:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        return "shut down" if self.stopped else f"its engine loop died: {self.replica.error!r}"
+
+    async def admit(self, params: OmniDiffusionSamplingParams) -> Admission | SamplingParamsError:
+        try:
+            return self.replica.admit(params)
+        except SamplingParamsError as exc:
+            return exc
+
+    async def generate(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams):
+        try:
+            return await asyncio.wrap_future(self.replica.submit(request_id, prompt, params))
+        except RequestFailedError as exc:
+            if not self.replica.is_alive:  # the engine loop died, not the request: the stage re-runs it elsewhere
+                return ReplicaLostError(f"replica {self.replica.info.index}: {exc.reason}")
+            return exc
+
+    async def abort(self, request_id: str) -> bool:
+        return self.replica.abort(request_id)
+
+    async def progress(self, request_id: str) -> tuple[str, float] | None:
+        return self.replica.progress(request_id)
+
+    async def collect_metrics(self) -> list[Metric]:
+        return self.replica.collect_metrics()
+
+    async def shutdown(self) -> None:
+        self.stopped = True
+        await asyncio.to_thread(self.replica.shutdown)
+
+
+class RayReplica:
+    """Driver-side handle of one replica actor, with the methods of `EngineReplica`, each a Ray call."""
+
+    def __init__(self, actor, info: ReplicaInfo, stage_config: StageDeployConfig):
+        self._actor = actor
+        self.info = info
+        self._stage = stage_config
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._alive = True
+        self._down_since = 0.0
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(
+            target=self._watch, name=f"vllm-omni-watch-{stage_config.stage_id}-{info.index}", daemon=True
+        )
+        self._watcher.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._alive
+
+    def _mark_down(self, why: str) -> None:
+        self._alive, self._down_since = False, time.monotonic()
+        logger.warning("stage %d replica %d is down (%s); Ray restarts it", self._stage.stage_id, self.info.index, why)
+        metrics.replica_restarts.labels(str(self._stage.stage_id), str(self.info.index)).inc()
+
+    def _watch(self) -> None:
+        """Keep one ``watch`` call in flight for the actor's life: Ray fails it the moment the process dies, so
+        the replica is marked down at once; then wait until the restarted actor answers. Only this thread
+        marks the replica down or up."""
+        while not self._stopping.is_set():
+            try:
+                why, process_died = ray.get(self._actor.watch.remote()), False
+            except RayActorError as exc:
+                why, process_died = type(exc).__name__, True
+            if self._stopping.is_set():
+                return
+            self._mark_down(why)
+            if not process_died:
+                ray.kill(self._actor, no_restart=False)  # a process whose engine died is of no use: restart it
+            while not self._stopping.wait(WATCH_INTERVAL_S):
+                try:
+                    self.info = ray.get(self._actor.info.remote(), timeout=CALL_TIMEOUT_S)
+                except (RayActorError, GetTimeoutError):
+                    continue
+                except Exception:  # noqa: BLE001 - it came back with a dead engine: the outer loop restarts it
+                    break
+                logger.info(
+                    "stage %d replica %d is back after %.1f s (pid %d)",
+                    self._stage.stage_id, self.info.index, time.monotonic() - self._down_since, self.info.pid,
+                )  # fmt: skip
+                self._alive = True
+                break
+
+    def _call(self, method: str, *args):
+        return ray.get(getattr(self._actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
+
+    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
+        try:
+            result = self._call("admit", params)
+        except (RayActorError, GetTimeoutError) as exc:
+            raise ReplicaLostError(f"replica {self.info.index}: {exc}") from None
+        if isinstance(result, SamplingParamsError):
+            raise result
+        return result
+
+    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
+        future: Future = Future()
+        ref = self._actor.generate.remote(request_id, prompt, params)
+        with self._lock:
+            self._in_flight += 1
+        # The callback keeps ``ref`` alive until the result is in.
+        ref.future().add_done_callback(lambda done, ref=ref: self._settle(request_id, future, done))
+        return future
+
+    def _settle(self, request_id: str, future: Future, done: Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        try:
+            result = done.result()
+        except RayActorError as exc:
+            future.set_exception(ReplicaLostError(f"replica {self.info.index} was lost: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - an error of the actor method itself fails only this request
+            future.set_exception(RequestFailedError(request_id, f"replica {self.info.index}: {exc}"))
+        else:
+            (future.set_exception if isinstance(result, BaseException) else future.set_result)(result)
+
+    def abort(self, request_id: str) -> bool:
+        try:
+            return self._call("abort", request_id)
+        except (RayActorError, GetTimeoutError):
+            return False
+
+    def progress(self, request_id: str) -> tuple[str, float] | None:
+        try:
+            return self._call("progress", request_id)
+        except (RayActorError, GetTimeoutError):
+            return None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests beyond what the replica runs at once (counted here, so no call is needed)."""
+        return max(0, self._in_flight - self._stage.max_num_seqs)
+
+    def collect_metrics(self) -> list[Metric]:
+        if not self._alive:
+            return []
+        try:
+            return self._call("collect_metrics")
+        except (RayActorError, GetTimeoutError):
+            return []
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        try:
+            ray.get(self._actor.shutdown.remote(), timeout=CALL_TIMEOUT_S * 6)
+        except (RayActorError, GetTimeoutError) as exc:
+            logger.warning("stage %d replica %d did not stop cleanly: %s", self._stage.stage_id, self.info.index, exc)
+        ray.kill(self._actor, no_restart=True)
+        self._watcher.join()
+
+
+_started_ray = threading.Lock()
+_ray_users = 0
+"""Stages using a Ray cluster that this process started itself (it is stopped when the last one ends)."""
+
+
+def _connect(address: str | None) -> bool:
+    """Join ``address``, or start a local cluster; returns whether this process started it."""
+    if ray.is_initialized():
+        return False
+    if address is None:  # "local": never a cluster that RAY_ADDRESS or an earlier `ray start` left behind
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+        return True
+    ray.init(address=address, logging_level=logging.WARNING)
+    return False
+
+
+def start_replicas(model: str, stage: StageDeployConfig) -> tuple[list[RayReplica], Callable[[], None]]:
+    """Place and start the stage's replicas; returns them and a function that releases what they hold."""
+    global _ray_users
+    with _started_ray:
+        started = _connect(stage.ray_address)
+        _ray_users += started
+    num_gpus = stage.num_gpus
+    if num_gpus is None:
+        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    bundle = {"CPU": stage.num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
+    group = placement_group([bundle] * stage.num_replicas, strategy=stage.placement_strategy)
+
+    def release() -> None:
+        global _ray_users
+        remove_placement_group(group)
+        with _started_ray:
+            _ray_users -= started
+            if started and _ray_users == 0:
+                ray.shutdown()
+
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except GetTimeoutError:
+        release()
+        raise RuntimeError(
+            f"stage {stage.stage_id}: Ray could not reserve {stage.num_replicas} replica(s) of {bundle} each with "
+            f"placement_strategy {stage.placement_strategy!r} in {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has "
+            f"{ray.cluster_resources()}. Lower num_replicas, num_cpus or num_gpus, choose another "
+            "placement_strategy, or add nodes"
+        ) from None
+    actor_cls = ray.remote(_ReplicaActor)
+    actors = [
+        actor_cls.options(
+            num_cpus=stage.num_cpus,
+            num_gpus=num_gpus,
+            max_restarts=-1,
+            max_task_retries=0,  # the stage re-runs a lost request itself, on another replica
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        ).remote(model, stage, index)
+        for index in range(stage.num_replicas)
+    ]
+    try:
+        infos = ray.get([actor.info.remote() for actor in actors])  # a replica that cannot load raises here
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        release()
+        raise
+    for info in infos:
+        logger.info(
+            "stage %d replica %d: pid %d on node %s, %s",
+            stage.stage_id,
+            info.index,
+            info.pid,
+            info.node_id,
+            info.device,
+        )
+    return [RayReplica(actor, info, stage) for actor, info in zip(actors, infos, strict=True)], release

@@ -1,0 +1,116 @@
+"""A replica: one complete diffusion engine (scheduler + runner) and the thread that steps it.
+
+`EngineReplica` is the whole of an ``inline`` stage, and what each Ray replica actor holds
+(`ray_replicas.py`); `StageRuntime` routes among replicas through the methods both share.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from prometheus_client.metrics_core import Metric
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine import make_engine
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What the stage and the servers need to know of a replica: its model's kind and where it runs."""
+
+    index: int
+    is_video: bool
+    frame_multiple: int
+    device: str
+    pid: int
+    node_id: str | None = None
+    """The Ray node it runs on; ``None`` inline."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request's sampling parameters with the model's defaults filled in, and the batch key they give."""
+
+    params: OmniDiffusionSamplingParams
+    key: Hashable
+
+
+class ReplicaLostError(RuntimeError):
+    """The replica's process died (or became unreachable) while it held the request."""
+
+
+class EngineReplica:
+    """One engine in this process, stepped by a background thread until `shutdown`."""
+
+    def __init__(self, od_config: OmniDiffusionConfig, node_id: str | None = None):
+        self.engine = make_engine(od_config)
+        runner = self.engine.runner
+        self.info = ReplicaInfo(
+            index=od_config.replica,
+            is_video=runner.is_video,
+            frame_multiple=runner.frame_multiple,
+            device=str(runner.device),
+            pid=os.getpid(),
+            node_id=node_id,
+        )
+        self._name = f"stage {od_config.stage_id} replica {od_config.replica}"
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._loop, name=f"vllm-omni-stage-{od_config.stage_id}-{od_config.replica}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set() or self.engine.has_unfinished:
+                self.engine.step()
+        except BaseException as exc:  # noqa: BLE001 - reported to every request in flight below
+            self.error = exc
+            logger.exception("%s: engine loop died", self._name)
+            self.engine.close(f"the engine loop of {self._name} died: {exc!r}", include_running=True)
+
+    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
+        """Complete ``params`` (raises `SamplingParamsError`) and give their batch key."""
+        params = self.engine.complete_params(params)
+        return Admission(params, self.engine.batch_key(params))
+
+    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
+        """Queue a request; the future resolves to its `OmniRequestOutput` or fails with `RequestFailedError`."""
+        if not self.is_alive:
+            raise RequestFailedError(request_id, f"{self._name} is not running (error: {self.error!r})")
+        return self.engine.add_request(request_id, prompt, params)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def progress(self, request_id: str) -> tuple[str, float] | None:
+        """``(waiting|running, fraction of denoising steps done)``, or ``None`` if the request is not here."""
+        found = self.engine.scheduler.state(request_id)
+        return None if found is None else (found[0], found[1].progress)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting
+
+    def collect_metrics(self) -> list[Metric]:
+        return self.engine.metrics.collect()
+
+    def shutdown(self) -> None:
+        """Stop taking requests, fail the waiting ones, let the running ones finish."""
+        self._stopping.set()
+        self.engine.close()
+        self._thread.join()
+        self.engine.shutdown()
