@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from vllm_omni import Omni, OmniDiffusionSamplingParams
+from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -91,6 +91,26 @@ def test_a_tie_goes_to_the_replica_that_holds_the_same_batch_key(omni):
     futures = {name: engine.add_request(f"tie-{name}", "a cat", params) for name, params in order}
     placed = {name: future.result(timeout=120).metrics["replica"] for name, future in futures.items()}
     assert placed == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1, "f": 0}
+
+
+def test_progress_and_abort_reach_the_replica_that_holds_the_request(omni):
+    engine = omni.engine
+    long = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=1000, seed=0)
+    futures = {f"long-{i}": engine.add_request(f"long-{i}", "a cat", long) for i in range(2)}  # one per replica
+
+    def running(request_id):
+        found = engine.progress(request_id)
+        return found is not None and found[0] == "running" and 0 < found[1] < 1
+
+    deadline = time.monotonic() + 60
+    while not all(running(request_id) for request_id in futures):
+        assert time.monotonic() < deadline, [engine.progress(request_id) for request_id in futures]
+        time.sleep(0.05)
+    assert all(engine.abort(request_id) for request_id in futures)
+    for future in futures.values():
+        with pytest.raises(RequestAbortedError):
+            future.result(timeout=30)
+    assert engine.progress("long-0") is None and not engine.abort("long-0")
 
 
 def test_killing_a_replica_mid_load_loses_no_request_and_it_comes_back(omni, capsys):
