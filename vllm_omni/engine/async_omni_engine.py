@@ -95,7 +95,7 @@ class AsyncOmniEngine:
         return [stage.health() for stage in self.stages]
 
     def _replica_metrics(self) -> list:
-        return [replica.collect_metrics() for stage in self.stages for replica in stage.replicas]
+        return [families for stage in self.stages for families in stage.collect_metrics()]
 
     def shutdown(self) -> None:
         replica_metrics.discard(self._replica_metrics)

@@ -183,10 +183,10 @@ class RayReplica:
             (future.set_exception if isinstance(result, BaseException) else future.set_result)(result)
 
     def abort(self, request_id: str) -> bool:
-        try:
-            return self._call("abort", request_id)
-        except (RayActorError, GetTimeoutError):
-            return False
+        """Sent without waiting (the caller may be an event loop): the stage only asks for requests this replica
+        holds, and Ray runs the abort after the ``generate`` call that brought the request."""
+        self._actor.abort.remote(request_id)
+        return True
 
     def progress(self, request_id: str) -> tuple[str, float] | None:
         try:
@@ -200,8 +200,6 @@ class RayReplica:
         return max(0, self._in_flight - self._stage.max_num_seqs)
 
     def collect_metrics(self) -> list[Metric]:
-        if not self._alive:
-            return []
         try:
             return self._call("collect_metrics")
         except (RayActorError, GetTimeoutError):

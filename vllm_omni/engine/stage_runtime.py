@@ -76,6 +76,8 @@ class StageRuntime:
         self._load = [0] * len(self.replicas)
         self._keys = [Counter() for _ in self.replicas]
         self._routed: dict[str, _Routed] = {}
+        # Calls that go to every replica at once (metrics at each scrape, shutdown).
+        self._fan_out = ThreadPoolExecutor(len(self.replicas), thread_name_prefix=f"vllm-omni-stage-{self.stage_id}")
         stage = str(self.stage_id)
         metrics.stage_replicas.labels(stage, "alive").set_function(lambda: len(self.health().alive))
         metrics.stage_replicas.labels(stage, "down").set_function(lambda: len(self.replicas) - len(self.health().alive))
@@ -172,6 +174,11 @@ class StageRuntime:
         index = None if routed is None else routed.replica
         return None if index is None else self.replicas[index].progress(request_id)
 
+    def collect_metrics(self) -> list[list]:
+        """Every live replica's metric families (asked of all replicas at once)."""
+        live = [replica for replica in self.replicas if replica.is_alive]
+        return list(self._fan_out.map(lambda replica: replica.collect_metrics(), live))
+
     @property
     def num_waiting(self) -> int:
         """Requests waiting for a batch, over the live replicas."""
@@ -179,8 +186,8 @@ class StageRuntime:
 
     def shutdown(self) -> None:
         """Stop taking requests, fail the waiting ones, let the running ones finish (all replicas at once)."""
-        with ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda replica: replica.shutdown(), self.replicas))
+        list(self._fan_out.map(lambda replica: replica.shutdown(), self.replicas))
+        self._fan_out.shutdown()
         if self._release_backend is not None:
             self._release_backend()
         for state in ("alive", "down"):  # the gauges' callbacks hold this runtime
