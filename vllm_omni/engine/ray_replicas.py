@@ -81,6 +81,14 @@ class _ReplicaActor:
                 return ReplicaLostError(f"replica {self.replica.info.index}: {exc.reason}")
             return exc
 
+    async def warm_up(self) -> str | None:
+        """Warm the engine up; returns why it failed, if it did."""
+        try:
+            await asyncio.to_thread(self.replica.warm_up)
+        except RequestFailedError as exc:
+            return exc.reason
+        return None
+
     async def abort(self, request_id: str) -> bool:
         return self.replica.abort(request_id)
 
@@ -123,8 +131,8 @@ class RayReplica:
 
     def _watch(self) -> None:
         """Keep one ``watch`` call in flight for the actor's life: Ray fails it the moment the process dies, so
-        the replica is marked down at once; then wait until the restarted actor answers. Only this thread
-        marks the replica down or up."""
+        the replica is marked down at once; then wait until the restarted actor answers and has warmed up, as
+        at start-up, before it takes requests again. Only this thread marks the replica down or up."""
         while not self._stopping.is_set():
             try:
                 why, process_died = ray.get(self._actor.watch.remote()), False
@@ -138,12 +146,15 @@ class RayReplica:
             while not self._stopping.wait(WATCH_INTERVAL_S):
                 try:
                     self.info = ray.get(self._actor.info.remote(), timeout=CALL_TIMEOUT_S)
+                    failed = ray.get(self._actor.warm_up.remote())
                 except (RayActorError, GetTimeoutError):
                     continue
                 except Exception:  # noqa: BLE001 - it came back with a dead engine: the outer loop restarts it
                     break
+                if failed is not None:  # it serves anyway: a request that fails there fails alone
+                    logger.warning("stage %d replica %d: warm-up failed: %s", self._stage.stage_id, self.info.index, failed)
                 logger.info(
-                    "stage %d replica %d is back after %.1f s (pid %d)",
+                    "stage %d replica %d is back after %.1f s (pid %d, warmed up)",
                     self._stage.stage_id, self.info.index, time.monotonic() - self._down_since, self.info.pid,
                 )  # fmt: skip
                 self._alive = True

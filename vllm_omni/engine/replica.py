@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -41,6 +42,12 @@ class Admission:
 
     params: OmniDiffusionSamplingParams
     key: Hashable
+
+
+def warm_up_params(is_video: bool) -> OmniDiffusionSamplingParams:
+    """One step at the model's default size (a single frame for video models): it initialises every component, so
+    the first real request does not pay for that."""
+    return OmniDiffusionSamplingParams(num_inference_steps=1, seed=0, num_frames=1 if is_video else None)
 
 
 class ReplicaLostError(RuntimeError):
@@ -92,6 +99,10 @@ class EngineReplica:
         if not self.is_alive:
             raise RequestFailedError(request_id, f"{self._name} is not running (error: {self.error!r})")
         return self.engine.add_request(request_id, prompt, params)
+
+    def warm_up(self) -> None:
+        """Run `warm_up_params` through this engine and wait (raises `RequestFailedError` if it fails)."""
+        self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", warm_up_params(self.info.is_video)).result()
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

@@ -28,6 +28,7 @@ from vllm_omni.diffusion.request import (
     RequestFailedError,
     StageUnavailableError,
 )
+from vllm_omni.engine.replica import warm_up_params
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.checks import APIError, check_api_key, check_request, complete_params, error_response
 from vllm_omni.entrypoints.openai.image_store import ImageStore
@@ -139,12 +140,7 @@ async def _load_and_warm_up(state: ServerState) -> None:
                 str(stage.stage_id), stage.provenance["max_num_seqs"]
             ).set(stage.max_num_seqs)
         started = time.perf_counter()
-        # One step at the model's default size (and a single frame for video models) initialises every component.
-        warm_up = OmniDiffusionSamplingParams(
-            num_inference_steps=1,
-            seed=0,
-            num_frames=1 if state.omni.engine.makes_videos else None,
-        )
+        warm_up = warm_up_params(state.omni.engine.makes_videos)
         # One request per replica: routing sends each to the replica with the fewest outstanding requests.
         await asyncio.gather(
             *(
