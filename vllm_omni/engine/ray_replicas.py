@@ -152,7 +152,8 @@ class RayReplica:
                 except Exception:  # noqa: BLE001 - it came back with a dead engine: the outer loop restarts it
                     break
                 if failed is not None:  # it serves anyway: a request that fails there fails alone
-                    logger.warning("stage %d replica %d: warm-up failed: %s", self._stage.stage_id, self.info.index, failed)
+                    stage, index = self._stage.stage_id, self.info.index
+                    logger.warning("stage %d replica %d: warm-up failed: %s", stage, index, failed)
                 logger.info(
                     "stage %d replica %d is back after %.1f s (pid %d, warmed up)",
                     self._stage.stage_id, self.info.index, time.monotonic() - self._down_since, self.info.pid,
