@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse", "a blue house", "a tree", "a small dog"]
@@ -38,3 +39,14 @@ def emit(result: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def publish(result: dict, markdown: str, out_dir: str | None, name: str) -> None:
+    """`emit` the result, print its tables, and write both to ``out_dir/name.{json,md}`` when ``out_dir`` is given."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    emit(result, os.path.join(out_dir, f"{name}.json") if out_dir else None)
+    print(markdown)
+    if out_dir:
+        with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+            f.write(markdown)

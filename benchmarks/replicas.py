@@ -19,7 +19,7 @@ import tempfile
 import time
 
 import torch
-from common import PROMPTS, Shape, emit
+from common import PROMPTS, Shape, publish
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 
@@ -111,11 +111,7 @@ def main() -> None:
         "rows": rows,
         "speedup": round(rows[2]["req_per_s"] / rows[1]["req_per_s"], 2),
     }
-    emit(result, os.path.join(args.out_dir, f"{args.name}.json") if args.out_dir else None)
-    print(table(result))
-    if args.out_dir:
-        with open(os.path.join(args.out_dir, f"{args.name}.md"), "w") as f:
-            f.write(table(result))
+    publish(result, table(result), args.out_dir, args.name)
 
 
 if __name__ == "__main__":

@@ -109,3 +109,25 @@ def test_replicas_benchmark_compares_one_and_two_ray_replicas(tiny_flux, tmp_pat
     ]
     assert result["speedup"] > 0 and all(r["overhead_ms_median"] > 0 for r in result["rows"])
     assert "2 Ray replicas / 1 Ray replica" in (tmp_path / "smoke.md").read_text()
+
+
+def test_stages_benchmark_compares_single_and_split_deploys(tiny_flux, tmp_path):
+    deploys = ["single", "split", "split-step"]
+    _run(
+        "stages.py", "--model", tiny_flux, "--families", "flux", "--size", "32x32", "--steps", "2",
+        "--num-requests", "4", "--concurrency", "4", "--reps", "1", "--warmup", "0",
+        "--out-dir", str(tmp_path), "--name", "smoke",
+    )  # fmt: skip
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert [(r["family"], r["deploy"]) for r in result["rows"]] == [("flux", d) for d in deploys]
+    stage_types = {r["deploy"]: [s["stage_type"] for s in r["stages"]] for r in result["rows"]}
+    assert stage_types == {"single": ["diffusion"], "split": ["encode", "denoise", "decode"],
+                           "split-step": ["encode", "denoise", "decode"]}  # fmt: skip
+    for row in result["rows"]:
+        assert row["req_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+        for stage in row["stages"]:
+            assert 1 <= stage["batch_mean"] <= stage["batch_max"] and stage["within_max"]
+            assert stage["queue_ms_mean"] >= 0 and stage["exec_ms_mean"] > 0
+    assert [(q["deploy"], q["req_per_s"] > 0) for q in result["ratios"]] == [("split", True), ("split-step", True)]
+    assert len(result["checks"]) == 7 and not any(c.startswith("FAIL") for c in result["checks"])
+    assert (tmp_path / "smoke.md").read_text().startswith("| family | deploy | req/s")

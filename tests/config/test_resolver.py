@@ -51,9 +51,17 @@ def test_every_knob_goes_through_the_same_layers():
 
 
 def test_layers_apply_per_stage():
-    deploy = DeployConfig(stages=[StageDeployConfig(stage_id=0, max_num_seqs=2), StageDeployConfig(stage_id=1)])
+    deploy = DeployConfig(
+        stages=[
+            StageDeployConfig(stage_id=0, stage_type="encode", max_num_seqs=2),
+            StageDeployConfig(stage_id=1, stage_type="denoise", inputs=[0]),
+            StageDeployConfig(stage_id=2, stage_type="decode", inputs=[1]),
+        ]
+    )
     stages = resolve_stage_configs(deploy, stage_overrides={"1": {"max_num_seqs": 8}})
-    assert [(s.max_num_seqs, s.provenance["max_num_seqs"]) for s in stages] == [(2, "deploy_yaml"), (8, "stage_override")]
+    assert [(s.max_num_seqs, s.provenance["max_num_seqs"]) for s in stages] == [
+        (2, "deploy_yaml"), (8, "stage_override"), (1, "default")
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("key", [0, "0"])

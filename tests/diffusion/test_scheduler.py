@@ -19,7 +19,8 @@ from vllm_omni.diffusion.scheduler import Scheduler
 def _scheduler(max_num_seqs=4, wait_ms=0.0) -> Scheduler:
     return Scheduler(
         OmniDiffusionConfig(
-            model="unused", stage_id=0, replica=0, max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms,
+            model="unused", stage_id=0, replica=0, stage_type="diffusion",
+            max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms,
             execution_mode="request", dtype="auto", devices=None,
         )
     )  # fmt: skip

@@ -16,7 +16,8 @@ from vllm_omni.diffusion.scheduler import StepScheduler
 def _scheduler(max_num_seqs=2) -> StepScheduler:
     return StepScheduler(
         OmniDiffusionConfig(
-            model="unused", stage_id=0, replica=0, max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0,
+            model="unused", stage_id=0, replica=0, stage_type="diffusion",
+            max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0,
             execution_mode="step", dtype="auto", devices=None,
         )
     )  # fmt: skip

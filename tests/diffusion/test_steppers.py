@@ -8,7 +8,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
-from vllm_omni.diffusion.steppers import SUPPORTED_PIPELINES, make_stepper
+from vllm_omni.diffusion.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper
 
 pytestmark = pytest.mark.slow
 
@@ -147,6 +147,22 @@ def test_keys_separate_what_cannot_share_a_forward(tiny_flux):
     assert stepper.key(base) != stepper.key(base.model_copy(update={"extra_args": {"max_sequence_length": 128}}))
 
 
+def test_split_stage_keys_are_text_shaped_and_latent_shaped(tiny_flux):
+    stepper = make_stepper(_load(tiny_flux), CPU, SPLIT)
+    base = _params(height=64, width=64, num_inference_steps=4, guidance_scale=3.5)
+    # Encode batches prompts whatever their size, steps or guidance; not different text lengths or negative rows.
+    assert stepper.encode_key(base) == stepper.encode_key(
+        base.model_copy(update={"height": 32, "num_inference_steps": 20, "guidance_scale": 7.0})
+    )
+    true_cfg = base.model_copy(update={"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 2.0}})
+    for other in (base.model_copy(update={"extra_args": {"max_sequence_length": 128}}), true_cfg):
+        assert stepper.encode_key(base) != stepper.encode_key(other)
+    # Decode batches latents of one shape, whatever their prompt, steps or guidance.
+    assert stepper.decode_key(base) == stepper.decode_key(true_cfg.model_copy(update={"num_inference_steps": 9}))
+    assert stepper.decode_key(base) != stepper.decode_key(base.model_copy(update={"width": 32}))
+    assert stepper.decode_key(base) != stepper.decode_key(base.model_copy(update={"output_type": "pil"}))
+
+
 def test_unsupported_pipelines_and_arguments_are_refused(tiny_sd):
     pipeline = _load(tiny_sd)
     img2img = diffusers.StableDiffusionImg2ImgPipeline(**pipeline.components)
@@ -154,6 +170,9 @@ def test_unsupported_pipelines_and_arguments_are_refused(tiny_sd):
         make_stepper(img2img, CPU)
     assert all(name in str(excinfo.value) for name in SUPPORTED_PIPELINES)
     assert "--execution-mode request" in str(excinfo.value)
+    with pytest.raises(ValueError, match="a split pipeline .* does not support StableDiffusionImg2ImgPipeline") as split:
+        make_stepper(img2img, CPU, SPLIT)
+    assert "stage_type: diffusion" in str(split.value)
     stepper = make_stepper(pipeline, CPU)
     expected = r"'clip_skip' is not supported .* \(supported: eta, guidance_rescale\)"
     with pytest.raises(SamplingParamsError, match=expected):

@@ -10,6 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
+from vllm_omni.config import DeployConfig, StageDeployConfig
+from vllm_omni.diffusion.steppers import Conditioning
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -51,6 +53,39 @@ def _wait_all_alive(omni, timeout_s: float = 120.0) -> float:
         assert time.monotonic() - started < timeout_s, f"replicas not back: {omni.engine.health()}"
         time.sleep(0.2)
     return time.monotonic() - started
+
+
+def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tiny_flux):
+    """Runs before the module's two-replica deploy takes both CPUs: encode inline, denoise and decode one Ray
+    actor each (one per node)."""
+    on_ray = {"ray_address": cluster.address, "distributed_executor_backend": "ray"}
+    deploy = DeployConfig(
+        stages=[
+            StageDeployConfig(stage_id=0, stage_type="encode", max_num_seqs=4),
+            StageDeployConfig(stage_id=1, stage_type="denoise", inputs=[0], max_num_seqs=2, **on_ray),
+            StageDeployConfig(stage_id=2, stage_type="decode", inputs=[1], max_num_seqs=4, **on_ray),
+        ]
+    )
+    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=4, seed=i) for i in range(4)]
+    prompts = [f"prompt {i}" for i in range(4)]
+    with Omni(tiny_flux, max_num_seqs=1) as single:
+        want = single.generate(prompts, params)
+    with Omni(tiny_flux, deploy_config=deploy) as omni:
+        got = omni.generate(prompts, params)
+        # The inline encode stage hands its output on by value; the Ray denoise stage leaves its output in the
+        # object store for the Ray decode stage, so the latents never come to this process.
+        admissions = omni.engine.admit(params[0])
+        encoded = omni.engine.stages[0].submit("probe-0", "probe", admissions[0]).result(60)
+        denoised = omni.engine.stages[1].submit("probe-1", "probe", admissions[1], encoded.payload).result(60)
+        assert isinstance(encoded.payload, Conditioning)
+        assert isinstance(denoised.payload, ray.ObjectRef)
+        (decoded,) = omni.engine.stages[2].submit("probe-2", "probe", admissions[2], denoised.payload).result(60).images
+        assert decoded.size == (32, 32)
+        nodes = {omni.engine.stages[i].replicas[0].info.node_id for i in (1, 2)}
+        assert len(nodes) == 2  # one CPU per node: the two actors are on different nodes
+    for one, three in zip(want, got, strict=True):
+        assert np.abs(_pixels(one) - _pixels(three)).max() <= 2
+        assert [s["stage_type"] for s in three.metrics["stages"]] == ["encode", "denoise", "decode"]
 
 
 def test_replicas_run_on_different_nodes_and_share_the_requests(cluster, omni):

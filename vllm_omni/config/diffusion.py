@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from vllm_omni.config.stage import DType, ExecutionMode, StageDeployConfig
+from vllm_omni.config.stage import DType, ExecutionMode, StageDeployConfig, StageType
 
 
 class OmniDiffusionConfig(BaseModel):
@@ -25,6 +25,9 @@ class OmniDiffusionConfig(BaseModel):
     replica: int
     """Which of the stage's replicas this engine is (0 for a stage of one)."""
 
+    stage_type: StageType
+    """What the engine runs: the whole pipeline (``diffusion``) or one part of a split one."""
+
     max_num_seqs: int
     """Scheduler capacity: most requests in one batch."""
 
@@ -42,16 +45,15 @@ class OmniDiffusionConfig(BaseModel):
 
     @classmethod
     def from_stage(cls, model: str, stage: StageDeployConfig, replica: int = 0) -> OmniDiffusionConfig:
-        if stage.stage_type != "diffusion":
-            raise ValueError(
-                f"stage {stage.stage_id} has stage_type={stage.stage_type!r}; only 'diffusion' stages run here"
-            )
+        if stage.stage_type == "llm":
+            raise ValueError(f"stage {stage.stage_id} has stage_type 'llm', which this release does not serve")
         if not 0 <= replica < stage.num_replicas:
             raise ValueError(f"stage {stage.stage_id} has {stage.num_replicas} replica(s), not a replica {replica}")
         return cls(
             model=model,
             stage_id=stage.stage_id,
             replica=replica,
+            stage_type=stage.stage_type,
             max_num_seqs=stage.max_num_seqs,
             request_batch_max_wait_ms=stage.request_batch_max_wait_ms,
             execution_mode=stage.execution_mode,

@@ -18,7 +18,14 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from vllm_omni.config.loader import load_deploy_config
-from vllm_omni.config.stage import RAY_ONLY_KNOBS, STAGE_KNOBS, DeployConfig, Source, StageDeployConfig
+from vllm_omni.config.stage import (
+    DENOISING_ONLY_KNOBS,
+    RAY_ONLY_KNOBS,
+    STAGE_KNOBS,
+    DeployConfig,
+    Source,
+    StageDeployConfig,
+)
 
 GlobalSource = Literal["cli", "python"]
 
@@ -105,14 +112,28 @@ def resolve_stage_configs(
             values[knob] = StageDeployConfig.model_fields[knob].get_default(call_default_factory=True)
             provenance[knob] = "default"
             for layer_values, layer_sources in layers:
-                if knob in layer_values:
-                    values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
+                if knob not in layer_values:
+                    continue
+                if knob in DENOISING_ONLY_KNOBS and stage.stage_type not in ("diffusion", "denoise"):
+                    if layer_values is global_knobs:  # a global flag sets it on the stages that denoise
+                        continue
+                    raise ValueError(
+                        f"stage {stage.stage_id} ({stage.stage_type}): {_knob_name(knob, layer_sources[knob])} "
+                        f"({layer_sources[knob]}) applies to diffusion and denoise stages only; remove it"
+                    )
+                values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
         if values["distributed_executor_backend"] is None:
             use_ray = values["num_replicas"] > 1 or values["ray_address"] is not None
             values["distributed_executor_backend"] = "ray" if use_ray else "inline"
         _check_combination(stage.stage_id, values, provenance)
         resolved.append(
-            StageDeployConfig(stage_id=stage.stage_id, stage_type=stage.stage_type, **values, provenance=provenance)
+            StageDeployConfig(
+                stage_id=stage.stage_id,
+                stage_type=stage.stage_type,
+                inputs=stage.inputs,
+                **values,
+                provenance=provenance,
+            )
         )
     return resolved
 

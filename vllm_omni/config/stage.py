@@ -21,11 +21,23 @@ ExecutionMode = Literal["request", "step"]
 Backend = Literal["inline", "ray"]
 """Where a stage's replicas run: ``inline`` (one engine on a thread of this process) or ``ray`` (one Ray actor each)."""
 
+StageType = Literal["diffusion", "encode", "denoise", "decode", "llm"]
+"""What a stage runs: the whole pipeline, or one part of a split one (docs/stages.md)."""
+
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 """Ray placement-group strategies: how replicas spread over the cluster's nodes."""
 
 RAY_ONLY_KNOBS = ("ray_address", "num_cpus", "num_gpus", "placement_strategy")
 """Knobs that mean something only with ``distributed_executor_backend: ray``."""
+
+DENOISING_ONLY_KNOBS = ("execution_mode",)
+"""Knobs of stages that run a denoising loop (``diffusion`` and ``denoise``)."""
+
+STAGE_INPUTS: dict[str, str | None] = {"diffusion": None, "encode": None, "denoise": "encode", "decode": "denoise"}
+"""The stage type each stage type takes its one input from (``None``: it takes the request itself)."""
+
+FINAL_STAGE_TYPES = ("diffusion", "decode")
+"""Stage types whose outputs are images or videos: a deploy ends with exactly one of them."""
 
 
 class StageDeployConfig(BaseModel):
@@ -36,8 +48,12 @@ class StageDeployConfig(BaseModel):
     stage_id: int = Field(default=0, ge=0)
     """Identifier of the stage; ``--stage-overrides`` keys refer to it."""
 
-    stage_type: Literal["diffusion", "llm"] = "diffusion"
-    """What the stage runs. Only ``diffusion`` stages can be served by this release."""
+    stage_type: StageType = "diffusion"
+    """``diffusion`` (the whole pipeline), or ``encode`` / ``denoise`` / ``decode`` (a split pipeline); ``llm`` is
+    not served by this release."""
+
+    inputs: tuple[int, ...] = ()
+    """Stage ids whose outputs this stage takes (``denoise`` takes an ``encode`` stage, ``decode`` a ``denoise``)."""
 
     max_num_seqs: int = Field(default=1, ge=1)
     """Most requests the stage runs together in one batch."""
@@ -46,7 +62,8 @@ class StageDeployConfig(BaseModel):
     """How long an idle stage waits for more compatible requests before it starts a batch that is not full."""
 
     execution_mode: ExecutionMode = "request"
-    """``request``: a batch runs all its steps together; ``step``: requests join and leave at denoising-step boundaries."""
+    """``request``: a batch runs all its steps together; ``step``: requests join and leave at denoising-step
+    boundaries (``diffusion`` and ``denoise`` stages only)."""
 
     num_replicas: int = Field(default=1, ge=1)
     """Engine replicas of this stage, each a whole engine; ``max_num_seqs`` is per replica."""
@@ -93,20 +110,31 @@ class StageDeployConfig(BaseModel):
     def describe(self) -> str:
         """The start-up line for this stage: every knob that applies, its value and where it came from,
         then the stage's total capacity."""
-        shown = [k for k in STAGE_KNOBS if self.distributed_executor_backend == "ray" or k not in RAY_ONLY_KNOBS]
+        shown = [k for k in STAGE_KNOBS if knob_applies(k, self)]
         knobs = ", ".join(f"{k}={getattr(self, k)!r} ({self.provenance.get(k, 'default')})" for k in shown)
+        inputs = f" <- stage(s) {', '.join(map(str, self.inputs))}" if self.inputs else ""
         return (
-            f"stage {self.stage_id} ({self.stage_type}): {knobs}; capacity {self.capacity} requests at once "
+            f"stage {self.stage_id} ({self.stage_type}{inputs}): {knobs}; capacity {self.capacity} requests at once "
             f"({self.num_replicas} replica(s) x max_num_seqs {self.max_num_seqs})"
         )
 
 
 STAGE_KNOBS: tuple[str, ...] = tuple(
-    name for name in StageDeployConfig.model_fields if name not in ("stage_id", "stage_type", "provenance")
+    name for name in StageDeployConfig.model_fields if name not in ("stage_id", "stage_type", "inputs", "provenance")
 )
 """The per-stage knobs that the precedence layers (YAML, CLI/Python, stage overrides) may set."""
 
 YAML_STAGE_KEYS: tuple[str, ...] = tuple(n for n in StageDeployConfig.model_fields if n != "provenance")
+
+
+def knob_applies(knob: str, stage: StageDeployConfig | dict) -> bool:
+    """Whether ``knob`` means something for ``stage`` (a config, or resolved values with ``stage_type``)."""
+    get = stage.get if isinstance(stage, dict) else lambda name: getattr(stage, name)
+    if knob in RAY_ONLY_KNOBS:
+        return get("distributed_executor_backend") == "ray"
+    if knob in DENOISING_ONLY_KNOBS:
+        return get("stage_type") in ("diffusion", "denoise")
+    return True
 
 
 class DeployConfig(BaseModel):
@@ -126,7 +154,63 @@ class DeployConfig(BaseModel):
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
             raise ValueError(f"stage_id values must be unique, repeated: {duplicates}")
+        check_stage_graph(stages)
         return stages
+
+
+def check_stage_graph(stages: list[StageDeployConfig]) -> list[StageDeployConfig]:
+    """The stages in the order a request passes them; ValueError naming the stage and the problem for an unknown
+    input, a cycle, an input of the wrong type, or not exactly one final stage."""
+    by_id = {s.stage_id: s for s in stages}
+    for stage in stages:
+        unknown = [i for i in stage.inputs if i not in by_id]
+        if unknown:
+            raise ValueError(f"stage {stage.stage_id} lists unknown input(s) {unknown}; stage ids: {sorted(by_id)}")
+    order: list[StageDeployConfig] = []
+    state: dict[int, str] = {}
+
+    def visit(stage: StageDeployConfig, path: list[int]) -> None:
+        if state.get(stage.stage_id) == "done":
+            return
+        if state.get(stage.stage_id) == "visiting":
+            cycle = path[path.index(stage.stage_id) :] + [stage.stage_id]
+            raise ValueError(
+                f"stage {stage.stage_id}: inputs form a cycle ({' <- '.join(map(str, cycle))}, where a <- b means "
+                "stage a takes stage b's output)"
+            )
+        state[stage.stage_id] = "visiting"
+        for i in stage.inputs:
+            visit(by_id[i], path + [stage.stage_id])
+        state[stage.stage_id] = "done"
+        order.append(stage)
+
+    for stage in stages:
+        visit(stage, [])
+    for stage in order:
+        if stage.stage_type == "llm":
+            raise ValueError(f"stage {stage.stage_id} has stage_type 'llm', which this release does not serve")
+        wanted = STAGE_INPUTS[stage.stage_type]
+        if wanted is None and stage.inputs:
+            raise ValueError(
+                f"stage {stage.stage_id} ({stage.stage_type}) takes the request itself, so it has no inputs; "
+                f"it lists {list(stage.inputs)}"
+            )
+        if wanted is not None and (len(stage.inputs) != 1 or by_id[stage.inputs[0]].stage_type != wanted):
+            got = [f"{i} ({by_id[i].stage_type})" for i in stage.inputs]
+            raise ValueError(
+                f"stage {stage.stage_id} ({stage.stage_type}) takes exactly one input, a stage of type {wanted!r}; "
+                f"it lists {got or 'none'}"
+            )
+    consumed = {i for s in stages for i in s.inputs}
+    sinks = [s for s in order if s.stage_id not in consumed]
+    finals = [s for s in sinks if s.stage_type in FINAL_STAGE_TYPES]
+    if len(sinks) != 1 or not finals:
+        ends = ", ".join(f"{s.stage_id} ({s.stage_type})" for s in sinks)
+        raise ValueError(
+            f"a deploy needs exactly one final stage, a {' or '.join(FINAL_STAGE_TYPES)} stage that no other stage "
+            f"takes as input; the stages no other stage takes are: {ends}"
+        )
+    return order
 
 
 def describe_validation_error(exc: ValidationError, where: str) -> str:

@@ -1,6 +1,7 @@
-"""The diffusion engine core for request mode: ``schedule → run → finish``, one pipeline call per batch.
+"""The diffusion engine core for request mode: ``schedule → run → finish``, one stage work call per batch.
 
-`make_engine` picks this engine or the step engine (`step_engine.py`) from ``execution_mode``.
+`make_engine` picks this engine or the step engine (`step_engine.py`) from ``execution_mode``; the stage
+type picks the work (`stages.py`): a whole pipeline call, or one part of a split pipeline.
 """
 
 from __future__ import annotations
@@ -13,14 +14,11 @@ from typing import Any, TypeVar
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.request import (
-    BatchKey,
-    DiffusionRequest,
-    OmniDiffusionSamplingParams,
-    OmniRequestOutput,
-)
+from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams, OmniRequestOutput
 from vllm_omni.diffusion.runner import DiffusionRunner
 from vllm_omni.diffusion.scheduler import Scheduler
+from vllm_omni.diffusion.stages import StageOutput, make_work
+from vllm_omni.diffusion.steppers import SPLIT, STEP_MODE, make_stepper
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics.prometheus import EngineMetrics
 
@@ -73,24 +71,45 @@ class EngineCore:
     def __init__(self, od_config: OmniDiffusionConfig, scheduler: Scheduler):
         self.od_config = od_config
         self.runner = DiffusionRunner(od_config)
+        split = od_config.stage_type != "diffusion"
+        self.stepper = (
+            make_stepper(self.runner.pipeline, self.runner.device, SPLIT if split else STEP_MODE)
+            if split or od_config.execution_mode == "step"
+            else None
+        )
+        """The model's `Stepper` when the engine steps or splits the pipeline, else ``None``."""
         self.scheduler = scheduler
         task = "video" if self.runner.is_video else "image"
         self.metrics = EngineMetrics(od_config.stage_id, od_config.replica, task)
         self.metrics.num_requests_running.set_function(lambda: scheduler.num_running)
         self.metrics.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
 
+    @property
+    def completes_params(self) -> bool:
+        """Whether this stage fills in the model's defaults: the stage that holds the denoiser (its config
+        sizes them). The stages of a split pipeline around it take complete parameters."""
+        return self.od_config.stage_type in ("diffusion", "denoise")
+
     def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
-        """``params`` with the model's defaults filled in (raises `SamplingParamsError`)."""
-        return self.runner.complete_params(params)
+        """``params`` with the model's defaults filled in where this stage holds them, checked against what the
+        stage can run (raises `SamplingParamsError`)."""
+        if self.completes_params:
+            params = self.runner.complete_params(params)
+        if self.stepper is not None:
+            self.stepper.check_params(params)
+        return params
 
     def batch_key(self, params: OmniDiffusionSamplingParams) -> Hashable:
         """What must match for complete ``params`` to share a batch."""
-        return BatchKey.of(params)
+        raise NotImplementedError
 
-    def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
-        """Queue a request; the returned future resolves to its `OmniRequestOutput`."""
+    def add_request(
+        self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None
+    ) -> Future:
+        """Queue a request (with the previous stage's ``payload`` for it, in a split pipeline); the returned
+        future resolves to its `OmniRequestOutput`, or a `StageOutput` from a stage that is not the last."""
         params = self.complete_params(params)
-        request = DiffusionRequest.create(request_id, prompt, params, key=self.batch_key(params))
+        request = DiffusionRequest.create(request_id, prompt, params, key=self.batch_key(params), payload=payload)
         self.scheduler.add(request)
         return request.future
 
@@ -107,10 +126,14 @@ class EngineCore:
 
 
 class DiffusionEngine(EngineCore):
-    """Request mode: one pipeline call per batch."""
+    """Request mode: one call of the stage's work per batch."""
 
     def __init__(self, od_config: OmniDiffusionConfig):
         super().__init__(od_config, Scheduler(od_config))
+        self.work = make_work(od_config.stage_type, self.runner, self.stepper)
+
+    def batch_key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+        return self.work.key(params)
 
     @property
     def has_unfinished(self) -> bool:
@@ -129,16 +152,16 @@ class DiffusionEngine(EngineCore):
             self._run, batch, what="request", name=lambda r: r.request_id, on_oom_split=self._on_oom_split
         )
         for request, output in zip(batch, outputs, strict=True):
-            if isinstance(output, OmniRequestOutput):
+            if not isinstance(output, BaseException):
                 output.metrics["queue_ms"] = (started - request.arrival_time) * 1000.0
                 output.metrics["replica"] = self.od_config.replica
         self.scheduler.finish(batch, outputs)
         return len(batch)
 
-    def _run(self, batch: list[DiffusionRequest]) -> list[OmniRequestOutput]:
+    def _run(self, batch: list[DiffusionRequest]) -> list[OmniRequestOutput | StageOutput]:
         self.metrics.batch_size.observe(len(batch))
         with self.metrics.batch_execution_time.time():
-            return self.runner.run(batch)
+            return self.work.run(batch)
 
     def shutdown(self) -> None:
         """Release what the engine holds once its loop has stopped: request mode has no workers to stop."""

@@ -171,6 +171,8 @@ class DiffusionRequest:
     """Step mode: the stepper's per-request state once its prompt is encoded; ``None`` before and after."""
     preparing: bool = False
     """Step mode: its encoding has been handed to the encode worker."""
+    payload: Any = None
+    """A split pipeline's previous stage output for it (`Conditioning` or `Latents`); ``None`` for the first."""
 
     @property
     def progress(self) -> float:
@@ -179,8 +181,13 @@ class DiffusionRequest:
 
     @classmethod
     def create(
-        cls, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, key: Hashable | None = None
+        cls,
+        request_id: str,
+        prompt: str,
+        params: OmniDiffusionSamplingParams,
+        key: Hashable | None = None,
+        payload: Any = None,
     ) -> DiffusionRequest:
         key = key if key is not None else BatchKey.of(params)
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
-        return cls(request_id=request_id, prompt=prompt, params=params, seed=seed, key=key)
+        return cls(request_id=request_id, prompt=prompt, params=params, seed=seed, key=key, payload=payload)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import time
 import typing
@@ -80,12 +81,32 @@ def check_batchable(pipeline_cls: type, max_num_seqs: int) -> None:
         )
 
 
-def load_pipeline(model: str, dtype: torch.dtype, device: torch.device):
+_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+_DENOISERS = ("transformer", "transformer_2", "unet")
+STAGE_SKIPS: dict[str, tuple[str, ...]] = {
+    "diffusion": (),
+    "encode": _DENOISERS + ("vae",),
+    "denoise": _TEXT_ENCODERS,  # the VAE stays: its config sizes the latents
+    "decode": _TEXT_ENCODERS + _DENOISERS,
+}
+"""Pipeline components a stage of each type does not load (a split stage holds only what it runs)."""
+
+
+def read_model_index(model: str) -> dict[str, Any]:
+    """The folder's ``model_index.json`` (its pipeline class and components)."""
+    path = os.path.join(model, "model_index.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model {model!r} is not a diffusers folder: it has no model_index.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_pipeline(model: str, dtype: torch.dtype, device: torch.device, stage_type: str = "diffusion"):
     from diffusers import DiffusionPipeline
 
-    if not os.path.isfile(os.path.join(model, "model_index.json")):
-        raise ValueError(f"model {model!r} is not a diffusers folder: it has no model_index.json")
-    pipeline = DiffusionPipeline.from_pretrained(model, dtype=dtype, local_files_only=True)
+    components = read_model_index(model)
+    skipped = {name: None for name in STAGE_SKIPS[stage_type] if name in components}
+    pipeline = DiffusionPipeline.from_pretrained(model, dtype=dtype, local_files_only=True, **skipped)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline.to(device)
 
@@ -95,9 +116,9 @@ class DiffusionRunner:
         self.device = select_device(od_config.devices)
         self.dtype = select_dtype(od_config.dtype, self.device)
         started = time.perf_counter()
-        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device)
+        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, od_config.stage_type)
         self.pipeline_name = type(self.pipeline).__name__
-        if od_config.execution_mode == "request":  # step mode batches denoiser forwards, not pipeline calls
+        if od_config.stage_type == "diffusion" and od_config.execution_mode == "request":  # the others batch forwards
             check_batchable(type(self.pipeline), od_config.max_num_seqs)
         self._call_params = inspect.signature(self.pipeline.__call__).parameters
         self._outputs_arg = next(
@@ -105,8 +126,9 @@ class DiffusionRunner:
         )
         self.is_video = "num_frames" in self._call_params
         logger.info(
-            "Loaded %s from %s on %s (%s) in %.2f s",
+            "Loaded %s from %s on %s (%s) in %.2f s%s",
             self.pipeline_name, od_config.model, self.device, self.dtype, time.perf_counter() - started,
+            "" if od_config.stage_type == "diffusion" else f" for its {od_config.stage_type} stage",
         )  # fmt: skip
 
     def _default(self, name: str) -> Any:

@@ -2,7 +2,8 @@
 
 Each `step` is one step boundary: start the encodes the scheduler asks for, drop aborted requests, run
 one denoiser forward over every running request, move each along its own schedule, and hand those that
-finished to the decoder.
+finished to the decoder. As the ``denoise`` stage of a split pipeline it takes encoded prompts instead
+of encoding, and hands final latents on instead of decoding.
 
 On CUDA, text encoding and VAE decoding run on two worker threads beside this loop, so a request that
 joins or leaves does not stall the requests in flight: all three threads queue work on the default
@@ -28,7 +29,8 @@ from vllm_omni.diffusion.request import (
     RequestAbortedError,
 )
 from vllm_omni.diffusion.scheduler import StepScheduler
-from vllm_omni.diffusion.steppers import make_stepper
+from vllm_omni.diffusion.stages import StageOutput
+from vllm_omni.diffusion.steppers import Latents
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -40,19 +42,12 @@ class StepEngine(EngineCore):
     def __init__(self, od_config: OmniDiffusionConfig, *, side_workers: bool | None = None):
         """``side_workers``: encode and decode on worker threads beside the loop; ``None``: on CUDA only."""
         super().__init__(od_config, StepScheduler(od_config))
-        self.stepper = make_stepper(self.runner.pipeline, self.runner.device)
+        self.split = od_config.stage_type == "denoise"
         if side_workers is None:
             side_workers = self.runner.device.type == "cuda"
         stage = od_config.stage_id
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"vllm-omni-encode-{stage}") if side_workers else None
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vllm-omni-decode-{stage}") if side_workers else None
-
-    def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
-        """``params`` with the model's defaults filled in (raises `SamplingParamsError`, also for what
-        step mode cannot run)."""
-        params = super().complete_params(params)
-        self.stepper.check_params(params)
-        return params
 
     def batch_key(self, params: OmniDiffusionSamplingParams) -> tuple:
         return self.stepper.key(params)
@@ -117,7 +112,10 @@ class StepEngine(EngineCore):
         self.metrics.queue_time.observe(request.started_time - request.arrival_time)
         try:
             with torch.inference_mode():
-                state = self.stepper.prepare(request.prompt, request.params, request.seed)
+                if self.split:
+                    state = self.stepper.start(request.payload, request.params, request.seed)
+                else:
+                    state = self.stepper.prepare(request.prompt, request.params, request.seed)
         except Exception as exc:  # noqa: BLE001 - fails this request only
             logger.warning("encoding request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
             self.scheduler.fail_waiting(request, exc)
@@ -134,9 +132,12 @@ class StepEngine(EngineCore):
         for request, output in zip(requests, outputs, strict=True):
             self.scheduler.complete(request, output)
 
-    def _decode(self, requests: list[DiffusionRequest]) -> list[OmniRequestOutput]:
-        with torch.inference_mode():
-            items = self.stepper.decode([request.state for request in requests])
+    def _decode(self, requests: list[DiffusionRequest]) -> list[OmniRequestOutput | StageOutput]:
+        if self.split:  # the decode stage decodes
+            items = [Latents(request.state.latents, request.params) for request in requests]
+        else:
+            with torch.inference_mode():
+                items = self.stepper.decode([request.state for request in requests])
         finished = time.monotonic()
         video = self.runner.is_video
         outputs = []
@@ -150,6 +151,9 @@ class StepEngine(EngineCore):
                 "seed": request.seed,
                 "replica": self.od_config.replica,
             }
+            if self.split:
+                outputs.append(StageOutput(request.request_id, mine, metrics_))
+                continue
             if video:
                 metrics_["fps"] = request.params.fps
             outputs.append(

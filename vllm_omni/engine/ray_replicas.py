@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 # Ray's failure-signal handler also takes SIGTERM, which the server uses to drain: with it the process
 # aborted (exit -6) once drained. It must be off before Ray is imported (Ray reads this at import).
@@ -29,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, SamplingParamsError
+from vllm_omni.diffusion.stages import StageOutput
 from vllm_omni.engine.replica import Admission, EngineReplica, ReplicaInfo, ReplicaLostError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -73,9 +75,17 @@ class _ReplicaActor:
         except SamplingParamsError as exc:
             return exc
 
-    async def generate(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams):
+    async def generate(
+        self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload=None, by_reference=False
+    ):
+        """``payload``: the previous stage's output (Ray resolved it if it came as an object reference).
+        ``by_reference``: leave this stage's output in the object store and return its reference, for a next
+        stage that is on Ray too, so it never passes through the driver."""
         try:
-            return await asyncio.wrap_future(self.replica.submit(request_id, prompt, params))
+            output = await asyncio.wrap_future(self.replica.submit(request_id, prompt, params, payload))
+            if by_reference and isinstance(output, StageOutput):
+                output = replace(output, payload=ray.put(output.payload))
+            return output
         except RequestFailedError as exc:
             if not self.replica.is_alive:  # the engine loop died, not the request: the stage re-runs it elsewhere
                 return ReplicaLostError(f"replica {self.replica.info.index}: {exc.reason}")
@@ -106,8 +116,9 @@ class _ReplicaActor:
 class RayReplica:
     """Driver-side handle of one replica actor, with the methods of `EngineReplica`, each a Ray call."""
 
-    def __init__(self, actor, info: ReplicaInfo, stage_config: StageDeployConfig):
+    def __init__(self, actor, info: ReplicaInfo, stage_config: StageDeployConfig, by_reference: bool = False):
         self._actor = actor
+        self._by_reference = by_reference
         self.info = info
         self._stage = stage_config
         self._lock = threading.Lock()
@@ -173,9 +184,11 @@ class RayReplica:
             raise result
         return result
 
-    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
+    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload=None) -> Future:
+        """``payload`` (a split pipeline's previous stage output) travels through Ray's object store: as a
+        reference the previous Ray stage left there, or put there by Ray when it is large."""
         future: Future = Future()
-        ref = self._actor.generate.remote(request_id, prompt, params)
+        ref = self._actor.generate.remote(request_id, prompt, params, payload, self._by_reference)
         with self._lock:
             self._in_flight += 1
         # The callback keeps ``ref`` alive until the result is in.
@@ -243,8 +256,11 @@ def _connect(address: str | None) -> bool:
     return False
 
 
-def start_replicas(model: str, stage: StageDeployConfig) -> tuple[list[RayReplica], Callable[[], None]]:
-    """Place and start the stage's replicas; returns them and a function that releases what they hold."""
+def start_replicas(
+    model: str, stage: StageDeployConfig, by_reference: bool = False
+) -> tuple[list[RayReplica], Callable[[], None]]:
+    """Place and start the stage's replicas; returns them and a function that releases what they hold.
+    ``by_reference``: the next stage runs on Ray too, so outputs stay in the object store (`_ReplicaActor.generate`)."""
     global _ray_users
     with _started_ray:
         started = _connect(stage.ray_address)
@@ -300,4 +316,5 @@ def start_replicas(model: str, stage: StageDeployConfig) -> tuple[list[RayReplic
             info.node_id,
             info.device,
         )
-    return [RayReplica(actor, info, stage) for actor, info in zip(actors, infos, strict=True)], release
+    replicas = [RayReplica(actor, info, stage, by_reference) for actor, info in zip(actors, infos, strict=True)]
+    return replicas, release

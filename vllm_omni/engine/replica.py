@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
@@ -94,14 +95,20 @@ class EngineReplica:
         params = self.engine.complete_params(params)
         return Admission(params, self.engine.batch_key(params))
 
-    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams) -> Future:
-        """Queue a request; the future resolves to its `OmniRequestOutput` or fails with `RequestFailedError`."""
+    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None) -> Future:
+        """Queue a request; the future resolves to its `OmniRequestOutput` (or `StageOutput`) or fails with
+        `RequestFailedError`."""
         if not self.is_alive:
             raise RequestFailedError(request_id, f"{self._name} is not running (error: {self.error!r})")
-        return self.engine.add_request(request_id, prompt, params)
+        return self.engine.add_request(request_id, prompt, params, payload)
 
     def warm_up(self) -> None:
-        """Run `warm_up_params` through this engine and wait (raises `RequestFailedError` if it fails)."""
+        """Run `warm_up_params` through this engine and wait (raises `RequestFailedError` if it fails). A replica
+        of a split stage is skipped: it needs the other stages (the defaults the denoise stage fills in, the
+        output of the previous stage), so it warms up with the first request that passes the whole pipeline
+        (at start-up, the server's warm-up)."""
+        if self.engine.od_config.stage_type != "diffusion":
+            return
         self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", warm_up_params(self.info.is_video)).result()
 
     def abort(self, request_id: str) -> bool:

@@ -11,6 +11,7 @@ import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestAbortedError, StageUnavailableError
@@ -28,6 +29,8 @@ class _Routed:
     request_id: str
     prompt: str
     admission: Admission
+    payload: Any
+    """The previous stage's output for it (split pipelines), passed on to the replica as it is."""
     future: Future
     replica: int | None = None
     """The replica running it; ``None`` between a lost replica and the re-run."""
@@ -60,7 +63,9 @@ class StageRuntime:
     is lost is re-run once on another live replica with the same sampling parameters (seed included).
     """
 
-    def __init__(self, model: str, stage_config: StageDeployConfig):
+    def __init__(self, model: str, stage_config: StageDeployConfig, next_stage: StageDeployConfig | None = None):
+        """``next_stage``: the stage that takes this one's outputs (split pipelines); between two Ray stages
+        outputs stay in Ray's object store."""
         self.stage_config = stage_config
         self.stage_id = stage_config.stage_id
         logger.info("Starting %s", stage_config.describe())
@@ -68,7 +73,8 @@ class StageRuntime:
         if stage_config.distributed_executor_backend == "ray":
             from vllm_omni.engine.ray_replicas import start_replicas
 
-            self.replicas, self._release_backend = start_replicas(model, stage_config)
+            by_reference = next_stage is not None and next_stage.distributed_executor_backend == "ray"
+            self.replicas, self._release_backend = start_replicas(model, stage_config, by_reference)
         else:
             self.replicas = [EngineReplica(OmniDiffusionConfig.from_stage(model, stage_config))]
         self.info: ReplicaInfo = self.replicas[0].info
@@ -101,9 +107,10 @@ class StageRuntime:
                     continue
         raise StageUnavailableError(self.stage_id, "no replica is alive")
 
-    def submit(self, request_id: str, prompt: str, admission: Admission) -> Future:
-        """Route an admitted request; the future resolves to its `OmniRequestOutput`."""
-        routed = _Routed(request_id, prompt, admission, Future())
+    def submit(self, request_id: str, prompt: str, admission: Admission, payload: Any = None) -> Future:
+        """Route an admitted request (with the previous stage's ``payload``); the future resolves to its
+        `OmniRequestOutput`, or a `StageOutput` from a stage that is not the last."""
+        routed = _Routed(request_id, prompt, admission, payload, Future())
         with self._lock:
             self._routed[request_id] = routed
         self._dispatch(routed)
@@ -128,7 +135,9 @@ class StageRuntime:
             routed.future.set_exception(StageUnavailableError(self.stage_id, message, routed.request_id))
             return
         try:
-            inner = self.replicas[index].submit(routed.request_id, routed.prompt, routed.admission.params)
+            inner = self.replicas[index].submit(
+                routed.request_id, routed.prompt, routed.admission.params, routed.payload
+            )
         except BaseException as exc:
             self._settle(routed, index, exc)
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni.diffusion.steppers.base import Stepper, StepState
+from vllm_omni.diffusion.steppers.base import Conditioning, Latents, Stepper, StepState
 from vllm_omni.diffusion.steppers.flow import FluxStepper, SD3Stepper, WanStepper
 from vllm_omni.diffusion.steppers.unet import UNetStepper
 
@@ -14,17 +14,37 @@ SUPPORTED_PIPELINES: tuple[str, ...] = tuple(name for cls in STEPPERS for name i
 """Pipeline classes that ``execution_mode: step`` can serve."""
 
 
-def make_stepper(pipeline, device: torch.device) -> Stepper:
-    """The stepper for ``pipeline``; ValueError naming the class and the supported ones when there is none."""
+SPLIT = "a split pipeline (encode / denoise / decode stages)"
+STEP_MODE = "execution_mode 'step'"
+
+
+def make_stepper(pipeline, device: torch.device, purpose: str = STEP_MODE) -> Stepper:
+    """The stepper for ``pipeline``, for ``purpose`` (`STEP_MODE` or `SPLIT`); ValueError naming the class and the
+    supported ones when there is none."""
     name = type(pipeline).__name__
+    remedy = (
+        "Serve this model as one diffusion stage (stage_type: diffusion)"
+        if purpose == SPLIT
+        else "Serve this model with execution_mode 'request' (--execution-mode request)"
+    )
     for cls in STEPPERS:
         if name in cls.pipeline_classes:
-            cls.check_pipeline(pipeline)
+            try:
+                cls.check_pipeline(pipeline)
+            except ValueError as exc:
+                raise ValueError(f"{purpose} does not support {exc}. {remedy}") from None
             return cls(pipeline, device)
-    raise ValueError(
-        f"execution_mode 'step' does not support {name}; it supports {', '.join(SUPPORTED_PIPELINES)}. "
-        "Serve this model with execution_mode 'request' (--execution-mode request)"
-    )
+    raise ValueError(f"{purpose} does not support {name}; it supports {', '.join(SUPPORTED_PIPELINES)}. {remedy}")
 
 
-__all__ = ["STEPPERS", "SUPPORTED_PIPELINES", "StepState", "Stepper", "make_stepper"]
+__all__ = [
+    "SPLIT",
+    "STEPPERS",
+    "STEP_MODE",
+    "SUPPORTED_PIPELINES",
+    "Conditioning",
+    "Latents",
+    "StepState",
+    "Stepper",
+    "make_stepper",
+]

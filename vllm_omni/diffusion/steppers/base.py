@@ -1,6 +1,10 @@
 """What step mode needs from a model family: a `Stepper` turns a request into denoising state and runs one
 denoising step for many requests at once.
 
+The same adapters split a pipeline into stages (docs/stages.md): `Stepper.encode` is the ``encode`` stage (a
+batch of prompts → one `Conditioning` per request), `Stepper.start` plus the denoising steps the ``denoise``
+stage (→ `Latents`), and `Stepper.decode` the ``decode`` stage.
+
 The engine never calls the pipeline's ``__call__`` in step mode: it keeps state on the pipeline object
 (``_guidance_scale``, ``_interrupt``, the shared scheduler) that requests at different steps cannot share.
 Each request gets its own scheduler instance and its own generator instead, so multistep history (DPM++,
@@ -17,6 +21,47 @@ import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
+
+
+def _compact(value: Any) -> Any:
+    """``value`` with each tensor that is a view into a larger buffer copied out: for pickling to another process
+    (a Ray replica), which would otherwise carry the whole buffer of a batch with every request."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.untyped_storage().nbytes() > value.nbytes else value
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items()}
+    return value
+
+
+class _Payload:
+    """What one stage hands the next for one request. In-process it is passed by reference; pickled (to a Ray
+    replica) each tensor carries only its own rows."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: _compact(v) for k, v in vars(self).items()}
+
+
+@dataclass(eq=False)
+class Conditioning(_Payload):
+    """A request's encoded prompt: the ``encode`` stage's output, the ``denoise`` stage's input."""
+
+    cond: dict[str, torch.Tensor]
+    """Per-row denoiser inputs of its conditional rows, each ``[n, ...]``."""
+    uncond: dict[str, torch.Tensor] | None
+    """The same for its unconditional (negative) rows, ``None`` without classifier-free guidance."""
+    shared: dict[str, torch.Tensor]
+    """Text inputs shared by every row (Flux's ``txt_ids``)."""
+
+
+@dataclass(eq=False)
+class Latents(_Payload):
+    """A request's denoised latents: the ``denoise`` stage's output, the ``decode`` stage's input. A `StepState`
+    has the same two fields, so `Stepper.decode` takes either."""
+
+    latents: torch.Tensor
+    """``[n, ...]``: the final latents of its ``n`` outputs."""
+    params: OmniDiffusionSamplingParams
+    """Its complete sampling parameters (size, frames, output type)."""
 
 
 @dataclass(eq=False)
@@ -59,6 +104,11 @@ class StepState:
         return self.step >= len(self.timesteps)
 
 
+def split_rows(tensor: torch.Tensor | None, n: int, count: int) -> list[torch.Tensor | None]:
+    """A batch-encoded ``[count * n, ...]`` tensor as ``count`` views of ``n`` rows (one per request)."""
+    return [None] * count if tensor is None else list(tensor.split(n))
+
+
 def generators_for(seed: int, n: int) -> list[torch.Generator]:
     """The request's CPU generator, once per output: what the request-mode runner passes, so both modes draw
     the same noise for the same seed."""
@@ -81,10 +131,12 @@ class Stepper:
     def __init__(self, pipeline, device: torch.device):
         self.pipeline = pipeline
         self.device = device
+        self.denoiser = getattr(pipeline, "transformer", None) or getattr(pipeline, "unet", None)
+        """The denoising network; ``None`` in an encode or decode stage, which does not load it."""
 
     @classmethod
     def check_pipeline(cls, pipeline) -> None:
-        """Raise ValueError for a configuration of a supported class that step mode cannot run."""
+        """Raise ValueError naming a configuration of a supported class that cannot be stepped (or split)."""
 
     def check_params(self, params: OmniDiffusionSamplingParams) -> None:
         for arg in params.extra_args:
@@ -93,16 +145,46 @@ class Stepper:
                 raise SamplingParamsError(
                     "extra_args",
                     f"extra_args key {arg!r} is not supported by {type(self.pipeline).__name__} in execution_mode "
-                    f"'step' (supported: {supported}); use execution_mode 'request' for it",
+                    f"'step' or split into stages (supported: {supported}); serve it as one diffusion stage with "
+                    "execution_mode 'request' for it",
                 )
 
     def key(self, params: OmniDiffusionSamplingParams) -> tuple:
         """What must be equal for requests to share one forward."""
         raise NotImplementedError
 
+    def negative_rows(self, params: OmniDiffusionSamplingParams) -> bool:
+        """Whether the request has unconditional rows: classifier-free guidance (``guidance_scale > 1``)."""
+        return params.guidance_scale > 1
+
+    def encode_key(self, params: OmniDiffusionSamplingParams) -> tuple:
+        """What must be equal for prompts to be encoded in one call: outputs per prompt, whether negative rows
+        are encoded, and whether a negative prompt was given (SDXL encodes none as zeros, not as "")."""
+        return (params.num_outputs_per_prompt, self.negative_rows(params), params.negative_prompt is not None)
+
+    def decode_key(self, params: OmniDiffusionSamplingParams) -> tuple:
+        """What must be equal for latents to be decoded in one call."""
+        return (params.height, params.width, params.num_frames, params.output_type)
+
+    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+        """Encode a batch of prompts whose params share an `encode_key`, in one call per text encoder."""
+        raise NotImplementedError
+
+    def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        """Draw the initial noise and set up the request's own schedule around its encoded prompt."""
+        raise NotImplementedError
+
     def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         """Encode the prompt, draw the initial noise and set up the request's own schedule."""
-        raise NotImplementedError
+        return self.start(self.encode([prompt], [params])[0], params, seed)
+
+    def on_device(self, rows: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """Encoded rows on this stepper's device and dtype (the encode stage may run on another device or dtype;
+        on the same ones nothing is copied)."""
+        if rows is None:
+            return None
+        dtype = self.denoiser.dtype
+        return {k: v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device) for k, v in rows.items()}
 
     def model_input(self, state: StepState) -> torch.Tensor:
         """The denoiser input of the request's rows at its current step."""
@@ -112,7 +194,7 @@ class Stepper:
         """One denoiser call on ``x`` with a per-row timestep ``t``."""
         raise NotImplementedError
 
-    def decode(self, states: list[StepState]) -> list[list[Any]]:
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
         """Each request's ``n`` outputs (images, or videos as frame lists) from its final latents."""
         raise NotImplementedError
 

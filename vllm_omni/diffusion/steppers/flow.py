@@ -15,7 +15,15 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
-from vllm_omni.diffusion.steppers.base import Stepper, StepState, fresh_scheduler, generators_for
+from vllm_omni.diffusion.steppers.base import (
+    Conditioning,
+    Latents,
+    Stepper,
+    StepState,
+    fresh_scheduler,
+    generators_for,
+    split_rows,
+)
 
 
 class FlowMatchStepper(Stepper):
@@ -38,6 +46,9 @@ class FlowMatchStepper(Stepper):
 
     def key(self, params: OmniDiffusionSamplingParams) -> tuple:
         return (params.height, params.width, params.num_frames, self.max_sequence_length(params))
+
+    def encode_key(self, params: OmniDiffusionSamplingParams) -> tuple:
+        return (*super().encode_key(params), self.max_sequence_length(params))
 
     def advance(self, states: list[StepState], predictions: list[torch.Tensor]) -> None:
         if not self.vectorised:
@@ -64,23 +75,30 @@ class FluxStepper(FlowMatchStepper):
     pipeline_classes = ("FluxPipeline",)
     extra_args = frozenset({"max_sequence_length", "true_cfg_scale"})
 
-    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
-        p, n, steps = self.pipeline, params.num_outputs_per_prompt, params.num_inference_steps
-        msl = self.max_sequence_length(params)
+    def negative_rows(self, params: OmniDiffusionSamplingParams) -> bool:
+        return float(params.extra_args.get("true_cfg_scale", 1.0)) > 1 and params.negative_prompt is not None
 
-        def encode(text: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+        p, n, msl = self.pipeline, params[0].num_outputs_per_prompt, self.max_sequence_length(params[0])
+
+        def encode(texts: list[str]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
             embeds, pooled, text_ids = p.encode_prompt(
-                prompt=text, prompt_2=None, device=self.device, num_images_per_prompt=n, max_sequence_length=msl
+                prompt=texts, prompt_2=None, device=self.device, num_images_per_prompt=n, max_sequence_length=msl
             )
-            return {"encoder_hidden_states": embeds, "pooled_projections": pooled}, text_ids
+            rows = zip(split_rows(embeds, n, len(texts)), split_rows(pooled, n, len(texts)), strict=True)
+            return [{"encoder_hidden_states": e, "pooled_projections": q} for e, q in rows], text_ids
 
-        cond, text_ids = encode(prompt)
-        true_cfg = float(params.extra_args.get("true_cfg_scale", 1.0))
-        uncond = encode(params.negative_prompt)[0] if true_cfg > 1 and params.negative_prompt is not None else None
+        cond, text_ids = encode(prompts)
+        uncond = encode([q.negative_prompt for q in params])[0] if self.negative_rows(params[0]) else [None] * len(cond)
+        return [Conditioning(c, u, {"txt_ids": text_ids}) for c, u in zip(cond, uncond, strict=True)]
+
+    def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        p, n, steps = self.pipeline, params.num_outputs_per_prompt, params.num_inference_steps
+        cond, uncond = self.on_device(conditioning.cond), self.on_device(conditioning.uncond)
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([n], params.guidance_scale, device=self.device, dtype=torch.float32)
-            for group in filter(None, (cond, uncond)):
-                group["guidance"] = guidance
+            cond = cond | {"guidance": guidance}
+            uncond = None if uncond is None else uncond | {"guidance": guidance}
         latents, image_ids = p.prepare_latents(
             n, self.transformer.config.in_channels // 4, params.height, params.width,
             cond["encoder_hidden_states"].dtype, self.device, generators_for(seed, n),
@@ -96,7 +114,8 @@ class FluxStepper(FlowMatchStepper):
         scheduler.set_begin_index(0)
         return StepState(
             params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond, uncond=uncond,
-            shared={"txt_ids": text_ids, "img_ids": image_ids}, guidance=true_cfg,
+            shared={"txt_ids": self.on_device(conditioning.shared)["txt_ids"], "img_ids": image_ids},
+            guidance=float(params.extra_args.get("true_cfg_scale", 1.0)),
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
@@ -111,7 +130,7 @@ class FluxStepper(FlowMatchStepper):
             return_dict=False,
         )[0]
 
-    def decode(self, states: list[StepState]) -> list[list[Any]]:
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
         p, vae = self.pipeline, self.pipeline.vae
         latents = torch.cat(
             [p._unpack_latents(s.latents, s.params.height, s.params.width, p.vae_scale_factor) for s in states]
@@ -125,17 +144,31 @@ class SD3Stepper(FlowMatchStepper):
 
     pipeline_classes = ("StableDiffusion3Pipeline",)
 
-    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
-        p, n = self.pipeline, params.num_outputs_per_prompt
-        cfg = params.guidance_scale > 1
+    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+        p, n, cfg, count = self.pipeline, params[0].num_outputs_per_prompt, self.negative_rows(params[0]), len(prompts)
+        negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
         embeds, negative_embeds, pooled, negative_pooled = p.encode_prompt(
-            prompt=prompt, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=n,
-            do_classifier_free_guidance=cfg, negative_prompt=params.negative_prompt,
-            max_sequence_length=self.max_sequence_length(params),
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=n,
+            do_classifier_free_guidance=cfg, negative_prompt=negative,
+            max_sequence_length=self.max_sequence_length(params[0]),
         )  # fmt: skip
+        cond = zip(split_rows(embeds, n, count), split_rows(pooled, n, count), strict=True)
+        uncond = zip(split_rows(negative_embeds, n, count), split_rows(negative_pooled, n, count), strict=True)
+        return [
+            Conditioning(
+                {"encoder_hidden_states": e, "pooled_projections": q},
+                {"encoder_hidden_states": ne, "pooled_projections": nq} if cfg else None,
+                {},
+            )
+            for (e, q), (ne, nq) in zip(cond, uncond, strict=True)
+        ]
+
+    def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        p, n = self.pipeline, params.num_outputs_per_prompt
+        cond, uncond = self.on_device(conditioning.cond), self.on_device(conditioning.uncond)
         latents = p.prepare_latents(
-            n, self.transformer.config.in_channels, params.height, params.width, embeds.dtype, self.device,
-            generators_for(seed, n),
+            n, self.transformer.config.in_channels, params.height, params.width, cond["encoder_hidden_states"].dtype,
+            self.device, generators_for(seed, n),
         )  # fmt: skip
         scheduler = fresh_scheduler(p)
         config, kwargs = scheduler.config, {}
@@ -148,9 +181,7 @@ class SD3Stepper(FlowMatchStepper):
             )  # fmt: skip
         timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
         return StepState(
-            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps,
-            cond={"encoder_hidden_states": embeds, "pooled_projections": pooled},
-            uncond={"encoder_hidden_states": negative_embeds, "pooled_projections": negative_pooled} if cfg else None,
+            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond, uncond=uncond,
             shared={}, guidance=params.guidance_scale,
         )  # fmt: skip
 
@@ -163,7 +194,7 @@ class SD3Stepper(FlowMatchStepper):
             return_dict=False,
         )[0]
 
-    def decode(self, states: list[StepState]) -> list[list[Any]]:
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
         vae = self.pipeline.vae
         latents = torch.cat([s.latents for s in states])
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
@@ -180,23 +211,26 @@ class WanStepper(FlowMatchStepper):
     def check_pipeline(cls, pipeline) -> None:
         if pipeline.config.get("boundary_ratio") is not None or getattr(pipeline, "transformer_2", None) is not None:
             raise ValueError(
-                "execution_mode 'step' does not support two-expert Wan pipelines (boundary_ratio / transformer_2): "
-                "requests on either side of the boundary need different weights; use execution_mode 'request'"
+                "two-expert Wan pipelines (boundary_ratio / transformer_2): requests on either side of the boundary "
+                "need different weights"
             )
         if pipeline.config.get("expand_timesteps"):
-            raise ValueError(
-                "execution_mode 'step' does not support Wan pipelines with expand_timesteps (per-token timesteps); "
-                "use execution_mode 'request'"
-            )
+            raise ValueError("Wan pipelines with expand_timesteps (per-token timesteps)")
 
-    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
-        p, n = self.pipeline, params.num_outputs_per_prompt
-        cfg = params.guidance_scale > 1
+    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+        p, n, cfg, count = self.pipeline, params[0].num_outputs_per_prompt, self.negative_rows(params[0]), len(prompts)
+        negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
         embeds, negative_embeds = p.encode_prompt(
-            prompt=prompt, negative_prompt=params.negative_prompt, do_classifier_free_guidance=cfg,
-            num_videos_per_prompt=n, max_sequence_length=self.max_sequence_length(params), device=self.device,
+            prompt=prompts, negative_prompt=negative, do_classifier_free_guidance=cfg, num_videos_per_prompt=n,
+            max_sequence_length=self.max_sequence_length(params[0]), device=self.device,
         )  # fmt: skip
-        dtype = self.transformer.dtype
+        return [
+            Conditioning({"encoder_hidden_states": e}, {"encoder_hidden_states": ne} if cfg else None, {})
+            for e, ne in zip(split_rows(embeds, n, count), split_rows(negative_embeds, n, count), strict=True)
+        ]
+
+    def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        p, n = self.pipeline, params.num_outputs_per_prompt
         scheduler = fresh_scheduler(p)
         scheduler.set_timesteps(params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
@@ -206,8 +240,7 @@ class WanStepper(FlowMatchStepper):
         )  # fmt: skip
         return StepState(
             params=params, latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps,
-            cond={"encoder_hidden_states": embeds.to(dtype)},
-            uncond={"encoder_hidden_states": negative_embeds.to(dtype)} if cfg else None,
+            cond=self.on_device(conditioning.cond), uncond=self.on_device(conditioning.uncond),
             shared={}, guidance=params.guidance_scale,
         )  # fmt: skip
 
@@ -219,7 +252,7 @@ class WanStepper(FlowMatchStepper):
             hidden_states=x, timestep=t, encoder_hidden_states=rows["encoder_hidden_states"], return_dict=False
         )[0]
 
-    def decode(self, states: list[StepState]) -> list[list[Any]]:
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
         vae = self.pipeline.vae
         latents = torch.cat([s.latents for s in states]).to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)

@@ -14,7 +14,15 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 from diffusers.utils.torch_utils import randn_tensor
 
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
-from vllm_omni.diffusion.steppers.base import Stepper, StepState, fresh_scheduler, generators_for
+from vllm_omni.diffusion.steppers.base import (
+    Conditioning,
+    Latents,
+    Stepper,
+    StepState,
+    fresh_scheduler,
+    generators_for,
+    split_rows,
+)
 
 
 class UNetStepper(Stepper):
@@ -26,40 +34,50 @@ class UNetStepper(Stepper):
         self.unet = pipeline.unet
         self.xl = type(pipeline).__name__ == "StableDiffusionXLPipeline"
         vae = pipeline.vae
-        if vae.dtype == torch.float16 and vae.config.get("force_upcast", False):
+        if vae is not None and vae.dtype == torch.float16 and vae.config.get("force_upcast", False):
             vae.to(torch.float32)  # what the stock SDXL call does around each decode, once for good
 
     @classmethod
     def check_pipeline(cls, pipeline) -> None:
-        if pipeline.unet.config.time_cond_proj_dim is not None:
-            raise ValueError(
-                "execution_mode 'step' does not support UNets with a guidance embedding (time_cond_proj_dim, "
-                "e.g. LCM); use execution_mode 'request'"
-            )
+        if pipeline.unet is not None and pipeline.unet.config.time_cond_proj_dim is not None:
+            raise ValueError("UNets with a guidance embedding (time_cond_proj_dim, e.g. LCM)")
 
     def key(self, params: OmniDiffusionSamplingParams) -> tuple:
         return (params.height, params.width)  # CLIP pads every prompt to 77 tokens
 
-    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
-        p, n = self.pipeline, params.num_outputs_per_prompt
-        cfg = params.guidance_scale > 1
+    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+        p, n, count = self.pipeline, params[0].num_outputs_per_prompt, len(prompts)
+        cfg = self.negative_rows(params[0])
+        negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
         if self.xl:
             embeds, negative_embeds, pooled, negative_pooled = p.encode_prompt(
-                prompt=prompt, device=self.device, num_images_per_prompt=n, do_classifier_free_guidance=cfg,
-                negative_prompt=params.negative_prompt,
+                prompt=prompts, device=self.device, num_images_per_prompt=n, do_classifier_free_guidance=cfg,
+                negative_prompt=negative,
             )  # fmt: skip
-            projection_dim = (
-                int(pooled.shape[-1]) if p.text_encoder_2 is None else p.text_encoder_2.config.projection_dim
-            )
+            cond = [
+                {"encoder_hidden_states": e, "text_embeds": q}
+                for e, q in zip(split_rows(embeds, n, count), split_rows(pooled, n, count), strict=True)
+            ]
+            negatives = zip(split_rows(negative_embeds, n, count), split_rows(negative_pooled, n, count), strict=True)
+            uncond = [{"encoder_hidden_states": e, "text_embeds": q} for e, q in negatives]
+        else:
+            embeds, negative_embeds = p.encode_prompt(prompts, self.device, n, cfg, negative)
+            cond = [{"encoder_hidden_states": e} for e in split_rows(embeds, n, count)]
+            uncond = [{"encoder_hidden_states": e} for e in split_rows(negative_embeds, n, count)]
+        return [Conditioning(c, u if cfg else None, {}) for c, u in zip(cond, uncond, strict=True)]
+
+    def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        p, n = self.pipeline, params.num_outputs_per_prompt
+        cond, uncond = self.on_device(conditioning.cond), self.on_device(conditioning.uncond)
+        dtype = cond["encoder_hidden_states"].dtype
+        if self.xl:
+            # The pooled text embedding's width is text_encoder_2's projection_dim, which this stage may not hold.
             size = (params.height, params.width)
             time_ids = p._get_add_time_ids(
-                size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection_dim
+                size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=int(cond["text_embeds"].shape[-1])
             ).to(self.device).repeat(n, 1)  # fmt: skip
-            cond = {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": time_ids}
-            uncond = {"encoder_hidden_states": negative_embeds, "text_embeds": negative_pooled, "time_ids": time_ids}
-        else:
-            embeds, negative_embeds = p.encode_prompt(prompt, self.device, n, cfg, params.negative_prompt)
-            cond, uncond = {"encoder_hidden_states": embeds}, {"encoder_hidden_states": negative_embeds}
+            cond = cond | {"time_ids": time_ids}
+            uncond = None if uncond is None else uncond | {"time_ids": time_ids}
         scheduler = fresh_scheduler(p)
         timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device)
         if self.xl and hasattr(scheduler, "set_begin_index"):
@@ -72,11 +90,11 @@ class UNetStepper(Stepper):
             params.width // p.vae_scale_factor,
         )
         # The request's own init_noise_sigma: the pipeline's prepare_latents reads the shared scheduler's.
-        latents = randn_tensor(shape, generator=generators, device=self.device, dtype=embeds.dtype)
+        latents = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
         latents = latents * scheduler.init_noise_sigma
         return StepState(
-            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond,
-            uncond=uncond if cfg else None, shared={}, guidance=params.guidance_scale,
+            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond, uncond=uncond,
+            shared={}, guidance=params.guidance_scale,
             guidance_rescale=float(params.extra_args.get("guidance_rescale", 0.0)),
             step_kwargs=p.prepare_extra_step_kwargs(generators, float(params.extra_args.get("eta", 0.0))),
         )  # fmt: skip
@@ -90,7 +108,7 @@ class UNetStepper(Stepper):
             x, t, encoder_hidden_states=rows["encoder_hidden_states"], added_cond_kwargs=added, return_dict=False
         )[0]
 
-    def decode(self, states: list[StepState]) -> list[list[Any]]:
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
         p, vae = self.pipeline, self.pipeline.vae
         latents = torch.cat([s.latents for s in states]).to(vae.dtype)
         mean, std = vae.config.get("latents_mean"), vae.config.get("latents_std")

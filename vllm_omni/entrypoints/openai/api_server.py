@@ -141,11 +141,12 @@ async def _load_and_warm_up(state: ServerState) -> None:
             ).set(stage.max_num_seqs)
         started = time.perf_counter()
         warm_up = warm_up_params(state.omni.engine.makes_videos)
-        # One request per replica: routing sends each to the replica with the fewest outstanding requests.
+        # One request per replica of the widest stage: routing sends each to the replica with the fewest
+        # outstanding requests, and each passes every stage of a split pipeline.
         await asyncio.gather(
             *(
                 _drain(state.omni.generate("warm-up", warm_up, request_id=f"warmup-{uuid.uuid4().hex}"))
-                for _ in range(state.omni.engine.stages[-1].stage_config.num_replicas)
+                for _ in range(max(stage.stage_config.num_replicas for stage in state.omni.engine.stages))
             )
         )
         state.ready = True
