@@ -1,7 +1,8 @@
-# The README's two commands: `make demo` and `make test`. Both install what is missing first.
+# The README's two commands: `make demo` and `make test` (ruff's lint and format check, then pytest). Both install
+# what is missing first.
 PYTHON ?= python3
 
-.PHONY: install demo test bench
+.PHONY: install demo lint test bench
 
 install:
 	@$(PYTHON) scripts/check_install.py || $(PYTHON) -m pip install -e '.[test]'
@@ -9,7 +10,11 @@ install:
 demo: install
 	$(PYTHON) examples/serve_demo.py
 
-test: install
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: lint
 	$(PYTHON) -m pytest
 
 bench: install

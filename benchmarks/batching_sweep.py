@@ -41,8 +41,11 @@ class OfflineWorker:
     def __init__(self, model: str):
         self.process = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "bench_offline.py"), "--model", model, "--worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         if self.process.stdout.readline().strip() != "ready":
             raise RuntimeError("bench_offline worker failed to start")
 
@@ -59,10 +62,18 @@ class OfflineWorker:
 def measure(model: str, n: int, shapes: list[Shape], args) -> list[dict]:
     """Interleaved served and offline blocks for every shape at N."""
     server_args = [
-        "--max-num-seqs", str(n), "--request-batch-max-wait-ms", str(args.wait_ms),
-        "--max-waiting-requests", str(max(64, 2 * n)), "--max-image-pixels", str(max(s.width * s.height for s in shapes)),
-        "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
-    ]  # fmt: skip
+        "--max-num-seqs",
+        str(n),
+        "--request-batch-max-wait-ms",
+        str(args.wait_ms),
+        "--max-waiting-requests",
+        str(max(64, 2 * n)),
+        "--max-image-pixels",
+        str(max(s.width * s.height for s in shapes)),
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     rows = []
     worker = OfflineWorker(model)
     try:
@@ -74,12 +85,19 @@ def measure(model: str, n: int, shapes: list[Shape], args) -> list[dict]:
                 for block in range(args.blocks):
                     run = asyncio.run(
                         run_benchmark(
-                            server.base_url, shapes=[shape], num_requests=n * args.rounds, concurrency=n,
-                            warmup=args.warmup if block == 0 else 0, seed=block * 10_000, progress=False,
+                            server.base_url,
+                            shapes=[shape],
+                            num_requests=n * args.rounds,
+                            concurrency=n,
+                            warmup=args.warmup if block == 0 else 0,
+                            seed=block * 10_000,
+                            progress=False,
                         )
-                    )  # fmt: skip
+                    )
                     if run["failed"]:
-                        raise RuntimeError(f"{run['failed']} requests failed at N={n} {shape}: {run['failed_statuses']}")
+                        raise RuntimeError(
+                            f"{run['failed']} requests failed at N={n} {shape}: {run['failed_statuses']}"
+                        )
                     seconds = worker.seconds(n, shape, args.rounds)
                     served_s, served_images = served_s + run["duration_s"], served_images + run["completed"]
                     offline_s += seconds
@@ -90,9 +108,12 @@ def measure(model: str, n: int, shapes: list[Shape], args) -> list[dict]:
                 served_ips, ceiling_ips = served_images / served_s, n * args.rounds * args.blocks / offline_s
                 rows.append(
                     {
-                        "shape": str(shape), "n": n,
-                        "served_images_per_s": round(served_ips, 3), "ceiling_images_per_s": round(ceiling_ips, 3),
-                        "efficiency": round(served_ips / ceiling_ips, 3), "efficiency_per_block": blocks,
+                        "shape": str(shape),
+                        "n": n,
+                        "served_images_per_s": round(served_ips, 3),
+                        "ceiling_images_per_s": round(ceiling_ips, 3),
+                        "efficiency": round(served_ips / ceiling_ips, 3),
+                        "efficiency_per_block": blocks,
                         "latency_mean_s": round(sum(latencies) / len(latencies), 4),
                         "latency_p50_s": latencies[len(latencies) // 2],
                         "latency_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
@@ -101,7 +122,7 @@ def measure(model: str, n: int, shapes: list[Shape], args) -> list[dict]:
                         "server_mean_queue_wait_ms": server_views[-1]["mean_queue_wait_ms"],
                         "server_peak_rss_mb": max(v["peak_rss_mb"] for v in server_views),
                     }
-                )  # fmt: skip
+                )
                 print(json.dumps(rows[-1]), flush=True)
         if server.returncode != 0:
             raise RuntimeError(f"server for N={n} exited with {server.returncode}")
@@ -137,8 +158,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         mine = [r for r in rows if r["shape"] == shape]
         ns = [r["n"] for r in mine]
         line = throughput.plot(ns, [r["served_images_per_s"] for r in mine], "o-", label=f"served {shape}")[0]
-        throughput.plot(ns, [r["ceiling_images_per_s"] for r in mine], "s--", color=line.get_color(),
-                        label=f"offline ceiling {shape}")  # fmt: skip
+        throughput.plot(
+            ns,
+            [r["ceiling_images_per_s"] for r in mine],
+            "s--",
+            color=line.get_color(),
+            label=f"offline ceiling {shape}",
+        )
         latency.plot(ns, [r["latency_p50_s"] * 1000 for r in mine], "o-", color=line.get_color(), label=f"p50 {shape}")
         latency.plot(ns, [r["latency_p99_s"] * 1000 for r in mine], "^:", color=line.get_color(), label=f"p99 {shape}")
     for axis, ylabel in ((throughput, "images / s"), (latency, "latency (ms)")):
@@ -178,16 +204,21 @@ def main() -> None:
     model = args.model or make_tiny_model(os.path.join(tempfile.mkdtemp(), args.family), args.family)
     shapes = [Shape.parse(s) for s in args.shapes.split(",")]
     rows = [row for n in args.max_num_seqs.split(",") for row in measure(model, int(n), shapes, args)]
-    overhead = {
-        r["shape"]: round(r["latency_mean_s"] / r["ceiling_batch_call_s"], 3) for r in rows if r["n"] == 1
-    }
+    overhead = {r["shape"]: round(r["latency_mean_s"] / r["ceiling_batch_call_s"], 3) for r in rows if r["n"] == 1}
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, args.name)
     summary = {
-        "name": args.name, "model": model, "family": args.family, "device": _device(), "shapes": args.shapes,
-        "wait_ms": args.wait_ms, "blocks": args.blocks, "rounds": args.rounds, "rows": rows,
+        "name": args.name,
+        "model": model,
+        "family": args.family,
+        "device": _device(),
+        "shapes": args.shapes,
+        "wait_ms": args.wait_ms,
+        "blocks": args.blocks,
+        "rounds": args.rounds,
+        "rows": rows,
         "concurrency1_latency_over_direct_call": overhead,
-    }  # fmt: skip
+    }
     with open(base + ".json", "w") as f:
         json.dump(summary, f, indent=1)
     with open(base + ".md", "w") as f:

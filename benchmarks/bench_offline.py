@@ -41,9 +41,13 @@ def _timed_call(pipeline, batch: int, width: int, height: int, steps: int) -> fl
     started = time.perf_counter()
     with torch.inference_mode():
         images = pipeline(
-            prompt=(PROMPTS * batch)[:batch], height=height, width=width, num_inference_steps=steps,
-            generator=generators, output_type="pil",
-        ).images  # fmt: skip
+            prompt=(PROMPTS * batch)[:batch],
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            generator=generators,
+            output_type="pil",
+        ).images
     elapsed = time.perf_counter() - started
     assert len(images) == batch and images[0].size == (width, height)
     return elapsed
@@ -73,9 +77,14 @@ def run_offline(model: str, *, batches: list[int], shapes: list[Shape], reps: in
                 }
             )
     return {
-        "model": model, "pipeline": type(pipeline).__name__, "device": str(device), "dtype": str(pipeline.dtype),
-        "torch_threads": torch.get_num_threads(), "reps": reps, "results": results,
-    }  # fmt: skip
+        "model": model,
+        "pipeline": type(pipeline).__name__,
+        "device": str(device),
+        "dtype": str(pipeline.dtype),
+        "torch_threads": torch.get_num_threads(),
+        "reps": reps,
+        "results": results,
+    }
 
 
 def worker(model: str, dtype: str) -> None:
@@ -85,8 +94,10 @@ def worker(model: str, dtype: str) -> None:
     for line in sys.stdin:
         batch, text, count = line.split()
         shape = Shape.parse(text)
-        print(sum(_call(pipeline, int(batch), shape.width, shape.height, shape.steps) for _ in range(int(count))),
-              flush=True)  # fmt: skip
+        print(
+            sum(_call(pipeline, int(batch), shape.width, shape.height, shape.steps) for _ in range(int(count))),
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -76,15 +76,15 @@ def histogram_quantile(q: float, before: dict, after: dict, name: str, **labels)
 def server_view(before: dict, after: dict, task: str = "image") -> dict:
     """Queue wait and executed batch sizes during the run, from the server's histograms (``task`` label)."""
     labels = {"stage": "0", "task": task}
-    batches = _delta(before, after, "vllm_omni:diffusion_batch_size_count", **labels)
-    requests = _delta(before, after, "vllm_omni:diffusion_batch_size_sum", **labels)
+    batches = _delta(before, after, "vllm_omni:batch_num_requests_count", **labels)
+    requests = _delta(before, after, "vllm_omni:batch_num_requests_sum", **labels)
     waits = _delta(before, after, "vllm_omni:request_queue_time_seconds_count", **labels)
     wait_s = _delta(before, after, "vllm_omni:request_queue_time_seconds_sum", **labels)
     exec_s = _delta(before, after, "vllm_omni:batch_execution_time_seconds_sum", **labels)
     p90_wait_s = histogram_quantile(0.9, before, after, "vllm_omni:request_queue_time_seconds", **labels)
     histogram, below = {}, 0.0
     for le in ("1.0", "2.0", "4.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0"):
-        cumulative = _delta(before, after, "vllm_omni:diffusion_batch_size_bucket", **labels, le=le)
+        cumulative = _delta(before, after, "vllm_omni:batch_num_requests_bucket", **labels, le=le)
         if cumulative - below:
             histogram[f"<={int(float(le))}"] = int(cumulative - below)
         below = cumulative
@@ -133,9 +133,12 @@ async def run_benchmark(
 
         async def send_image(i: int, shape: Shape) -> dict:
             body = {
-                "prompt": PROMPTS[i % len(PROMPTS)], "size": f"{shape.width}x{shape.height}",
-                "num_inference_steps": shape.steps, "seed": seed + i, "response_format": "b64_json",
-            }  # fmt: skip
+                "prompt": PROMPTS[i % len(PROMPTS)],
+                "size": f"{shape.width}x{shape.height}",
+                "num_inference_steps": shape.steps,
+                "seed": seed + i,
+                "response_format": "b64_json",
+            }
             if model:
                 body["model"] = model
             started = time.perf_counter()
@@ -150,9 +153,11 @@ async def run_benchmark(
 
         async def send_video(i: int, shape: Shape) -> dict:
             body = {
-                "prompt": PROMPTS[i % len(PROMPTS)], "size": f"{shape.width}x{shape.height}",
-                "num_inference_steps": shape.steps, "seed": seed + i,
-            }  # fmt: skip
+                "prompt": PROMPTS[i % len(PROMPTS)],
+                "size": f"{shape.width}x{shape.height}",
+                "num_inference_steps": shape.steps,
+                "seed": seed + i,
+            }
             if shape.frames is not None:
                 body["num_frames"] = shape.frames
             if model:

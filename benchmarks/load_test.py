@@ -102,19 +102,35 @@ def main() -> None:
     args = parser.parse_args()
 
     model = args.model or make_tiny_model(os.path.join(tempfile.mkdtemp(), "flux"), "flux")
-    server_args = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting-requests", str(args.max_waiting_requests),
-                   "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]  # fmt: skip
+    server_args = [
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-waiting-requests",
+        str(args.max_waiting_requests),
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     with RemoteOmniServer(model, server_args) as server:
         result = asyncio.run(
-            run_load(server.base_url, requests=args.requests, concurrency=args.concurrency, warmup=args.warmup,
-                     timeout_s=args.timeout_s, backoff_s=args.backoff_ms / 1000)  # fmt: skip
+            run_load(
+                server.base_url,
+                requests=args.requests,
+                concurrency=args.concurrency,
+                warmup=args.warmup,
+                timeout_s=args.timeout_s,
+                backoff_s=args.backoff_ms / 1000,
+            )
         )
     result["server_exit_code"] = server.returncode
     result["ok"] = (
-        result["answered"] == args.requests and result["lost"] == 0 and result["unexpected"] == 0
-        and result["rss_growth"] is not None and result["rss_growth"] <= args.max_rss_growth
+        result["answered"] == args.requests
+        and result["lost"] == 0
+        and result["unexpected"] == 0
+        and result["rss_growth"] is not None
+        and result["rss_growth"] <= args.max_rss_growth
         and server.returncode == 0
-    )  # fmt: skip
+    )
     emit(result, args.json)
     sys.exit(0 if result["ok"] else 1)
 

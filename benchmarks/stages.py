@@ -40,6 +40,7 @@ from step_batching import DEFAULT_SIZES, HERE, TASKS, _device, _ratio, cached_mo
 
 from vllm_omni import AsyncOmni, OmniDiffusionSamplingParams
 from vllm_omni.config import DeployConfig, StageDeployConfig
+from vllm_omni.diffusion.outputs import RequestMetrics, StageMetrics
 
 DEPLOYS = ("single", "split", "split-step")
 SINGLE_MAX, ENCODE_MAX, DENOISE_MAX, DECODE_MAX = 4, 16, 4, 8
@@ -53,11 +54,12 @@ def deploy_config(deploy: str) -> DeployConfig:
     return DeployConfig(
         stages=[
             StageDeployConfig(stage_id=0, stage_type="encode", max_num_seqs=ENCODE_MAX),
-            StageDeployConfig(stage_id=1, stage_type="denoise", inputs=(0,), max_num_seqs=DENOISE_MAX,
-                              execution_mode=mode),
+            StageDeployConfig(
+                stage_id=1, stage_type="denoise", inputs=(0,), max_num_seqs=DENOISE_MAX, execution_mode=mode
+            ),
             StageDeployConfig(stage_id=2, stage_type="decode", inputs=(1,), max_num_seqs=DECODE_MAX),
         ]
-    )  # fmt: skip
+    )
 
 
 def requests(count: int, shape: Shape, seed: int) -> list[tuple[str, OmniDiffusionSamplingParams]]:
@@ -96,12 +98,12 @@ async def closed_loop(omni: AsyncOmni, work: list, concurrency: int) -> tuple[fl
     return time.perf_counter() - started, results
 
 
-def stage_records(metrics: dict) -> list[dict]:
-    """One dict per stage the request passed (a single stage's metrics are the output's own)."""
-    return metrics.get("stages") or [{"stage_id": 0, "stage_type": "diffusion"} | metrics]
+def stage_records(metrics: RequestMetrics) -> list[StageMetrics]:
+    """One record per stage the request passed (a single stage's metrics are the output's own)."""
+    return metrics.stages or [StageMetrics.of(0, "diffusion", metrics)]
 
 
-def summarize_rep(wall: float, results: list[tuple[float, dict]]) -> dict:
+def summarize_rep(wall: float, results: list[tuple[float, RequestMetrics]]) -> dict:
     latencies = [e2e for e2e, _ in results]
     per_stage: dict[int, list[dict]] = {}
     for _, metrics in results:
@@ -133,21 +135,34 @@ def deploy_row(family: str, shape: Shape, deploy: str, config: DeployConfig, rep
     for stage in config.stages:
         mine = [rep["stages"][stage.stage_id] for rep in reps]
         batch_max = max(s["batch_max"] for s in mine)
-        stages.append({
-            "stage_id": stage.stage_id, "stage_type": stage.stage_type, "execution_mode": stage.execution_mode,
-            "max_num_seqs": stage.max_num_seqs, "batch_mean": med([s["batch_mean"] for s in mine]),
-            "batch_max": batch_max, "queue_ms_mean": med([s["queue_ms_mean"] for s in mine]),
-            "exec_ms_mean": med([s["exec_ms_mean"] for s in mine]),
-            "within_max": batch_max <= stage.max_num_seqs, "reaches_max": batch_max >= stage.max_num_seqs,
-        })  # fmt: skip
+        stages.append(
+            {
+                "stage_id": stage.stage_id,
+                "stage_type": stage.stage_type,
+                "execution_mode": stage.execution_mode,
+                "max_num_seqs": stage.max_num_seqs,
+                "batch_mean": med([s["batch_mean"] for s in mine]),
+                "batch_max": batch_max,
+                "queue_ms_mean": med([s["queue_ms_mean"] for s in mine]),
+                "exec_ms_mean": med([s["exec_ms_mean"] for s in mine]),
+                "within_max": batch_max <= stage.max_num_seqs,
+                "reaches_max": batch_max >= stage.max_num_seqs,
+            }
+        )
     return {
-        "family": family, "shape": str(shape), "deploy": deploy,
-        "req_per_s": med([r["req_per_s"] for r in reps]), "p50_ms": med([r["p50_ms"] for r in reps]),
-        "p99_ms": med([r["p99_ms"] for r in reps]), "stages": stages,
-        "reps": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "stages"}
-                 | {"stages": {sid: {k: round(v, 3) for k, v in s.items()} for sid, s in r["stages"].items()}}
-                 for r in reps],
-    }  # fmt: skip
+        "family": family,
+        "shape": str(shape),
+        "deploy": deploy,
+        "req_per_s": med([r["req_per_s"] for r in reps]),
+        "p50_ms": med([r["p50_ms"] for r in reps]),
+        "p99_ms": med([r["p99_ms"] for r in reps]),
+        "stages": stages,
+        "reps": [
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "stages"}
+            | {"stages": {sid: {k: round(v, 3) for k, v in s.items()} for sid, s in r["stages"].items()}}
+            for r in reps
+        ],
+    }
 
 
 async def measure_family(family: str, args) -> list[dict]:
@@ -188,11 +203,15 @@ def ratios(rows: list[dict]) -> list[dict]:
     for row in rows:
         single = next((r for r in rows if r["family"] == row["family"] and r["deploy"] == "single"), None)
         if single and row["deploy"] != "single":
-            found.append({
-                "family": row["family"], "deploy": row["deploy"],
-                "req_per_s": _ratio(row["req_per_s"], single["req_per_s"]),
-                "p50": _ratio(row["p50_ms"], single["p50_ms"]), "p99": _ratio(row["p99_ms"], single["p99_ms"]),
-            })  # fmt: skip
+            found.append(
+                {
+                    "family": row["family"],
+                    "deploy": row["deploy"],
+                    "req_per_s": _ratio(row["req_per_s"], single["req_per_s"]),
+                    "p50": _ratio(row["p50_ms"], single["p50_ms"]),
+                    "p99": _ratio(row["p99_ms"], single["p99_ms"]),
+                }
+            )
     return found
 
 
@@ -209,8 +228,10 @@ def check_lines(rows: list[dict], concurrency: int) -> list[str]:
             if not s["reaches_max"] and concurrency < s["max_num_seqs"]:
                 why += f"; only {concurrency} requests are in flight"
             elif not s["reaches_max"] and upstream and upstream["max_num_seqs"] < s["max_num_seqs"]:
-                why += (f"; stage {upstream['stage_id']} ({upstream['stage_type']}) hands on at most "
-                        f"{upstream['max_num_seqs']} at once")  # fmt: skip
+                why += (
+                    f"; stage {upstream['stage_id']} ({upstream['stage_type']}) hands on at most "
+                    f"{upstream['max_num_seqs']} at once"
+                )
             else:
                 bounded = False
             if not s["within_max"]:
@@ -231,8 +252,10 @@ def tables(result: dict) -> str:
     ]
     for r in result["rows"]:
         per_rep = ", ".join(f"{rep['req_per_s']:.2f}" for rep in r["reps"])
-        lines.append(f"| {r['family']} {r['shape']} | {r['deploy']} | {r['req_per_s']:.3f} | {per_rep} "
-                     f"| {r['p50_ms']:.0f} | {r['p99_ms']:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {r['family']} {r['shape']} | {r['deploy']} | {r['req_per_s']:.3f} | {per_rep} "
+            f"| {r['p50_ms']:.0f} | {r['p99_ms']:.0f} |"
+        )
     lines += [
         "",
         "| family | deploy | stage | max_num_seqs | batch mean / max | queue ms mean | exec ms mean |",
@@ -247,8 +270,9 @@ def tables(result: dict) -> str:
             )
     lines.append("")
     for q in result["ratios"]:
-        lines.append(f"- {q['family']} {q['deploy']} / single: req/s **{q['req_per_s']}x**, "
-                     f"p50 {q['p50']}x, p99 {q['p99']}x")  # fmt: skip
+        lines.append(
+            f"- {q['family']} {q['deploy']} / single: req/s **{q['req_per_s']}x**, p50 {q['p50']}x, p99 {q['p99']}x"
+        )
     lines += [f"- {line}" for line in result["checks"]]
     config = result["config"]
     lines.append("")
@@ -274,8 +298,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=5, help="frames per video (video families)")
     parser.add_argument("--seed", type=int, default=0, help="request i has seed SEED + i")
     parser.add_argument("--model", help="diffusers folder (one family only; default: build the tiny one)")
-    parser.add_argument("--model-dir", default=os.path.join(os.path.dirname(HERE), ".tiny-models"),
-                        help="where the tiny models are built, once")  # fmt: skip
+    parser.add_argument(
+        "--model-dir",
+        default=os.path.join(os.path.dirname(HERE), ".tiny-models"),
+        help="where the tiny models are built, once",
+    )
     parser.add_argument("--out-dir", help="write NAME.json and NAME.md here")
     parser.add_argument("--name", default="stages")
     args = parser.parse_args(argv)
@@ -295,11 +322,28 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     rows = [row for family in args.families for row in asyncio.run(measure_family(family, args))]
     result = {
-        "name": args.name, "device": _device(), "cpus": os.cpu_count(),
-        "config": {k: getattr(args, k) for k in ("families", "deploys", "concurrency", "num_requests", "reps",
-                                                  "warmup", "steps", "size", "frames", "seed")},
-        "rows": rows, "ratios": ratios(rows), "checks": check_lines(rows, args.concurrency),
-    }  # fmt: skip
+        "name": args.name,
+        "device": _device(),
+        "cpus": os.cpu_count(),
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "families",
+                "deploys",
+                "concurrency",
+                "num_requests",
+                "reps",
+                "warmup",
+                "steps",
+                "size",
+                "frames",
+                "seed",
+            )
+        },
+        "rows": rows,
+        "ratios": ratios(rows),
+        "checks": check_lines(rows, args.concurrency),
+    }
     result["wall_s"] = round(time.perf_counter() - started, 1)
     publish(result, tables(result), args.out_dir, args.name)
 

@@ -72,9 +72,16 @@ def cached_model(model_dir: str, family: str) -> str:
 def start_server(model: str, mode: str, args, log_dir: str) -> RemoteOmniServer:
     """A started ``vllm serve MODEL --omni --execution-mode MODE`` server; its log is kept in ``log_dir``."""
     server_args = [
-        "--execution-mode", mode, "--max-num-seqs", str(args.max_num_seqs), "--disable-uvicorn-access-log",
-        "--uvicorn-log-level", "warning", "--max-waiting-requests", str(max(64, args.num_requests + args.max_num_seqs)),
-    ]  # fmt: skip
+        "--execution-mode",
+        mode,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+        "--max-waiting-requests",
+        str(max(64, args.num_requests + args.max_num_seqs)),
+    ]
     log_path = os.path.join(log_dir, f"{os.path.basename(model)}-{mode}.log")
     try:
         return RemoteOmniServer(model, server_args, log_path=log_path).__enter__()
@@ -95,15 +102,27 @@ def _bench(server: RemoteOmniServer, shape: Shape, task: str, args, **load) -> d
 def _row(family: str, task: str, shape: Shape, mode: str, load: float, rate: float, run: dict) -> dict:
     server = run["server"]
     return {
-        "family": family, "task": task, "shape": str(shape), "mode": mode, "load": load,
-        "request_rate": round(rate, 4), "completed": run["completed"], "failed": run["failed"],
-        "duration_s": run["duration_s"], "requests_per_s": run["requests_per_s"],
-        "latency_mean_s": run["latency_mean_s"], "latency_p50_s": run["latency_p50_s"],
-        "latency_p90_s": run["latency_p90_s"], "latency_p99_s": run["latency_p99_s"],
-        "queue_wait_mean_ms": server["mean_queue_wait_ms"], "queue_wait_p90_ms_est": server["p90_queue_wait_ms_est"],
-        "mean_batch_size": server["mean_batch_size"], "executed_batches": server["executed_batches"],
-        "mean_batch_exec_ms": server["mean_batch_exec_ms"], "peak_rss_mb": server["peak_rss_mb"],
-    }  # fmt: skip
+        "family": family,
+        "task": task,
+        "shape": str(shape),
+        "mode": mode,
+        "load": load,
+        "request_rate": round(rate, 4),
+        "completed": run["completed"],
+        "failed": run["failed"],
+        "duration_s": run["duration_s"],
+        "requests_per_s": run["requests_per_s"],
+        "latency_mean_s": run["latency_mean_s"],
+        "latency_p50_s": run["latency_p50_s"],
+        "latency_p90_s": run["latency_p90_s"],
+        "latency_p99_s": run["latency_p99_s"],
+        "queue_wait_mean_ms": server["mean_queue_wait_ms"],
+        "queue_wait_p90_ms_est": server["p90_queue_wait_ms_est"],
+        "mean_batch_size": server["mean_batch_size"],
+        "executed_batches": server["executed_batches"],
+        "mean_batch_exec_ms": server["mean_batch_exec_ms"],
+        "peak_rss_mb": server["peak_rss_mb"],
+    }
 
 
 def measure_family(family: str, args, log_dir: str) -> tuple[dict, list[dict]]:
@@ -122,14 +141,25 @@ def measure_family(family: str, args, log_dir: str) -> tuple[dict, list[dict]]:
         # runs is the closest estimate of what each mode can do.
         for rep in range(args.capacity_reps):
             for mode in args.modes:
-                run = _bench(servers[mode], shape, task, args, num_requests=args.capacity_requests, concurrency=n,
-                             warmup=args.warmup if rep == 0 else 0)  # fmt: skip
-                print(f"[{family}] {mode}: closed loop at concurrency {n}: {run['requests_per_s']:.3f} req/s", flush=True)
+                run = _bench(
+                    servers[mode],
+                    shape,
+                    task,
+                    args,
+                    num_requests=args.capacity_requests,
+                    concurrency=n,
+                    warmup=args.warmup if rep == 0 else 0,
+                )
+                print(
+                    f"[{family}] {mode}: closed loop at concurrency {n}: {run['requests_per_s']:.3f} req/s", flush=True
+                )
                 if mode not in closed_loop or run["requests_per_s"] > closed_loop[mode]["requests_per_s"]:
                     closed_loop[mode] = {
-                        "requests_per_s": run["requests_per_s"], "latency_mean_s": run["latency_mean_s"],
-                        "mean_batch_size": run["server"]["mean_batch_size"], "failed": run["failed"],
-                    }  # fmt: skip
+                        "requests_per_s": run["requests_per_s"],
+                        "latency_mean_s": run["latency_mean_s"],
+                        "mean_batch_size": run["server"]["mean_batch_size"],
+                        "failed": run["failed"],
+                    }
         capacity = closed_loop["request" if "request" in closed_loop else args.modes[0]]["requests_per_s"]
         info |= {"capacity_requests_per_s": capacity, "closed_loop": closed_loop}
         rows = []
@@ -138,8 +168,16 @@ def measure_family(family: str, args, log_dir: str) -> tuple[dict, list[dict]]:
             runs = {mode: [] for mode in args.modes}
             for rep in range(args.reps):  # each rep its own arrival schedule, the same for both modes
                 for mode in args.modes if (index + rep) % 2 == 0 else args.modes[::-1]:
-                    run = _bench(servers[mode], shape, task, args, num_requests=args.num_requests, request_rate=rate,
-                                 warmup=0, seed=args.seed + rep)  # fmt: skip
+                    run = _bench(
+                        servers[mode],
+                        shape,
+                        task,
+                        args,
+                        num_requests=args.num_requests,
+                        request_rate=rate,
+                        warmup=0,
+                        seed=args.seed + rep,
+                    )
                     runs[mode].append(_row(family, task, shape, mode, load, rate, run))
                     r = runs[mode][-1]
                     print(
@@ -183,12 +221,13 @@ def ratios(rows: list[dict]) -> list[dict]:
             request, step = by_mode["request"], by_mode["step"]
             found.append(
                 {
-                    "family": family, "load": load,
+                    "family": family,
+                    "load": load,
                     "queue_wait_request_over_step": _ratio(request["queue_wait_mean_ms"], step["queue_wait_mean_ms"]),
                     "throughput_step_over_request": _ratio(step["requests_per_s"], request["requests_per_s"]),
                     "p90_e2e_step_over_request": _ratio(step["latency_p90_s"], request["latency_p90_s"]),
                 }
-            )  # fmt: skip
+            )
     return found
 
 
@@ -201,10 +240,18 @@ def targets(ratio_rows: list[dict], families: list[str]) -> list[dict]:
         for key, description, op, threshold in TARGETS:
             value = at[key] if at else None
             ok = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
-            found.append({
-                "family": family, "load": at["load"] if at else None, "target": key, "description": description,
-                "op": op, "threshold": threshold, "value": value, "pass": ok,
-            })  # fmt: skip
+            found.append(
+                {
+                    "family": family,
+                    "load": at["load"] if at else None,
+                    "target": key,
+                    "description": description,
+                    "op": op,
+                    "threshold": threshold,
+                    "value": value,
+                    "pass": ok,
+                }
+            )
     return found
 
 
@@ -231,8 +278,10 @@ def target_lines(found: list[dict]) -> list[str]:
     for t in found:
         verdict = {True: "PASS", False: "FAIL", None: "n/a (needs both modes)"}[t["pass"]]
         load = f"{t['load']:.0%}" if t["load"] is not None else "–"
-        lines.append(f"{t['family']} @ {load} load: {t['description']} = {t['value']} "
-                     f"(target {t['op']} {t['threshold']}): {verdict}")  # fmt: skip
+        lines.append(
+            f"{t['family']} @ {load} load: {t['description']} = {t['value']} "
+            f"(target {t['op']} {t['threshold']}): {verdict}"
+        )
     return lines
 
 
@@ -289,7 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=48, help="requests per (mode, load) point")
     parser.add_argument("--capacity-requests", type=int, help="requests of each closed-loop run (default 8 × N)")
     parser.add_argument("--capacity-reps", type=int, default=3, help="closed-loop runs per mode; the best counts")
-    parser.add_argument("--reps", type=int, default=3, help="runs per (mode, load), each with its own arrivals; medians")
+    parser.add_argument(
+        "--reps", type=int, default=3, help="runs per (mode, load), each with its own arrivals; medians"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=4, help="N: --max-num-seqs and closed-loop concurrency")
     parser.add_argument("--steps", type=int, default=20, help="denoising steps per request")
     parser.add_argument("--size", help="WxH (default: 64x64 for images, 32x32 for videos)")
@@ -298,13 +349,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="arrival schedule and request seeds")
     parser.add_argument("--poll-ms", type=float, default=20.0, help="video job polling interval")
     parser.add_argument("--model", help="diffusers folder to serve (one family only; default: build it)")
-    parser.add_argument("--model-dir", default=os.path.join(os.path.dirname(HERE), ".tiny-models"),
-                        help="where the tiny models are built, once")  # fmt: skip
+    parser.add_argument(
+        "--model-dir",
+        default=os.path.join(os.path.dirname(HERE), ".tiny-models"),
+        help="where the tiny models are built, once",
+    )
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="smoke defaults: 32x32, 4 steps, 6 requests per point, load 0.8, 1 warm-up round, 1 capacity run",
-    )  # fmt: skip
+    )
     if parser.parse_known_args(argv)[0].quick:  # only changes defaults: explicit options still win
         parser.set_defaults(size="32x32", steps=4, num_requests=6, loads="0.8", warmup=1, capacity_reps=1, reps=1)
     args = parser.parse_args(argv)
@@ -335,16 +390,31 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, args.name)
     summary = {
-        "name": args.name, "device": _device(), "wall_s": round(time.perf_counter() - started, 1),
+        "name": args.name,
+        "device": _device(),
+        "wall_s": round(time.perf_counter() - started, 1),
         "config": {
-            "families": args.families, "modes": args.modes, "loads": args.loads, "num_requests": args.num_requests,
-            "capacity_requests": args.capacity_requests, "capacity_reps": args.capacity_reps, "reps": args.reps,
-            "max_num_seqs": args.max_num_seqs, "steps": args.steps,
-            "size": args.size, "frames": args.frames, "warmup": args.warmup, "seed": args.seed,
-            "poll_ms": args.poll_ms, "quick": args.quick,
+            "families": args.families,
+            "modes": args.modes,
+            "loads": args.loads,
+            "num_requests": args.num_requests,
+            "capacity_requests": args.capacity_requests,
+            "capacity_reps": args.capacity_reps,
+            "reps": args.reps,
+            "max_num_seqs": args.max_num_seqs,
+            "steps": args.steps,
+            "size": args.size,
+            "frames": args.frames,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "poll_ms": args.poll_ms,
+            "quick": args.quick,
         },
-        "families": infos, "rows": rows, "ratios": found_ratios, "targets": found_targets,
-    }  # fmt: skip
+        "families": infos,
+        "rows": rows,
+        "ratios": found_ratios,
+        "targets": found_targets,
+    }
     with open(base + ".json", "w") as f:
         json.dump(summary, f, indent=1)
     capacity_lines = [

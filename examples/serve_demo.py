@@ -49,7 +49,7 @@ def main() -> None:
         print(f"Generated through {server.url_for('v1', 'images', 'generations')} -> {path}")
         metrics = httpx.get(server.url_for("metrics")).text
         for line in metrics.splitlines():
-            if re.match(r"vllm_omni:(stage_max_num_seqs|diffusion_batch_size_count)", line):
+            if re.match(r"vllm_omni:(stage_max_num_seqs|batch_num_requests_count)", line):
                 print("  " + line)
         if args.keep_serving:
             print(f"Serving at {server.base_url} (server log: {server.log_path}); Ctrl+C to stop")

@@ -1,8 +1,8 @@
 """vllm-omni: serve diffusion models with vLLM; ``max_num_seqs`` sets how many requests batch together."""
 
+from vllm_omni.diffusion.outputs import OmniRequestOutput, RequestMetrics
 from vllm_omni.diffusion.request import (
     OmniDiffusionSamplingParams,
-    OmniRequestOutput,
     RequestAbortedError,
     RequestFailedError,
     SamplingParamsError,
@@ -17,6 +17,7 @@ __all__ = [
     "Omni",
     "OmniDiffusionSamplingParams",
     "OmniRequestOutput",
+    "RequestMetrics",
     "RequestAbortedError",
     "RequestFailedError",
     "SamplingParamsError",

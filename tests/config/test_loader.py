@@ -50,7 +50,10 @@ def test_unknown_key_names_the_key_the_stage_and_the_file(tmp_path):
         ("- stage_id: 0\n", "must be a mapping with a 'stages' list"),
         ("stages: {stage_id: 0}\n", "'stages' .* must be a list"),
         ("stages:\n  - 7\n", "stage #0 .* must be a mapping"),
-        ("stages:\n  - {stage_id: 0}\n  - {stage_id: 0}\n", r"^invalid stages in .*deploy.yaml: stage_id values must be unique, repeated: \[0\]$"),
+        (
+            "stages:\n  - {stage_id: 0}\n  - {stage_id: 0}\n",
+            r"^invalid stages in .*deploy.yaml: stage_id values must be unique, repeated: \[0\]$",
+        ),
         ("stages:\n  - {max_num_seqs: 0}\n", r"invalid max_num_seqs=0 in stage 0 of .*greater than or equal to 1"),
         (
             "stages:\n  - {stage_type: video}\n",

@@ -77,10 +77,13 @@ def test_devices_with_ray_replicas_is_refused():
     [
         ({"num_replicas": 0}, "num_replicas= 0: Input should be greater than or equal to 1"),
         ({"distributed_executor_backend": "mp"}, "distributed_executor_backend= 'mp': Input should be 'inline' or "),
-        ({"placement_strategy": "spread"}, "'spread': Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'"),
+        (
+            {"placement_strategy": "spread"},
+            "'spread': Input should be 'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'",
+        ),
         ({"num_cpus": 0}, "num_cpus= 0: Input should be greater than or equal to 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_values_name_the_knob_and_the_allowed_values(knobs, problem):
     with pytest.raises(ValueError, match="invalid value in the Omni arguments") as excinfo:
         _resolve(knobs=knobs)
@@ -95,11 +98,11 @@ def _serve(argv, tmp_path):
 
 
 def test_cli_flags_set_every_replica_knob_with_cli_provenance(tmp_path):
-    stage = _serve(
-        ["--num-replicas", "2", "--distributed-executor-backend", "ray", "--ray-address", "10.0.0.1:6379",
-         "--num-cpus", "2", "--num-gpus", "0.5", "--placement-strategy", "STRICT_SPREAD"],
-        tmp_path,
-    )  # fmt: skip
+    flags = (
+        "--num-replicas 2 --distributed-executor-backend ray --ray-address 10.0.0.1:6379 --num-cpus 2 --num-gpus 0.5 "
+        "--placement-strategy STRICT_SPREAD"
+    )
+    stage = _serve(flags.split(), tmp_path)
     assert (stage.num_replicas, stage.ray_address, stage.num_cpus, stage.num_gpus) == (2, "10.0.0.1:6379", 2, 0.5)
     assert (stage.distributed_executor_backend, stage.placement_strategy) == ("ray", "STRICT_SPREAD")
     knobs = (

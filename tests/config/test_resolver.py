@@ -59,9 +59,8 @@ def test_layers_apply_per_stage():
         ]
     )
     stages = resolve_stage_configs(deploy, stage_overrides={"1": {"max_num_seqs": 8}})
-    assert [(s.max_num_seqs, s.provenance["max_num_seqs"]) for s in stages] == [
-        (2, "deploy_yaml"), (8, "stage_override"), (1, "default")
-    ]  # fmt: skip
+    got = [(s.max_num_seqs, s.provenance["max_num_seqs"]) for s in stages]
+    assert got == [(2, "deploy_yaml"), (8, "stage_override"), (1, "default")]
 
 
 @pytest.mark.parametrize("key", [0, "0"])
@@ -84,14 +83,20 @@ def test_resolved_config_is_frozen():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(global_knobs={"max_num_seqs": 0}, global_source="cli"), r"--max-num-seqs 0: .*greater than or equal to 1"),
+        (
+            dict(global_knobs={"max_num_seqs": 0}, global_source="cli"),
+            r"--max-num-seqs 0: .*greater than or equal to 1",
+        ),
         (dict(global_knobs={"max_num_seqs": 0}), r"max_num_seqs= 0: .*greater than or equal to 1"),
         (dict(global_knobs={"dtype": "float8"}), r"dtype= 'float8'.*'auto', 'float32', 'float16' or 'bfloat16'"),
         (dict(stage_overrides={5: {"max_num_seqs": 2}}), r"stage 5, which does not exist; stage ids: \[0\]"),
         (dict(stage_overrides={"x": {"max_num_seqs": 2}}), r"key 'x' is not a stage id"),
         (dict(stage_overrides={True: {"max_num_seqs": 2}}), r"key True is not a stage id"),
         (dict(stage_overrides={0.5: {"max_num_seqs": 2}}), r"key 0.5 is not a stage id"),
-        (dict(stage_overrides={0: {"max_seqs": 2}}), r"unknown stage knob\(s\) max_seqs in stage_overrides for stage 0"),
+        (
+            dict(stage_overrides={0: {"max_seqs": 2}}),
+            r"unknown stage knob\(s\) max_seqs in stage_overrides for stage 0",
+        ),
         (dict(stage_overrides={0: {"stage_type": "llm"}}), r"unknown stage knob\(s\) stage_type"),
         (dict(stage_overrides={0: 4}), r"stage_overrides\[0\] must be a mapping"),
         (dict(stage_overrides={0: {"max_num_seqs": 1}, "0": {"max_num_seqs": 2}}), r"names stage 0 twice"),

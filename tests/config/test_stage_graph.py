@@ -23,9 +23,8 @@ def test_a_three_stage_yaml_loads_in_request_order(tmp_path):
     path = tmp_path / "deploy.yaml"
     path.write_text(THREE_STAGES)
     stages = resolve_stage_configs(path)
-    assert [(s.stage_id, s.stage_type, s.inputs, s.max_num_seqs) for s in stages] == [
-        (0, "encode", (), 16), (1, "denoise", (0,), 4), (2, "decode", (1,), 8)
-    ]  # fmt: skip
+    got = [(s.stage_id, s.stage_type, s.inputs, s.max_num_seqs) for s in stages]
+    assert got == [(0, "encode", (), 16), (1, "denoise", (0,), 4), (2, "decode", (1,), 8)]
     assert all(s.provenance["max_num_seqs"] == "deploy_yaml" for s in stages)
 
 
@@ -99,9 +98,8 @@ def test_execution_mode_applies_to_the_stages_that_denoise(tmp_path):
     path = tmp_path / "deploy.yaml"
     path.write_text(THREE_STAGES)
     stages = resolve_stage_configs(path, global_knobs={"execution_mode": "step"}, global_source="cli")
-    assert [(s.execution_mode, s.provenance["execution_mode"]) for s in stages] == [
-        ("request", "default"), ("step", "cli"), ("request", "default")
-    ]  # fmt: skip
+    got = [(s.execution_mode, s.provenance["execution_mode"]) for s in stages]
+    assert got == [("request", "default"), ("step", "cli"), ("request", "default")]
     assert "execution_mode" not in stages[0].describe() and "execution_mode='step' (cli)" in stages[1].describe()
     assert "stage 1 (denoise <- stage(s) 0)" in stages[1].describe()
 
@@ -116,9 +114,8 @@ def test_stage_overrides_reach_one_stage_of_a_graph(tmp_path):
     path = tmp_path / "deploy.yaml"
     path.write_text(THREE_STAGES)
     stages = resolve_stage_configs(path, global_knobs={"max_num_seqs": 3}, stage_overrides={"1": {"max_num_seqs": 2}})
-    assert [(s.max_num_seqs, s.provenance["max_num_seqs"]) for s in stages] == [
-        (3, "python"), (2, "stage_override"), (3, "python")
-    ]  # fmt: skip
+    got = [(s.max_num_seqs, s.provenance["max_num_seqs"]) for s in stages]
+    assert got == [(3, "python"), (2, "stage_override"), (3, "python")]
 
 
 def test_inputs_and_stage_type_are_structure_not_knobs():

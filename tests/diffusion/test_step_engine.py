@@ -97,18 +97,19 @@ def test_what_step_mode_cannot_run_is_refused_before_it_runs(omni, tiny_flux):
 def test_encode_and_decode_on_side_workers_give_the_same_results(tiny_flux):
     """The CUDA arrangement (encode and decode on worker threads beside the loop), run on the CPU."""
     from vllm_omni.config import OmniDiffusionConfig, resolve_stage_configs
+    from vllm_omni.diffusion.roles import ROLES
     from vllm_omni.diffusion.step_engine import StepEngine
 
     [stage] = resolve_stage_configs(global_knobs={"max_num_seqs": 4, "execution_mode": "step"})
-    engine = StepEngine(OmniDiffusionConfig.from_stage(tiny_flux, stage), side_workers=True)
+    engine = StepEngine(OmniDiffusionConfig.from_stage(tiny_flux, stage), ROLES["diffusion"], side_workers=True)
     threads = []
-    prepare = engine.stepper.prepare
+    prepare = engine.role.stepper.prepare
 
     def recording_prepare(*args):
         threads.append(threading.current_thread().name)
         return prepare(*args)
 
-    engine.stepper.prepare = recording_prepare
+    engine.role.stepper.prepare = recording_prepare
     try:
         futures = [engine.add_request(f"r{i}", PROMPTS[i], _params(3 + i, seed=i)) for i in range(3)]
         while not all(f.done() for f in futures):

@@ -3,18 +3,18 @@
 import pytest
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.outputs import OmniRequestOutput
 from vllm_omni.diffusion.request import (
     DiffusionRequest,
     OmniDiffusionSamplingParams,
-    OmniRequestOutput,
     RequestAbortedError,
     RequestFailedError,
 )
-from vllm_omni.diffusion.scheduler import StepScheduler
+from vllm_omni.diffusion.batching import StepBatchScheduler
 
 
-def _scheduler(max_num_seqs=2) -> StepScheduler:
-    return StepScheduler(
+def _scheduler(max_num_seqs=2) -> StepBatchScheduler:
+    return StepBatchScheduler(
         OmniDiffusionConfig(
             model="unused", stage_id=0, replica=0, stage_type="diffusion",
             max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0,
@@ -32,7 +32,7 @@ def _ids(requests):
     return [r.request_id for r in requests]
 
 
-def _encode(scheduler: StepScheduler, plan) -> None:
+def _encode(scheduler: StepBatchScheduler, plan) -> None:
     """What the encode worker does for each request the plan hands it."""
     for request in plan.to_prepare:
         assert scheduler.prepared(request, state=f"state of {request.request_id}")

@@ -84,19 +84,39 @@ def test_flux_joins_at_different_steps(tiny_flux):
         [
             (0, "A", "a photo of a cat", _params(num_inference_steps=8, guidance_scale=3.5, **size), 1),
             (3, "B", "a red car", _params(num_inference_steps=6, guidance_scale=3.5, **size), 2),
-            (3, "C", "a blue house", _params(
-                num_inference_steps=8, guidance_scale=3.5, negative_prompt="a dog",
-                extra_args={"true_cfg_scale": 2.0}, **size), 3),  # fmt: skip
-            (5, "D", "a small tree", _params(
-                num_inference_steps=4, guidance_scale=3.5, num_outputs_per_prompt=2, **size), 4),  # fmt: skip
+            (
+                3,
+                "C",
+                "a blue house",
+                _params(
+                    num_inference_steps=8,
+                    guidance_scale=3.5,
+                    negative_prompt="a dog",
+                    extra_args={"true_cfg_scale": 2.0},
+                    **size,
+                ),
+                3,
+            ),  # fmt: skip
+            (
+                5,
+                "D",
+                "a small tree",
+                _params(num_inference_steps=4, guidance_scale=3.5, num_outputs_per_prompt=2, **size),
+                4,
+            ),  # fmt: skip
         ],
     )
 
 
 @pytest.mark.parametrize(
     "scheduler",
-    [None, "DDIMScheduler", "DPMSolverMultistepScheduler", "EulerAncestralDiscreteScheduler",
-     "UniPCMultistepScheduler"],  # fmt: skip
+    [
+        None,
+        "DDIMScheduler",
+        "DPMSolverMultistepScheduler",
+        "EulerAncestralDiscreteScheduler",
+        "UniPCMultistepScheduler",
+    ],  # fmt: skip
 )
 def test_stable_diffusion_schedulers_keep_their_semantics(tiny_sd, scheduler):
     """None is the model's own Euler; DPM++ and UniPC keep multistep history, Euler-a draws noise every step."""
@@ -104,8 +124,13 @@ def test_stable_diffusion_schedulers_keep_their_semantics(tiny_sd, scheduler):
     _check(
         _load(tiny_sd, scheduler),
         [
-            (0, "A", "a photo of a cat", _params(
-                num_inference_steps=6, guidance_scale=7.5, negative_prompt="a dog", **size), 1),  # fmt: skip
+            (
+                0,
+                "A",
+                "a photo of a cat",
+                _params(num_inference_steps=6, guidance_scale=7.5, negative_prompt="a dog", **size),
+                1,
+            ),  # fmt: skip
             (2, "B", "a red car", _params(num_inference_steps=5, guidance_scale=1.0, **size), 2),  # no CFG: 1 row
             (3, "C", "a blue house", _params(num_inference_steps=6, guidance_scale=4.0, **size), 3),
         ],
@@ -119,8 +144,13 @@ def test_wan_videos_join_at_different_steps(tiny_wan):
         [
             (0, "A", "a photo of a cat", _params(num_inference_steps=6, guidance_scale=5.0, **video), 1),
             (2, "B", "a red car", _params(num_inference_steps=4, guidance_scale=1.0, **video), 2),
-            (2, "C", "a blue house", _params(
-                num_inference_steps=6, guidance_scale=3.0, negative_prompt="a dog", **video), 3),  # fmt: skip
+            (
+                2,
+                "C",
+                "a blue house",
+                _params(num_inference_steps=6, guidance_scale=3.0, negative_prompt="a dog", **video),
+                3,
+            ),  # fmt: skip
         ],
     )
 
@@ -133,8 +163,13 @@ def test_sd3_and_sdxl_join_at_different_steps(family, request):
         [
             (0, "A", "a photo of a cat", _params(num_inference_steps=6, guidance_scale=5.0, **size), 1),
             (2, "B", "a red car", _params(num_inference_steps=5, guidance_scale=1.0, **size), 2),
-            (3, "C", "a blue house", _params(
-                num_inference_steps=4, guidance_scale=3.0, negative_prompt="a dog", **size), 3),  # fmt: skip
+            (
+                3,
+                "C",
+                "a blue house",
+                _params(num_inference_steps=4, guidance_scale=3.0, negative_prompt="a dog", **size),
+                3,
+            ),  # fmt: skip
         ],
     )
 
@@ -170,7 +205,9 @@ def test_unsupported_pipelines_and_arguments_are_refused(tiny_sd):
         make_stepper(img2img, CPU)
     assert all(name in str(excinfo.value) for name in SUPPORTED_PIPELINES)
     assert "--execution-mode request" in str(excinfo.value)
-    with pytest.raises(ValueError, match="a split pipeline .* does not support StableDiffusionImg2ImgPipeline") as split:
+    with pytest.raises(
+        ValueError, match="a split pipeline .* does not support StableDiffusionImg2ImgPipeline"
+    ) as split:
         make_stepper(img2img, CPU, SPLIT)
     assert "stage_type: diffusion" in str(split.value)
     stepper = make_stepper(pipeline, CPU)

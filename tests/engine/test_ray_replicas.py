@@ -47,12 +47,60 @@ def _pixels(output) -> np.ndarray:
     return np.asarray(output.images[0], dtype=np.int16)
 
 
-def _wait_all_alive(omni, timeout_s: float = 120.0) -> float:
+def _wait_all_alive(omni, timeout_s: float = 600.0) -> float:
     started = time.monotonic()
     while omni.engine.health()[0].status != "ok":
         assert time.monotonic() - started < timeout_s, f"replicas not back: {omni.engine.health()}"
         time.sleep(0.2)
     return time.monotonic() - started
+
+
+def _wait_until(predicate, what: str, timeout_s: float = 600.0):
+    """Poll ``predicate`` until it holds (a state change, never a fixed sleep); the deadline is only a backstop."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _wait_restarted(replica, old_pid: int, restarts_before: float) -> None:
+    """Wait for the two state changes of a restart, in order: the replica marked down (the driver counts
+    ``replica_restarts`` as it marks it down), then alive again in a new process."""
+    labels = {"stage": "0", "replica": str(replica.info.index)}
+    _wait_until(lambda: _sample("replica_restarts_total", **labels) > restarts_before, "the replica marked down")
+    _wait_until(lambda: replica.is_alive and replica.info.pid != old_pid, "the replica alive in a new process")
+
+
+def _hold_batches(replica, then_break: bool = False) -> None:
+    """The replica runs its batches but resolves none of their requests until `_release_batches`, so the test,
+    not the speed of the machine, decides when they finish (the loads the stage routes by only grow until then).
+    With ``then_break`` its engine loop dies right after the first batch it finishes."""
+
+    def hold(actor):  # runs in the replica's process (a local function travels by value)
+        import threading
+
+        scheduler = actor.replica.engine.scheduler
+        finish, released = scheduler.finish, threading.Event()
+
+        def finish_when_released(batch, outputs):
+            released.wait()
+            finish(batch, outputs)
+            if then_break:
+                raise RuntimeError("simulated scheduler bug")
+
+        def release():
+            if not then_break:
+                scheduler.finish = finish
+            released.set()
+
+        scheduler.finish, actor.release_batches = finish_when_released, release
+
+    ray.get(replica._actor.__ray_call__.remote(hold))
+
+
+def _release_batches(replica) -> None:
+    ray.get(replica._actor.__ray_call__.remote(lambda actor: actor.release_batches()))
 
 
 def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tiny_flux):
@@ -74,12 +122,13 @@ def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tin
         got = omni.generate(prompts, params)
         # The inline encode stage hands its output on by value; the Ray denoise stage leaves its output in the
         # object store for the Ray decode stage, so the latents never come to this process.
-        admissions = omni.engine.admit(params[0])
-        encoded = omni.engine.stages[0].submit("probe-0", "probe", admissions[0]).result(60)
-        denoised = omni.engine.stages[1].submit("probe-1", "probe", admissions[1], encoded.payload).result(60)
+        complete = omni.engine.admit(params[0]).params
+        encode, denoise, decode = (stage.replicas[0] for stage in omni.engine.stages)
+        encoded = encode.submit("probe-0", "probe", complete).result(60)
+        denoised = denoise.submit("probe-1", "probe", complete, encoded.payload).result(60)
         assert isinstance(encoded.payload, Conditioning)
         assert isinstance(denoised.payload, ray.ObjectRef)
-        (decoded,) = omni.engine.stages[2].submit("probe-2", "probe", admissions[2], denoised.payload).result(60).images
+        (decoded,) = decode.submit("probe-2", "probe", complete, denoised.payload).result(60).images
         assert decoded.size == (32, 32)
         nodes = {omni.engine.stages[i].replicas[0].info.node_id for i in (1, 2)}
         assert len(nodes) == 2  # one CPU per node: the two actors are on different nodes
@@ -97,18 +146,23 @@ def test_replicas_run_on_different_nodes_and_share_the_requests(cluster, omni):
     threads = [r._actor.__ray_call__.remote(lambda actor: __import__("torch").get_num_threads()) for r in replicas]
     assert ray.get(threads) == [1, 1]
 
-    batches_before = {r: _sample("diffusion_batch_size_sum", stage="0", replica=r, task="image") for r in "01"}
+    batches_before = {r: _sample("batch_num_requests_sum", stage="0", replica=r, task="image") for r in "01"}
     params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=8, seed=i % 2) for i in range(8)]
-    outputs = omni.generate(["a red car"] * 8, params)
+    for replica in replicas:  # no request finishes before all are placed, however slow the placing is
+        _hold_batches(replica)
+    try:
+        futures = [omni.engine.add_request(f"share-{i}", "a red car", p) for i, p in enumerate(params)]
+    finally:
+        for replica in replicas:
+            _release_batches(replica)
+    outputs = [future.result(timeout=600) for future in futures]
 
     assert [o.error for o in outputs] == [None] * 8
     served = Counter(o.metrics["replica"] for o in outputs)
     assert set(served) == {0, 1}, served
     # Each replica's engine metrics reach this process's /metrics under its own label.
     for replica in "01":
-        observed = (
-            _sample("diffusion_batch_size_sum", stage="0", replica=replica, task="image") - batches_before[replica]
-        )
+        observed = _sample("batch_num_requests_sum", stage="0", replica=replica, task="image") - batches_before[replica]
         assert observed == served[int(replica)]
     # The same seed gives the same image on either replica.
     for seed in (0, 1):
@@ -123,8 +177,14 @@ def test_a_tie_goes_to_the_replica_that_holds_the_same_batch_key(omni):
     # Loads when each is routed: (0,0) -> 0; (1,0) -> 1; tie (1,1): 1 holds the small key; (1,2) -> 0;
     # tie (2,2): 1 holds the small key; (2,3) -> 0. Index order alone would send the ties to replica 0.
     order = [("a", large), ("b", small), ("c", small), ("d", large), ("e", small), ("f", large)]
-    futures = {name: engine.add_request(f"tie-{name}", "a cat", params) for name, params in order}
-    placed = {name: future.result(timeout=120).metrics["replica"] for name, future in futures.items()}
+    for replica in engine.stages[0].replicas:  # the loads above hold only if no request finishes meanwhile
+        _hold_batches(replica)
+    try:
+        futures = {name: engine.add_request(f"tie-{name}", "a cat", params) for name, params in order}
+    finally:
+        for replica in engine.stages[0].replicas:
+            _release_batches(replica)
+    placed = {name: future.result(timeout=600).metrics["replica"] for name, future in futures.items()}
     assert placed == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1, "f": 0}
 
 
@@ -144,7 +204,7 @@ def test_progress_and_abort_reach_the_replica_that_holds_the_request(omni):
     assert all(engine.abort(request_id) for request_id in futures)
     for future in futures.values():
         with pytest.raises(RequestAbortedError):
-            future.result(timeout=30)
+            future.result(timeout=120)
     assert engine.progress("long-0") is None and not engine.abort("long-0")
 
 
@@ -154,23 +214,26 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_comes_back(omni, cap
     old_pid = victim.info.pid
     retries_before = _sample("request_retries_total", stage="0")
     restarts_before = _sample("replica_restarts_total", stage="0", replica="0")
+    _hold_batches(victim)  # never released: it still holds its requests when it is killed, however fast it is
     params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=20, seed=100 + i) for i in range(12)]
     futures = [omni.engine.add_request(f"kill-{i}", f"prompt {i}", p) for i, p in enumerate(params)]
 
-    time.sleep(0.3)  # both replicas are busy with their first batch
+    _wait_until(  # the victim is running a batch
+        lambda: any((victim.progress(f"kill-{i}") or ("",))[0] == "running" for i in range(12)), "a batch running"
+    )
     os.kill(old_pid, signal.SIGKILL)
-    outputs = [future.result(timeout=180) for future in futures]  # nothing hangs, nothing fails
+    outputs = [future.result(timeout=600) for future in futures]  # nothing hangs, nothing fails
+    finished = time.monotonic()
 
     retried = _sample("request_retries_total", stage="0") - retries_before
     counts = {"ok": sum(o.error is None for o in outputs), "retried": int(retried), "failed": 12 - len(outputs)}
     with capsys.disabled():
         print(f"\nreplica kill mid-load: {counts}")
     assert counts["ok"] == 12 and counts["retried"] >= 1
-    assert _sample("replica_restarts_total", stage="0", replica="0") >= restarts_before + 1
 
-    back_after = _wait_all_alive(omni)
-    assert victim.info.pid != old_pid
+    _wait_restarted(victim, old_pid, restarts_before)
     with capsys.disabled():
+        back_after = time.monotonic() - finished
         print(f"replica 0 back {back_after:.1f} s after the last request finished (new pid {victim.info.pid})")
     # The restarted replica serves again, and every request, retried or not, gave the image its seed gives.
     again = omni.generate([f"prompt {i}" for i in range(12)], params)
@@ -180,24 +243,22 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_comes_back(omni, cap
 
 def test_a_replica_whose_engine_loop_dies_is_restarted_and_its_requests_rerun(omni):
     _wait_all_alive(omni)
-    victim = omni.engine.stages[0].replicas[1]
+    survivor, victim = omni.engine.stages[0].replicas
     old_pid = victim.info.pid
-
-    def break_engine_loop(actor):  # runs in the replica's process (a local function travels by value)
-        scheduler = actor.replica.engine.scheduler
-        finish = scheduler.finish
-
-        def finish_then_break(batch, outputs):
-            finish(batch, outputs)
-            raise RuntimeError("simulated scheduler bug")
-
-        scheduler.finish = finish_then_break
-
-    ray.get(victim._actor.__ray_call__.remote(break_engine_loop))
+    restarts = _sample("replica_restarts_total", stage="0", replica="1")
     retries = _sample("request_retries_total", stage="0")
+    # Both replicas hold their batches while the six requests are placed, three on each, so the victim holds
+    # more than one batch (max_num_seqs 2); once released, its engine loop dies after its first batch.
+    _hold_batches(survivor)
+    _hold_batches(victim, then_break=True)
     params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=20, seed=i) for i in range(6)]
-    outputs = omni.generate(["a blue house"] * 6, params)
+    try:
+        futures = [omni.engine.add_request(f"loop-{i}", "a blue house", p) for i, p in enumerate(params)]
+    finally:
+        _release_batches(victim)
+        _release_batches(survivor)
+    outputs = [future.result(timeout=600) for future in futures]
     assert [o.error for o in outputs] == [None] * 6  # those the dying loop held were re-run on replica 0
     assert _sample("request_retries_total", stage="0") > retries
-    _wait_all_alive(omni)
-    assert victim.info.pid != old_pid
+    # Marked down (not just "all alive", which also holds before the driver has noticed), then back.
+    _wait_restarted(victim, old_pid, restarts)

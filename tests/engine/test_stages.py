@@ -55,9 +55,7 @@ def test_three_stages_make_what_one_stage_makes(family, denoise_mode, request):
     prompts, params = _requests(family)
     with Omni(model=model, max_num_seqs=1) as omni:
         single = omni.generate(prompts, params)
-    deploy = three_stage(
-        {"max_num_seqs": 16}, {"max_num_seqs": 4, "execution_mode": denoise_mode}, {"max_num_seqs": 8}
-    )
+    deploy = three_stage({"max_num_seqs": 16}, {"max_num_seqs": 4, "execution_mode": denoise_mode}, {"max_num_seqs": 8})
     with Omni(model=model, deploy_config=deploy) as omni:
         split = omni.generate(prompts, params)
     for one, three, p in zip(single, split, params, strict=True):
@@ -73,9 +71,9 @@ def test_three_stages_make_what_one_stage_makes(family, denoise_mode, request):
 
 
 def _batch_histogram(omni, stage: int) -> dict[str, float]:
-    """``le`` bound → cumulative count of the stage's ``vllm_omni:diffusion_batch_size`` observations."""
+    """``le`` bound → cumulative count of the stage's ``vllm_omni:batch_num_requests`` observations."""
     (families,) = omni.engine.stages[stage].collect_metrics()
-    (family,) = [f for f in families if f.name == "vllm_omni:diffusion_batch_size"]
+    (family,) = [f for f in families if f.name == "vllm_omni:batch_num_requests"]
     return {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
 
 
@@ -158,17 +156,19 @@ def test_payloads_pass_between_inline_stages_without_copies(tiny_flux):
     deploy = three_stage({"max_num_seqs": 2, "request_batch_max_wait_ms": 2000})
     with Omni(model=tiny_flux, deploy_config=deploy) as omni:
         stages = omni.engine.stages
-        admissions = omni.engine.admit(OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, seed=1))
-        futures = [stages[0].submit(f"probe-{i}", f"prompt {i}", admissions[0]) for i in range(2)]
+        params = omni.engine.admit(
+            OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, seed=1)
+        ).params
+        futures = [stages[0].replicas[0].submit(f"probe-{i}", f"prompt {i}", params) for i in range(2)]
         first, second = (future.result(60).payload for future in futures)
         # Each request's rows are a view of its batch's one encoder output, and the denoise stage (same device
         # and dtype) uses those very tensors.
         embeds = first.cond["encoder_hidden_states"]
         shared = second.cond["encoder_hidden_states"].untyped_storage()
         assert shared.data_ptr() == embeds.untyped_storage().data_ptr() and shared.nbytes() == 2 * embeds.nbytes
-        stepper = stages[1].replicas[0].engine.stepper
+        stepper = stages[1].replicas[0].engine.role.stepper
         assert stepper.on_device(first.cond)["encoder_hidden_states"] is embeds
-        latents = stages[1].submit("probe-d", "prompt 0", admissions[1], first).result(60).payload
+        latents = stages[1].replicas[0].submit("probe-d", "prompt 0", params, first).result(60).payload
         assert stepper.on_device({"x": latents.latents})["x"] is latents.latents
         # Pickled (to a Ray replica), a request's tensors carry only its own rows.
         pickled = pickle.loads(pickle.dumps(first))
@@ -196,6 +196,6 @@ def test_split_stages_refuse_what_the_split_cannot_run(tiny_flux):
         with pytest.raises(ValueError, match=r"extra_args key 'joint_attention_kwargs' is not supported by Flux"):
             omni.generate("p", OmniDiffusionSamplingParams(extra_args={"joint_attention_kwargs": {}}))
         # Defaults come from the denoise stage, which holds the denoiser and the VAE.
-        completed = omni.engine.complete_params(OmniDiffusionSamplingParams())
+        completed = omni.engine.admit(OmniDiffusionSamplingParams(seed=0)).params
         with Omni(model=tiny_flux) as single:
-            assert completed == single.engine.complete_params(OmniDiffusionSamplingParams())
+            assert completed == single.engine.admit(OmniDiffusionSamplingParams(seed=0)).params

@@ -54,6 +54,5 @@ def test_the_cli_refuses_replicas_before_loading_anything(tiny_flux):
     assert done.returncode == 2
     assert (
         "stage 0: --distributed-executor-backend 'ray' (cli) needs Ray, which is not installed: "
-        "pip install 'vllm-omni[ray]'"
-        in done.stderr
+        "pip install 'vllm-omni[ray]'" in done.stderr
     )

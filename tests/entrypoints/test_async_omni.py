@@ -1,6 +1,7 @@
 """`AsyncOmni`: concurrent requests batch together; abort and cancellation free their slot."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -17,6 +18,19 @@ async def _collect(omni, prompt, params, request_id=None):
     return [out async for out in omni.generate(prompt, params, request_id=request_id)]
 
 
+def _hold_batches(scheduler) -> threading.Event:
+    """The engine runs its batches but finishes none until the returned event is set: the test, not the speed of
+    the machine, decides when a running request can end."""
+    finish, released = scheduler.finish, threading.Event()
+
+    def finish_when_released(batch, outputs):
+        released.wait()
+        finish(batch, outputs)
+
+    scheduler.finish = finish_when_released
+    return released
+
+
 async def _until(predicate, timeout=30.0):
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
@@ -25,7 +39,8 @@ async def _until(predicate, timeout=30.0):
 
 
 async def test_concurrent_generate_calls_share_one_batch(tiny_flux):
-    async with AsyncOmni(model=tiny_flux, max_num_seqs=4, request_batch_max_wait_ms=500) as omni:
+    # The batch starts as soon as it is full, so a long admission wait costs nothing and no arrival is too late.
+    async with AsyncOmni(model=tiny_flux, max_num_seqs=4, request_batch_max_wait_ms=120_000) as omni:
         results = await asyncio.gather(
             *(_collect(omni, f"prompt {i}", _params(seed=i), request_id=f"req-{i}") for i in range(4))
         )
@@ -38,20 +53,24 @@ async def test_concurrent_generate_calls_share_one_batch(tiny_flux):
 async def test_abort_and_cancel_free_their_slots(tiny_flux):
     async with AsyncOmni(model=tiny_flux, max_num_seqs=1) as omni:
         scheduler = omni.engine.stages[0].replicas[0].engine.scheduler
+        release = _hold_batches(scheduler)  # "running" stays in flight until it is aborted below
         slow = _params(steps=400, seed=0)
         running = asyncio.create_task(_collect(omni, "long", slow, request_id="running"))
-        await _until(lambda: scheduler.num_running == 1)
-        waiting = asyncio.create_task(_collect(omni, "queued", _params(seed=1), request_id="waiting"))
-        cancelled = asyncio.create_task(_collect(omni, "queued", _params(seed=2), request_id="cancelled"))
-        await _until(lambda: scheduler.num_waiting == 2)
+        try:
+            await _until(lambda: scheduler.num_running == 1)
+            waiting = asyncio.create_task(_collect(omni, "queued", _params(seed=1), request_id="waiting"))
+            cancelled = asyncio.create_task(_collect(omni, "queued", _params(seed=2), request_id="cancelled"))
+            await _until(lambda: scheduler.num_waiting == 2)
 
-        assert await omni.abort("waiting") is True
-        assert await waiting == []  # an aborted request ends its stream without output
-        cancelled.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await cancelled
-        assert await omni.abort("running") is True  # interrupts the 400-step batch
-        assert await asyncio.wait_for(running, timeout=60) == []
+            assert await omni.abort("waiting") is True
+            assert await waiting == []  # an aborted request ends its stream without output
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert await omni.abort("running") is True  # interrupts the 400-step batch
+        finally:
+            release.set()
+        assert await asyncio.wait_for(running, timeout=120) == []
         await _until(lambda: scheduler.num_running == 0 and scheduler.num_waiting == 0)
         assert await omni.abort("running") is False
 
@@ -79,13 +98,39 @@ async def test_failed_request_raises_and_duplicate_ids_are_refused(tiny_flux):
 async def test_shutdown_fails_waiting_requests(tiny_flux):
     omni = AsyncOmni(model=tiny_flux, max_num_seqs=1)
     scheduler = omni.engine.stages[0].replicas[0].engine.scheduler
+    release = _hold_batches(scheduler)  # the running batch cannot finish before the shutdown has begun
     running = asyncio.create_task(_collect(omni, "long", _params(steps=200, seed=0)))
-    await _until(lambda: scheduler.num_running == 1)
-    waiting = asyncio.create_task(_collect(omni, "queued", _params(seed=1)))
-    await _until(lambda: scheduler.num_waiting == 1)
-    await asyncio.to_thread(omni.shutdown)
+    try:
+        await _until(lambda: scheduler.num_running == 1)
+        waiting = asyncio.create_task(_collect(omni, "queued", _params(seed=1)))
+        await _until(lambda: scheduler.num_waiting == 1)
+        stopping = asyncio.create_task(asyncio.to_thread(omni.shutdown))
+        with pytest.raises(RequestFailedError, match="shutting down"):
+            await asyncio.wait_for(waiting, timeout=120)  # failed while the running batch still runs
+    finally:
+        release.set()
+    await asyncio.wait_for(stopping, timeout=120)
     assert len(await running) == 1  # the running batch finishes
-    with pytest.raises(RequestFailedError, match="shutting down"):
-        await waiting
     with pytest.raises(StageUnavailableError, match="^stage 0 is unavailable: no replica is alive$"):
         await _collect(omni, "late", _params())
+
+
+async def test_parameters_admitted_once_are_not_completed_again(tiny_flux):
+    """What the HTTP layer uses: ``admit`` completes the parameters (model defaults, a seed), ``generate`` takes them
+    as they are, and the engine's figures are read through `AsyncOmni`."""
+    async with AsyncOmni(model=tiny_flux, max_num_seqs=1) as omni:
+        await omni.warm_up()
+        assert (omni.makes_videos, omni.num_waiting, omni.progress("nope")) == (False, 0, None)
+        assert [(h.stage_id, h.status) for h in omni.health()] == [(0, "ok")]
+        admitted = omni.admit(OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2))
+        assert admitted.params.seed is not None and admitted.params.guidance_scale is not None
+        assert len(admitted.keys) == 1
+
+        calls = []
+        admit = omni.engine.admit
+        omni.engine.admit = lambda params: calls.append(params) or admit(params)
+        (once,) = await _collect(omni, "a cat", admitted)
+        assert calls == []
+        (again,) = await _collect(omni, "a cat", _params(steps=2, seed=admitted.params.seed))
+        assert len(calls) == 1
+        assert once.images[0].tobytes() == again.images[0].tobytes()

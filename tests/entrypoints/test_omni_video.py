@@ -51,7 +51,7 @@ def test_defaults_and_invalid_video_params(omni):
         omni.generate(["x"], _params(num_frames=10))
     with pytest.raises(SamplingParamsError, match="width=40 is not a multiple of 16"):
         omni.generate(["x"], OmniDiffusionSamplingParams(height=32, width=40, num_frames=5, num_inference_steps=1))
-    completed = omni.engine.complete_params(OmniDiffusionSamplingParams())
+    completed = omni.engine.admit(OmniDiffusionSamplingParams()).params
     assert (completed.height, completed.width, completed.num_frames, completed.fps) == (480, 832, 81, 16)
 
 

@@ -3,15 +3,25 @@
 from vllm_omni.config.diffusion import OmniDiffusionConfig
 from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.resolver import resolve_stage_configs
-from vllm_omni.config.stage import STAGE_KNOBS, DeployConfig, ExecutionMode, Source, StageDeployConfig
+from vllm_omni.config.stage import (
+    STAGE_KNOBS,
+    STAGE_TYPES,
+    DeployConfig,
+    ExecutionMode,
+    Source,
+    StageDeployConfig,
+    StageTypeSpec,
+)
 
 __all__ = [
     "STAGE_KNOBS",
+    "STAGE_TYPES",
     "DeployConfig",
     "ExecutionMode",
     "OmniDiffusionConfig",
     "Source",
     "StageDeployConfig",
+    "StageTypeSpec",
     "load_deploy_config",
     "resolve_stage_configs",
 ]

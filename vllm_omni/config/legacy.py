@@ -24,20 +24,19 @@ YAML_RUNTIME_ALIAS = "max_batch_size"
 REMOVAL_VERSION = "0.3.0"
 """The release that deletes this module; a test fails once the package version reaches it."""
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _stacklevel_outside_package() -> int:
-    """Stack level of the first caller outside vllm_omni, as seen from `_warn`'s frame."""
-    frame, level = sys._getframe(2), 2  # 1 is _warn itself
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
+_PACKAGE_PREFIX = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""Frames in files under this prefix are vllm_omni's own: the warning points at the first caller outside them."""
 
 
 def _warn(message: str) -> None:
     logger.warning(message)
-    warnings.warn(message, FutureWarning, stacklevel=_stacklevel_outside_package())
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, FutureWarning, skip_file_prefixes=(_PACKAGE_PREFIX,))
+    else:  # Python < 3.12 has no skip_file_prefixes: count vllm_omni's frames by hand. Drop with Python 3.11.
+        frame, level = sys._getframe(), 1  # level 1 is this function, in the package
+        while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_PREFIX):
+            frame, level = frame.f_back, level + 1
+        warnings.warn(message, FutureWarning, stacklevel=level)
 
 
 def _deprecation_message(old: str, where: str) -> str:
@@ -83,7 +82,9 @@ def pop_yaml_aliases(stage: dict[str, Any], where: str) -> tuple[dict[str, Any],
         aliases[f"{YAML_RUNTIME_KEY}.{YAML_RUNTIME_ALIAS}"] = runtime.pop(YAML_RUNTIME_ALIAS)
         if runtime:
             unknown = ", ".join(f"{YAML_RUNTIME_KEY}.{k}" for k in runtime)
-            raise ValueError(f"unknown key(s) {unknown} in {where}; the legacy runtime block may hold only max_batch_size")
+            raise ValueError(
+                f"unknown key(s) {unknown} in {where}; the legacy runtime block may hold only max_batch_size"
+            )
         del stage[YAML_RUNTIME_KEY]
     if not aliases:
         return stage, set()

@@ -22,12 +22,15 @@ from vllm_omni.config.stage import (
     DENOISING_ONLY_KNOBS,
     RAY_ONLY_KNOBS,
     STAGE_KNOBS,
+    STAGE_TYPES,
     DeployConfig,
     Source,
     StageDeployConfig,
 )
 
 GlobalSource = Literal["cli", "python"]
+
+DENOISING_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.denoises)
 
 
 def _knob_name(knob: str, source: Source) -> str:
@@ -114,12 +117,13 @@ def resolve_stage_configs(
             for layer_values, layer_sources in layers:
                 if knob not in layer_values:
                     continue
-                if knob in DENOISING_ONLY_KNOBS and stage.stage_type not in ("diffusion", "denoise"):
+                if knob in DENOISING_ONLY_KNOBS and not stage.denoises:
                     if layer_values is global_knobs:  # a global flag sets it on the stages that denoise
                         continue
                     raise ValueError(
                         f"stage {stage.stage_id} ({stage.stage_type}): {_knob_name(knob, layer_sources[knob])} "
-                        f"({layer_sources[knob]}) applies to diffusion and denoise stages only; remove it"
+                        f"({layer_sources[knob]}) applies to {' and '.join(DENOISING_STAGE_TYPES)} stages only; "
+                        "remove it"
                     )
                 values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
         if values["distributed_executor_backend"] is None:

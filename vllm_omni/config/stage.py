@@ -6,6 +6,8 @@ change a knob (in particular ``max_num_seqs``) behind the user's back.
 
 from __future__ import annotations
 
+import graphlib
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -31,13 +33,37 @@ RAY_ONLY_KNOBS = ("ray_address", "num_cpus", "num_gpus", "placement_strategy")
 """Knobs that mean something only with ``distributed_executor_backend: ray``."""
 
 DENOISING_ONLY_KNOBS = ("execution_mode",)
-"""Knobs of stages that run a denoising loop (``diffusion`` and ``denoise``)."""
+"""Knobs of the stages that hold the denoiser (`StageTypeSpec.denoises`)."""
 
-STAGE_INPUTS: dict[str, str | None] = {"diffusion": None, "encode": None, "denoise": "encode", "decode": "denoise"}
-"""The stage type each stage type takes its one input from (``None``: it takes the request itself)."""
 
-FINAL_STAGE_TYPES = ("diffusion", "decode")
-"""Stage types whose outputs are images or videos: a deploy ends with exactly one of them."""
+@dataclass(frozen=True)
+class StageTypeSpec:
+    """What the deploy graph knows about one stage type (one entry of `STAGE_TYPES`; its behaviour when it runs is
+    its role in ``vllm_omni.diffusion.roles``)."""
+
+    takes: str | None
+    """The stage type it takes its one input from; ``None``: it takes the request itself and lists no inputs."""
+
+    final: bool
+    """Whether its outputs are images or videos: a deploy ends with exactly one final stage."""
+
+    denoises: bool
+    """Whether it holds the denoiser: it fills in the model's defaults, reports progress and takes
+    ``execution_mode``."""
+
+
+STAGE_TYPES: dict[str, StageTypeSpec] = {
+    "diffusion": StageTypeSpec(takes=None, final=True, denoises=True),
+    "encode": StageTypeSpec(takes=None, final=False, denoises=False),
+    "denoise": StageTypeSpec(takes="encode", final=False, denoises=True),
+    "decode": StageTypeSpec(takes="denoise", final=True, denoises=False),
+}
+"""The stage types this release serves (``llm`` is a `StageType` that the graph check refuses)."""
+
+
+def _denoises(stage_type: str) -> bool:
+    spec = STAGE_TYPES.get(stage_type)
+    return spec is not None and spec.denoises
 
 
 class StageDeployConfig(BaseModel):
@@ -103,6 +129,12 @@ class StageDeployConfig(BaseModel):
         return ",".join(parts)
 
     @property
+    def denoises(self) -> bool:
+        """Whether this stage holds the denoiser: it fills in the model's defaults, reports progress and takes
+        ``execution_mode``."""
+        return _denoises(self.stage_type)
+
+    @property
     def capacity(self) -> int:
         """Most requests the stage runs at once, over all its replicas."""
         return self.num_replicas * self.max_num_seqs
@@ -133,7 +165,7 @@ def knob_applies(knob: str, stage: StageDeployConfig | dict) -> bool:
     if knob in RAY_ONLY_KNOBS:
         return get("distributed_executor_backend") == "ray"
     if knob in DENOISING_ONLY_KNOBS:
-        return get("stage_type") in ("diffusion", "denoise")
+        return _denoises(get("stage_type"))
     return True
 
 
@@ -166,30 +198,20 @@ def check_stage_graph(stages: list[StageDeployConfig]) -> list[StageDeployConfig
         unknown = [i for i in stage.inputs if i not in by_id]
         if unknown:
             raise ValueError(f"stage {stage.stage_id} lists unknown input(s) {unknown}; stage ids: {sorted(by_id)}")
-    order: list[StageDeployConfig] = []
-    state: dict[int, str] = {}
-
-    def visit(stage: StageDeployConfig, path: list[int]) -> None:
-        if state.get(stage.stage_id) == "done":
-            return
-        if state.get(stage.stage_id) == "visiting":
-            cycle = path[path.index(stage.stage_id) :] + [stage.stage_id]
-            raise ValueError(
-                f"stage {stage.stage_id}: inputs form a cycle ({' <- '.join(map(str, cycle))}, where a <- b means "
-                "stage a takes stage b's output)"
-            )
-        state[stage.stage_id] = "visiting"
-        for i in stage.inputs:
-            visit(by_id[i], path + [stage.stage_id])
-        state[stage.stage_id] = "done"
-        order.append(stage)
-
-    for stage in stages:
-        visit(stage, [])
+    try:
+        order = [by_id[i] for i in graphlib.TopologicalSorter({s.stage_id: s.inputs for s in stages}).static_order()]
+    except graphlib.CycleError as exc:
+        cycle = exc.args[1][::-1]  # graphlib lists it along the outputs (b, a: a takes b's output); we say a <- b
+        raise ValueError(
+            f"stage {cycle[0]}: inputs form a cycle ({' <- '.join(map(str, cycle))}, where a <- b means "
+            "stage a takes stage b's output)"
+        ) from None
     for stage in order:
-        if stage.stage_type == "llm":
-            raise ValueError(f"stage {stage.stage_id} has stage_type 'llm', which this release does not serve")
-        wanted = STAGE_INPUTS[stage.stage_type]
+        if stage.stage_type not in STAGE_TYPES:
+            raise ValueError(
+                f"stage {stage.stage_id} has stage_type {stage.stage_type!r}, which this release does not serve"
+            )
+        wanted = STAGE_TYPES[stage.stage_type].takes
         if wanted is None and stage.inputs:
             raise ValueError(
                 f"stage {stage.stage_id} ({stage.stage_type}) takes the request itself, so it has no inputs; "
@@ -203,11 +225,11 @@ def check_stage_graph(stages: list[StageDeployConfig]) -> list[StageDeployConfig
             )
     consumed = {i for s in stages for i in s.inputs}
     sinks = [s for s in order if s.stage_id not in consumed]
-    finals = [s for s in sinks if s.stage_type in FINAL_STAGE_TYPES]
-    if len(sinks) != 1 or not finals:
+    final_types = [t for t, spec in STAGE_TYPES.items() if spec.final]
+    if len(sinks) != 1 or not STAGE_TYPES[sinks[0].stage_type].final:
         ends = ", ".join(f"{s.stage_id} ({s.stage_type})" for s in sinks)
         raise ValueError(
-            f"a deploy needs exactly one final stage, a {' or '.join(FINAL_STAGE_TYPES)} stage that no other stage "
+            f"a deploy needs exactly one final stage, a {' or '.join(final_types)} stage that no other stage "
             f"takes as input; the stages no other stage takes are: {ends}"
         )
     return order

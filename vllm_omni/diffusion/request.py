@@ -1,4 +1,5 @@
-"""What a diffusion request is: sampling parameters in, one `OmniRequestOutput` out."""
+"""What a diffusion request is: its sampling parameters, its batch key, its engine-side state and how it fails
+(its output is in `outputs.py`)."""
 
 from __future__ import annotations
 
@@ -95,23 +96,6 @@ class BatchKey(NamedTuple):
         )
 
 
-@dataclass
-class OmniRequestOutput:
-    """The result of one request."""
-
-    request_id: str
-    prompt: str
-    images: list[Any] = field(default_factory=list)
-    """``num_outputs_per_prompt`` images (PIL images, or arrays for ``output_type='np'``); empty for videos."""
-    videos: list[list[Any]] = field(default_factory=list)
-    """``num_outputs_per_prompt`` videos, each a list of frames like ``images``; empty for images."""
-    metrics: dict[str, Any] = field(default_factory=dict)
-    """``batch_size`` (requests in the batch it ran in), ``queue_ms``, ``exec_ms``, ``seed``, ``replica`` (which
-    replica of the stage ran it)."""
-    error: str | None = None
-    """Why the request failed; ``None`` on success."""
-
-
 class RequestFailedError(RuntimeError):
     """A request failed on its own (its batch neighbours were re-run and unaffected)."""
 
@@ -157,18 +141,18 @@ class DiffusionRequest:
     params: OmniDiffusionSamplingParams
     seed: int
     key: Hashable
-    """Requests batch together only when their keys are equal: a `BatchKey`, or in step mode the stepper's key."""
+    """Requests batch together only when their keys are equal: its stage role's key for its parameters."""
     arrival_time: float = field(default_factory=time.monotonic)
     started_time: float | None = None
-    """When the engine started working on it (step mode: its encoding began)."""
+    """When the engine started working on it (its batch was scheduled; step mode: its encoding began)."""
     future: Future = field(default_factory=Future)
     aborted: bool = False
     steps_done: int = 0
-    """Denoising steps finished so far (updated by the pipeline's step callback, or by the step engine)."""
+    """Denoising steps finished so far (updated by the pipeline's step callback, or by `denoise_step`)."""
     total_steps: int | None = None
     """Denoiser evaluations the request needs, once known (step mode: its own schedule's length)."""
     state: Any = None
-    """Step mode: the stepper's per-request state once its prompt is encoded; ``None`` before and after."""
+    """Its stepper's denoising state while a role that denoises step by step holds it; ``None`` before and after."""
     preparing: bool = False
     """Step mode: its encoding has been handed to the encode worker."""
     payload: Any = None

@@ -12,12 +12,7 @@ from typing import Any
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.request import (
-    DiffusionRequest,
-    OmniDiffusionSamplingParams,
-    OmniRequestOutput,
-    SamplingParamsError,
-)
+from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -28,11 +23,24 @@ DEFAULT_VIDEO_FPS = 16
 # Arguments the runner sets itself; extra_args may not carry them.
 _RESERVED_ARGS = frozenset(
     {
-        "prompt", "negative_prompt", "height", "width", "num_inference_steps", "guidance_scale", "generator",
-        "output_type", "num_images_per_prompt", "num_videos_per_prompt", "num_frames", "callback_on_step_end",
-        "callback_on_step_end_tensor_inputs", "return_dict", "latents", "prompt_embeds",
+        "prompt",
+        "negative_prompt",
+        "height",
+        "width",
+        "num_inference_steps",
+        "guidance_scale",
+        "generator",
+        "output_type",
+        "num_images_per_prompt",
+        "num_videos_per_prompt",
+        "num_frames",
+        "callback_on_step_end",
+        "callback_on_step_end_tensor_inputs",
+        "return_dict",
+        "latents",
+        "prompt_embeds",
     }
-)  # fmt: skip
+)
 
 
 def select_device(devices: str | None) -> torch.device:
@@ -81,15 +89,10 @@ def check_batchable(pipeline_cls: type, max_num_seqs: int) -> None:
         )
 
 
-_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
-_DENOISERS = ("transformer", "transformer_2", "unet")
-STAGE_SKIPS: dict[str, tuple[str, ...]] = {
-    "diffusion": (),
-    "encode": _DENOISERS + ("vae",),
-    "denoise": _TEXT_ENCODERS,  # the VAE stays: its config sizes the latents
-    "decode": _TEXT_ENCODERS + _DENOISERS,
-}
-"""Pipeline components a stage of each type does not load (a split stage holds only what it runs)."""
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+"""The text-encoder components of the pipelines we serve."""
+DENOISERS = ("transformer", "transformer_2", "unet")
+"""The denoiser components of the pipelines we serve."""
 
 
 def read_model_index(model: str) -> dict[str, Any]:
@@ -101,35 +104,42 @@ def read_model_index(model: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def load_pipeline(model: str, dtype: torch.dtype, device: torch.device, stage_type: str = "diffusion"):
+def load_pipeline(model: str, dtype: torch.dtype, device: torch.device, skips: tuple[str, ...] = ()):
+    """The pipeline on ``device``, without the components named in ``skips``."""
     from diffusers import DiffusionPipeline
 
     components = read_model_index(model)
-    skipped = {name: None for name in STAGE_SKIPS[stage_type] if name in components}
+    skipped = {name: None for name in skips if name in components}
     pipeline = DiffusionPipeline.from_pretrained(model, dtype=dtype, local_files_only=True, **skipped)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline.to(device)
 
 
 class DiffusionRunner:
-    def __init__(self, od_config: OmniDiffusionConfig):
+    """A loaded pipeline, its parameter defaults and checks, and one pipeline call per batch."""
+
+    def __init__(self, od_config: OmniDiffusionConfig, skips: tuple[str, ...] = ()):
+        """``skips``: the components the stage does not load (its role's)."""
         self.device = select_device(od_config.devices)
         self.dtype = select_dtype(od_config.dtype, self.device)
         started = time.perf_counter()
-        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, od_config.stage_type)
+        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips)
         self.pipeline_name = type(self.pipeline).__name__
-        if od_config.stage_type == "diffusion" and od_config.execution_mode == "request":  # the others batch forwards
-            check_batchable(type(self.pipeline), od_config.max_num_seqs)
         self._call_params = inspect.signature(self.pipeline.__call__).parameters
         self._outputs_arg = next(
             (n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in self._call_params), None
         )
         self.is_video = "num_frames" in self._call_params
         logger.info(
-            "Loaded %s from %s on %s (%s) in %.2f s%s",
-            self.pipeline_name, od_config.model, self.device, self.dtype, time.perf_counter() - started,
-            "" if od_config.stage_type == "diffusion" else f" for its {od_config.stage_type} stage",
-        )  # fmt: skip
+            "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s)",
+            self.pipeline_name,
+            od_config.model,
+            self.device,
+            self.dtype,
+            time.perf_counter() - started,
+            od_config.stage_id,
+            od_config.stage_type,
+        )
 
     def _default(self, name: str) -> Any:
         parameter = self._call_params.get(name)
@@ -151,7 +161,9 @@ class DiffusionRunner:
     def size_multiple(self) -> int:
         """Height and width must be multiples of this: latents are the VAE's spatial factor times smaller and
         packed or patched 2×2 by DiT pipelines; UNet pipelines check multiples of 8 themselves."""
-        scale = getattr(self.pipeline, "vae_scale_factor", None) or getattr(self.pipeline, "vae_scale_factor_spatial", 1)
+        scale = getattr(self.pipeline, "vae_scale_factor", None) or getattr(
+            self.pipeline, "vae_scale_factor_spatial", 1
+        )
         return max(8, 2 * int(scale))
 
     def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
@@ -162,7 +174,9 @@ class DiffusionRunner:
         if params.guidance_scale is not None and "guidance_scale" not in self._call_params:
             raise SamplingParamsError("guidance_scale", f"guidance_scale is not accepted by {name}")
         if params.num_outputs_per_prompt > 1 and self._outputs_arg is None:
-            raise SamplingParamsError("num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}")
+            raise SamplingParamsError(
+                "num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}"
+            )
         for arg in params.extra_args:
             if arg in _RESERVED_ARGS:
                 raise SamplingParamsError(
@@ -202,18 +216,22 @@ class DiffusionRunner:
         if not self.is_video:
             for field in ("num_frames", "fps"):
                 if getattr(params, field) is not None:
-                    raise SamplingParamsError(field, f"{field} applies to video pipelines; {self.pipeline_name} makes images")
+                    raise SamplingParamsError(
+                        field, f"{field} applies to video pipelines; {self.pipeline_name} makes images"
+                    )
             return {}
         num_frames = params.num_frames or self._default("num_frames")
         temporal = self.frame_multiple
         if (num_frames - 1) % temporal:
             raise SamplingParamsError(
-                "num_frames", f"num_frames={num_frames} must be 1 more than a multiple of {temporal} for {self.pipeline_name}"
+                "num_frames",
+                f"num_frames={num_frames} must be 1 more than a multiple of {temporal} for {self.pipeline_name}",
             )
         return {"num_frames": num_frames, "fps": params.fps or DEFAULT_VIDEO_FPS}
 
-    def run(self, batch: list[DiffusionRequest]) -> list[OmniRequestOutput]:
-        """One pipeline call for the whole batch; raises if the call raises."""
+    def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
+        """One pipeline call for the whole batch: each request's ``num_outputs_per_prompt`` images (or videos, each
+        a list of frames); raises if the call raises."""
         params = batch[0].params  # the batch key makes these equal across the batch
         n = params.num_outputs_per_prompt
         # One CPU generator per request, the same object for each of its n images: diffusers
@@ -239,29 +257,12 @@ class DiffusionRunner:
             kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch]
         if "callback_on_step_end" in self._call_params:
             kwargs["callback_on_step_end"] = self._on_step_end(batch)
-
-        started = time.perf_counter()
-        with torch.inference_mode():
-            result = self.pipeline(**kwargs)
-        exec_ms = (time.perf_counter() - started) * 1000.0
+        result = self.pipeline(**kwargs)
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
         items = [list(video) for video in result.frames] if self.is_video else list(result.images)
         if len(items) != len(batch) * n:
             raise RuntimeError(f"{self.pipeline_name} returned {len(items)} outputs for {len(batch)} x {n} requested")
-        metrics = {"batch_size": len(batch), "exec_ms": exec_ms} | ({"fps": params.fps} if self.is_video else {})
-        outputs = []
-        for i, request in enumerate(batch):
-            mine = items[i * n : (i + 1) * n]
-            outputs.append(
-                OmniRequestOutput(
-                    request_id=request.request_id,
-                    prompt=request.prompt,
-                    images=[] if self.is_video else mine,
-                    videos=mine if self.is_video else [],
-                    metrics=metrics | {"seed": request.seed},
-                )
-            )
-        return outputs
+        return [items[i * n : (i + 1) * n] for i in range(len(batch))]
 
     def release_cached_memory(self) -> None:
         """Give the allocator's cached blocks back after an out-of-memory error, before a retry."""

@@ -30,7 +30,7 @@ from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, SamplingParamsError
-from vllm_omni.diffusion.stages import StageOutput
+from vllm_omni.diffusion.outputs import StageOutput
 from vllm_omni.engine.replica import Admission, EngineReplica, ReplicaInfo, ReplicaLostError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -105,6 +105,9 @@ class _ReplicaActor:
     async def progress(self, request_id: str) -> tuple[str, float] | None:
         return self.replica.progress(request_id)
 
+    async def num_waiting(self) -> int:
+        return self.replica.num_waiting
+
     async def collect_metrics(self) -> list[Metric]:
         return self.replica.collect_metrics()
 
@@ -114,15 +117,13 @@ class _ReplicaActor:
 
 
 class RayReplica:
-    """Driver-side handle of one replica actor, with the methods of `EngineReplica`, each a Ray call."""
+    """Driver-side handle of one replica actor: a `Replica` whose methods are Ray calls."""
 
     def __init__(self, actor, info: ReplicaInfo, stage_config: StageDeployConfig, by_reference: bool = False):
         self._actor = actor
         self._by_reference = by_reference
         self.info = info
         self._stage = stage_config
-        self._lock = threading.Lock()
-        self._in_flight = 0
         self._alive = True
         self._down_since = 0.0
         self._stopping = threading.Event()
@@ -157,20 +158,29 @@ class RayReplica:
             while not self._stopping.wait(WATCH_INTERVAL_S):
                 try:
                     self.info = ray.get(self._actor.info.remote(), timeout=CALL_TIMEOUT_S)
-                    failed = ray.get(self._actor.warm_up.remote())
+                    self.warm_up()
                 except (RayActorError, GetTimeoutError):
                     continue
+                except RequestFailedError as exc:  # it serves anyway: a request that fails there fails alone
+                    logger.warning(
+                        "stage %d replica %d: warm-up failed: %s", self._stage.stage_id, self.info.index, exc
+                    )
                 except Exception:  # noqa: BLE001 - it came back with a dead engine: the outer loop restarts it
                     break
-                if failed is not None:  # it serves anyway: a request that fails there fails alone
-                    stage, index = self._stage.stage_id, self.info.index
-                    logger.warning("stage %d replica %d: warm-up failed: %s", stage, index, failed)
                 logger.info(
                     "stage %d replica %d is back after %.1f s (pid %d, warmed up)",
-                    self._stage.stage_id, self.info.index, time.monotonic() - self._down_since, self.info.pid,
-                )  # fmt: skip
+                    self._stage.stage_id,
+                    self.info.index,
+                    time.monotonic() - self._down_since,
+                    self.info.pid,
+                )
                 self._alive = True
                 break
+
+    def warm_up(self) -> None:
+        failed = ray.get(self._actor.warm_up.remote())
+        if failed is not None:
+            raise RequestFailedError(f"warmup-{self._stage.stage_id}-{self.info.index}", failed)
 
     def _call(self, method: str, *args):
         return ray.get(getattr(self._actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
@@ -189,15 +199,11 @@ class RayReplica:
         reference the previous Ray stage left there, or put there by Ray when it is large."""
         future: Future = Future()
         ref = self._actor.generate.remote(request_id, prompt, params, payload, self._by_reference)
-        with self._lock:
-            self._in_flight += 1
         # The callback keeps ``ref`` alive until the result is in.
         ref.future().add_done_callback(lambda done, ref=ref: self._settle(request_id, future, done))
         return future
 
     def _settle(self, request_id: str, future: Future, done: Future) -> None:
-        with self._lock:
-            self._in_flight -= 1
         try:
             result = done.result()
         except RayActorError as exc:
@@ -221,8 +227,10 @@ class RayReplica:
 
     @property
     def num_waiting(self) -> int:
-        """Requests beyond what the replica runs at once (counted here, so no call is needed)."""
-        return max(0, self._in_flight - self._stage.max_num_seqs)
+        try:
+            return self._call("num_waiting")
+        except (RayActorError, GetTimeoutError):
+            return 0
 
     def collect_metrics(self) -> list[Metric]:
         try:

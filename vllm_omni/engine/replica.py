@@ -1,7 +1,8 @@
-"""A replica: one complete diffusion engine (scheduler + runner) and the thread that steps it.
+"""A replica: one stage engine (batch scheduler + role + runner) and the thread that steps it, and `Replica`, the
+interface that the stage routes through.
 
-`EngineReplica` is the whole of an ``inline`` stage, and what each Ray replica actor holds
-(`ray_replicas.py`); `StageRuntime` routes among replicas through the methods both share.
+`EngineReplica` is the whole of an ``inline`` stage, and what each Ray replica actor holds (`ray_replicas.py`,
+whose `RayReplica` handle is the other `Replica`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import uuid
 from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.engine import make_engine
+from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
+from vllm_omni.diffusion.request_engine import RequestEngine
+from vllm_omni.diffusion.roles import ROLES
+from vllm_omni.diffusion.step_engine import StepEngine
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -53,6 +57,58 @@ def warm_up_params(is_video: bool) -> OmniDiffusionSamplingParams:
 
 class ReplicaLostError(RuntimeError):
     """The replica's process died (or became unreachable) while it held the request."""
+
+
+ENGINES: dict[str, type[EngineCore]] = {"request": RequestEngine, "step": StepEngine}
+"""The engine of each ``execution_mode``."""
+
+
+def make_engine(od_config: OmniDiffusionConfig) -> EngineCore:
+    """The engine for the stage's ``execution_mode``, running the role of its ``stage_type``."""
+    return ENGINES[od_config.execution_mode](od_config, ROLES[od_config.stage_type])
+
+
+@runtime_checkable
+class Replica(Protocol):
+    """One replica of a stage, in this process (`EngineReplica`) or in a Ray actor (`RayReplica`). Every method
+    means the same on both; a call that cannot reach a lost replica raises `ReplicaLostError` where it returns a
+    result the stage needs (``admit``), and answers "not here" otherwise."""
+
+    info: ReplicaInfo
+    """Its model's kind and where it runs (refreshed when a Ray replica restarts)."""
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether it takes requests now."""
+
+    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
+        """``params`` completed and checked by the stage's role, and their batch key (raises `SamplingParamsError`)."""
+
+    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None) -> Future:
+        """Queue an admitted request; the future resolves to its output (or fails with `RequestFailedError`, or
+        `ReplicaLostError` when the replica was lost while it held the request)."""
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request it holds (its slot is freed); False if it does not hold it."""
+
+    def progress(self, request_id: str) -> tuple[str, float] | None:
+        """``(waiting|running, fraction of denoising steps done)``, or ``None`` if it does not hold the request."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests it holds that its batch scheduler has not started: waiting for a batch (or, in step mode, for a
+        place in the running batch); 0 when it cannot be reached."""
+
+    def warm_up(self) -> None:
+        """Run one small request through it alone and wait (raises `RequestFailedError` if it fails). A replica of
+        a split stage needs the other stages, so it returns at once: it warms up with the first request that passes
+        the whole pipeline (the server's warm-up)."""
+
+    def collect_metrics(self) -> list[Metric]:
+        """Its engine's metric families."""
+
+    def shutdown(self) -> None:
+        """Stop taking requests, fail the waiting ones, let the running ones finish."""
 
 
 class EngineReplica:
@@ -91,23 +147,17 @@ class EngineReplica:
             self.engine.close(f"the engine loop of {self._name} died: {exc!r}", include_running=True)
 
     def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
-        """Complete ``params`` (raises `SamplingParamsError`) and give their batch key."""
-        params = self.engine.complete_params(params)
-        return Admission(params, self.engine.batch_key(params))
+        params = self.engine.role.complete_params(params)
+        return Admission(params, self.engine.role.key(params))
 
     def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None) -> Future:
-        """Queue a request; the future resolves to its `OmniRequestOutput` (or `StageOutput`) or fails with
-        `RequestFailedError`."""
         if not self.is_alive:
             raise RequestFailedError(request_id, f"{self._name} is not running (error: {self.error!r})")
         return self.engine.add_request(request_id, prompt, params, payload)
 
     def warm_up(self) -> None:
-        """Run `warm_up_params` through this engine and wait (raises `RequestFailedError` if it fails). A replica
-        of a split stage is skipped: it needs the other stages (the defaults the denoise stage fills in, the
-        output of the previous stage), so it warms up with the first request that passes the whole pipeline
-        (at start-up, the server's warm-up)."""
-        if self.engine.od_config.stage_type != "diffusion":
+        """`Replica.warm_up`, with `warm_up_params`."""
+        if self.engine.role.split:
             return
         self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", warm_up_params(self.info.is_video)).result()
 
@@ -115,7 +165,6 @@ class EngineReplica:
         return self.engine.abort(request_id)
 
     def progress(self, request_id: str) -> tuple[str, float] | None:
-        """``(waiting|running, fraction of denoising steps done)``, or ``None`` if the request is not here."""
         found = self.engine.scheduler.state(request_id)
         return None if found is None else (found[0], found[1].progress)
 
@@ -127,7 +176,6 @@ class EngineReplica:
         return self.engine.metrics.collect()
 
     def shutdown(self) -> None:
-        """Stop taking requests, fail the waiting ones, let the running ones finish."""
         self._stopping.set()
         self.engine.close()
         self._thread.join()

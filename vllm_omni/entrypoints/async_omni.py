@@ -6,11 +6,13 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator
 
+from vllm_omni.diffusion.outputs import OmniRequestOutput
 from vllm_omni.diffusion.request import (
     OmniDiffusionSamplingParams,
-    OmniRequestOutput,
     RequestAbortedError,
 )
+from vllm_omni.engine.omni_engine import AdmittedParams
+from vllm_omni.engine.replica import warm_up_params
 from vllm_omni.entrypoints.omni_base import OmniBase
 
 
@@ -20,10 +22,10 @@ class AsyncOmni(OmniBase):
     async def generate(
         self,
         prompt: str,
-        sampling_params: OmniDiffusionSamplingParams | None = None,
+        sampling_params: OmniDiffusionSamplingParams | AdmittedParams | None = None,
         request_id: str | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
-        """Yield the request's output when it finishes.
+        """Yield the request's output when it finishes. ``sampling_params`` from `admit` are not completed again.
 
         Raises `RequestFailedError` if the request fails; ends without output if it is
         aborted. Cancelling the consuming task aborts the request and frees its slot.
@@ -38,6 +40,18 @@ class AsyncOmni(OmniBase):
             self.engine.abort(request_id)
             raise
         yield output
+
+    async def warm_up(self) -> None:
+        """Run one step at the model's default size through the whole stage graph, once per replica of the widest
+        stage: routing sends each request to the replica with the fewest outstanding requests, so every replica
+        initialises its components before the first real request."""
+
+        async def one() -> None:
+            async for _ in self.generate("warm-up", params, request_id=f"warmup-{uuid.uuid4().hex}"):
+                pass
+
+        params = warm_up_params(self.makes_videos)
+        await asyncio.gather(*(one() for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""

@@ -5,12 +5,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
+from vllm_omni.diffusion.outputs import OmniRequestOutput
 from vllm_omni.diffusion.request import (
     OmniDiffusionSamplingParams,
-    OmniRequestOutput,
     RequestFailedError,
 )
+from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.entrypoints.omni_base import OmniBase
+
+Params = OmniDiffusionSamplingParams | AdmittedParams
+"""Sampling parameters, or parameters `admit` completed already."""
 
 
 class Omni(OmniBase):
@@ -22,12 +26,12 @@ class Omni(OmniBase):
     def generate(
         self,
         prompts: str | Sequence[str],
-        sampling_params: OmniDiffusionSamplingParams | Sequence[OmniDiffusionSamplingParams] | None = None,
+        sampling_params: Params | Sequence[Params] | None = None,
     ) -> list[OmniRequestOutput]:
         """One output per prompt, in order. A request that fails has ``error`` set and no images;
-        the other requests are unaffected."""
+        the other requests are unaffected. Parameters from `admit` are not completed again."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if sampling_params is None or isinstance(sampling_params, OmniDiffusionSamplingParams):
+        if sampling_params is None or isinstance(sampling_params, Params):
             params_list = [sampling_params or OmniDiffusionSamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_omni.config import (
     STAGE_KNOBS,
@@ -14,7 +14,11 @@ from vllm_omni.config import (
     legacy,
     resolve_stage_configs,
 )
-from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
+
+if TYPE_CHECKING:
+    from vllm_omni.engine.stage_runtime import StageHealth
 
 
 class OmniBase:
@@ -68,7 +72,40 @@ class OmniBase:
     def _start(self, model: str | os.PathLike[str], stage_configs: list[StageDeployConfig]) -> None:
         self.model = os.fspath(model)
         self.stage_configs = stage_configs
-        self.engine = AsyncOmniEngine(self.model, stage_configs)
+        self.engine = OmniEngine(self.model, stage_configs)
+
+    # What a server asks of the engine; it never reaches into ``engine`` itself.
+
+    def admit(self, params: OmniDiffusionSamplingParams) -> AdmittedParams:
+        """``params`` completed once, as the request will run (the model's defaults filled in, a seed drawn), with
+        each stage's batch key. Pass the result to ``generate`` so that it is not completed again. Raises
+        `SamplingParamsError` for parameters the model cannot take, `StageUnavailableError` when a stage has no
+        live replica to ask."""
+        return self.engine.admit(params)
+
+    def health(self) -> list[StageHealth]:
+        """Each stage's replicas, alive and in all, in request order."""
+        return self.engine.health()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch, over all stages."""
+        return self.engine.num_waiting
+
+    def progress(self, request_id: str) -> tuple[str, float] | None:
+        """``(state, fraction of denoising steps done)`` of a request in flight (state: waiting or running), or
+        ``None`` if it is not in flight."""
+        return self.engine.progress(request_id)
+
+    @property
+    def makes_videos(self) -> bool:
+        """Whether the model generates videos (its outputs fill ``videos``) rather than images."""
+        return self.engine.makes_videos
+
+    @property
+    def frame_multiple(self) -> int:
+        """A video's num_frames must be 1 more than a multiple of this (the VAE's temporal factor)."""
+        return self.engine.frame_multiple
 
     def shutdown(self) -> None:
         """Stop the engine: waiting requests fail, the running batch finishes."""

@@ -30,9 +30,9 @@ class EngineMetrics:
                 **labels
             )
 
-        self.batch_size = histogram(
-            "vllm_omni:diffusion_batch_size",
-            "Requests in each executed diffusion batch (one observation per pipeline call or denoiser step).",
+        self.batch_num_requests = histogram(
+            "vllm_omni:batch_num_requests",
+            "Requests in each executed batch (one observation per pipeline call; in step mode per denoiser forward).",
             _BATCH_BUCKETS,
         )
         self.queue_time = histogram(
@@ -48,8 +48,9 @@ class EngineMetrics:
         self.oom_batch_splits = Counter(
             "vllm_omni:oom_batch_splits",
             "Batches that ran out of device memory and were split in halves and retried.",
-            list(ids), registry=self.registry,
-        ).labels(**ids)  # fmt: skip
+            list(ids),
+            registry=self.registry,
+        ).labels(**ids)
         self.num_requests_running = Gauge(
             "vllm_omni:num_requests_running", "Requests in the batch now running.", list(ids), registry=self.registry
         ).labels(**ids)

@@ -32,9 +32,21 @@ def vllm_executable() -> str:
 class RemoteOmniServer:
     """``with RemoteOmniServer(model, ["--max-num-seqs", "4"]) as server: server.url_for("v1")``."""
 
-    def __init__(self, model: str, args: list[str] = (), *, startup_timeout_s: float = 300.0, log_path: str | None = None):
+    def __init__(
+        self, model: str, args: list[str] = (), *, startup_timeout_s: float = 300.0, log_path: str | None = None
+    ):
         self.port = free_port()
-        self.command = [vllm_executable(), "serve", model, "--omni", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.command = [
+            vllm_executable(),
+            "serve",
+            model,
+            "--omni",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
         self.process: subprocess.Popen | None = None

@@ -176,9 +176,13 @@ def _sd_scheduler():
     from diffusers import EulerDiscreteScheduler
 
     return EulerDiscreteScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-        num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading",
-    )  # fmt: skip
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
 
 
 def build_tiny_sd():
@@ -302,9 +306,12 @@ def build_tiny_flux(bench: bool = False):
     tokenizer_2 = make_t5_tokenizer()
     text_encoder_2 = T5EncoderModel(T5Config(**_t5_config(tokenizer_2))).eval()
     vae = _tiny_vae(
-        blocks=4 if bench else 2, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
+        blocks=4 if bench else 2,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
         scaling_factor=1.5035,
-    )  # fmt: skip
+    )
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=16,  # 4 latent channels packed 2x2
@@ -341,8 +348,9 @@ def build_tiny_wan():
     torch.manual_seed(0)
     tokenizer = make_t5_tokenizer()
     text_encoder = UMT5EncoderModel(UMT5Config(**_t5_config(tokenizer))).eval()
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True])  # fmt: skip
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,

@@ -26,8 +26,10 @@ counts: collections.Counter = collections.Counter()
 
 @pytest.fixture(scope="module")
 def server(tiny_flux):
-    args = ["--max-num-seqs", "4", "--max-inference-steps", "2", "--max-image-pixels", "4096", "--api-key", API_KEY,
-            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]  # fmt: skip
+    args = [
+        *("--max-num-seqs", "4", "--max-inference-steps", "2", "--max-image-pixels", "4096", "--api-key", API_KEY),
+        *("--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"),
+    ]
     with RemoteOmniServer(tiny_flux, args) as server:
         yield server
     assert server.returncode == 0
@@ -51,8 +53,12 @@ def test_schema_driven_fuzzing(server):
             if mode is GenerationMode.NEGATIVE and label != "POST /v1/images/generations":
                 continue  # no body, no query: nothing to make invalid (a path segment is any string)
 
-            @settings(max_examples=EXAMPLES.get(label, 5), deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @settings(
+                max_examples=EXAMPLES.get(label, 5),
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(operation.as_strategy(generation_mode=mode))
             def fuzz(case):
                 check(case.call(headers=AUTH, timeout=60), f"{label} {mode.value}: {case.body!r:.300}")
@@ -64,8 +70,9 @@ def test_schema_driven_fuzzing(server):
 
 def _post(server, content: bytes, content_type: str | None = "application/json", **kwargs) -> httpx.Response:
     headers = AUTH | ({"Content-Type": content_type} if content_type else {})
-    return httpx.post(server.url_for("v1", "images", "generations"), content=content, headers=headers, timeout=60,
-                      **kwargs)  # fmt: skip
+    return httpx.post(
+        server.url_for("v1", "images", "generations"), content=content, headers=headers, timeout=60, **kwargs
+    )
 
 
 def _json(body: dict) -> bytes:
@@ -86,9 +93,20 @@ NASTY = [
     ("no content type", _json(GOOD), None, 400, None),
     ("empty body", b"", "application/json", 400, None),
     ("deep nesting", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json", 400, None),
-    ("NaN guidance", b'{"prompt": "x", "size": "32x32", "guidance_scale": NaN}', "application/json", 400, "guidance_scale"),
-    ("inf guidance", b'{"prompt": "x", "size": "32x32", "guidance_scale": Infinity}', "application/json", 400,
-     "guidance_scale"),
+    (
+        "NaN guidance",
+        b'{"prompt": "x", "size": "32x32", "guidance_scale": NaN}',
+        "application/json",
+        400,
+        "guidance_scale",
+    ),
+    (
+        "inf guidance",
+        b'{"prompt": "x", "size": "32x32", "guidance_scale": Infinity}',
+        "application/json",
+        400,
+        "guidance_scale",
+    ),
     ("1 MB prompt", _json(GOOD | {"prompt": "x" * 1_000_000}), "application/json", 400, "prompt"),
     ("lone surrogate", b'{"prompt": "\\ud800 cat", "size": "32x32"}', "application/json", 400, "prompt"),
     ("prompt number", _json(GOOD | {"prompt": 42}), "application/json", 400, "prompt"),
@@ -115,8 +133,13 @@ NASTY = [
     ("seed string", _json(GOOD | {"seed": "7"}), "application/json", 400, "seed"),
     ("seed too big", _json(GOOD | {"seed": 2**63}), "application/json", 400, "seed"),
     ("seed max", _json(GOOD | {"seed": 2**63 - 1}), "application/json", 200, None),
-    ("unicode and control characters", _json(GOOD | {"prompt": "\u0000\u0007\u202e日本語 🙂 \t\n\r"}),
-     "application/json", 200, None),
+    (
+        "unicode and control characters",
+        _json(GOOD | {"prompt": "\u0000\u0007\u202e日本語 🙂 \t\n\r"}),
+        "application/json",
+        200,
+        None,
+    ),
     ("unknown field", _json(GOOD | {"style": "vivid"}), "application/json", 400, "style"),
 ]
 
@@ -148,8 +171,13 @@ def test_bodies_over_the_limit_are_413_before_they_are_read(server):
 
 
 def test_other_routes_and_methods_answer_envelopes(server):
-    for method, path in (("GET", "v1/images/generations"), ("DELETE", "v1/models"), ("GET", "v2/nothing"),
-                         ("GET", "v1/images/files/..%2F..%2Fetc%2Fpasswd"), ("PUT", "health")):  # fmt: skip
+    for method, path in (
+        ("GET", "v1/images/generations"),
+        ("DELETE", "v1/models"),
+        ("GET", "v2/nothing"),
+        ("GET", "v1/images/files/..%2F..%2Fetc%2Fpasswd"),
+        ("PUT", "health"),
+    ):
         check(httpx.request(method, server.url_for(path), headers=AUTH), f"{method} {path}")
 
 

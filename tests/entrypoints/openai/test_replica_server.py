@@ -41,7 +41,7 @@ def _replica_pids(server) -> list[int]:
 
 
 def _health(server) -> tuple[int, dict]:
-    response = httpx.get(server.url_for("health"), timeout=5)
+    response = httpx.get(server.url_for("health"), timeout=60)
     return response.status_code, response.json()
 
 
@@ -59,10 +59,17 @@ def _post(server, seed: int) -> httpx.Response:
 
 
 def _retries(server) -> float:
-    for line in httpx.get(server.url_for("metrics")).text.splitlines():
+    for line in httpx.get(server.url_for("metrics"), timeout=60).text.splitlines():
         if line.startswith('vllm_omni:request_retries_total{stage="0"}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def _running(server) -> list[float]:
+    """``num_requests_running`` of replicas 0 and 1 (from /metrics)."""
+    lines = httpx.get(server.url_for("metrics"), timeout=60).text.splitlines()
+    prefixes = [f'vllm_omni:num_requests_running{{replica="{replica}",stage="0"}} ' for replica in "01"]
+    return [next((float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(p)), 0.0) for p in prefixes]
 
 
 def test_health_lists_every_live_replica(server):
@@ -75,7 +82,7 @@ def test_health_lists_every_live_replica(server):
     assert 'vllm_omni:stage_replicas{stage="0",state="alive"} 2.0' in metrics
     # The warm-up ran one request on each replica.
     for replica in "01":
-        assert f'vllm_omni:diffusion_batch_size_count{{replica="{replica}",stage="0",task="image"}} 1.0' in metrics
+        assert f'vllm_omni:batch_num_requests_count{{replica="{replica}",stage="0",task="image"}} 1.0' in metrics
 
 
 def test_losing_a_replica_under_load_loses_no_request_and_health_reports_the_degraded_stage(server):
@@ -83,7 +90,8 @@ def test_losing_a_replica_under_load_loses_no_request_and_health_reports_the_deg
     retries = _retries(server)
     with ThreadPoolExecutor(12) as pool:
         responses = [pool.submit(_post, server, seed) for seed in range(12)]
-        time.sleep(0.5)
+        # Under load: both replicas run a batch, and each holds more requests behind it.
+        _wait(lambda: all(_running(server)), 120, "both replicas running")
         os.kill(victim, signal.SIGKILL)
         status, body = _wait(lambda: (h := _health(server))[1]["status"] == "degraded" and h, 30, "degraded health")
         results = [r.result() for r in responses]
@@ -98,7 +106,7 @@ def test_with_no_live_replica_requests_get_503_envelopes_until_one_is_back(serve
     _wait(lambda: _health(server)[1]["status"] == "ok", 120, "both replicas alive")
     with ThreadPoolExecutor(4) as pool:
         responses = [pool.submit(_post, server, seed) for seed in range(4)]
-        time.sleep(0.5)
+        _wait(lambda: all(_running(server)), 120, "both replicas running")  # each holds its requests when it dies
         for pid in _replica_pids(server):
             os.kill(pid, signal.SIGKILL)
         status, body = _wait(lambda: (h := _health(server))[0] == 503 and h, 30, "health 503")

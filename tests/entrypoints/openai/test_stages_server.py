@@ -36,35 +36,34 @@ def server(tiny_flux, tmp_path_factory):
 
 
 def _metrics(server) -> dict[str, list]:
-    text = httpx.get(server.url_for("metrics"), timeout=10).text
+    text = httpx.get(server.url_for("metrics"), timeout=60).text
     return {family.name: family.samples for family in text_string_to_metric_families(text)}
 
 
 def _batches(samples, stage: str) -> dict[str, float]:
-    """``le`` → cumulative count of ``vllm_omni:diffusion_batch_size`` observations of ``stage``."""
-    return {
-        s.labels["le"]: s.value
-        for s in samples
-        if s.name.endswith("_bucket") and s.labels["stage"] == stage
-    }
+    """``le`` → cumulative count of ``vllm_omni:batch_num_requests`` observations of ``stage``."""
+    return {s.labels["le"]: s.value for s in samples if s.name.endswith("_bucket") and s.labels["stage"] == stage}
 
 
 def test_the_override_changes_only_stage_1(server):
-    health = httpx.get(server.url_for("health"), timeout=5).json()
+    health = httpx.get(server.url_for("health"), timeout=60).json()
     assert [(s["stage_id"], s["status"]) for s in health["stages"]] == [(0, "ok"), (1, "ok"), (2, "ok")]
     gauges = {
         (s.labels["stage"], s.labels["source"]): s.value for s in _metrics(server)["vllm_omni:stage_max_num_seqs"]
     }
     assert gauges == {("0", "deploy_yaml"): 4, ("1", "stage_override"): 2, ("2", "deploy_yaml"): 8}
 
-    before = _metrics(server)["vllm_omni:diffusion_batch_size"]
+    before = _metrics(server)["vllm_omni:batch_num_requests"]
     client = openai.OpenAI(base_url=server.url_for("v1"), api_key="unused")
 
     def generate(seed: int):
         return client.images.generate(
-            model=client.models.list().data[0].id, prompt=f"prompt {seed}", size="32x32", response_format="b64_json",
+            model=client.models.list().data[0].id,
+            prompt=f"prompt {seed}",
+            size="32x32",
+            response_format="b64_json",
             extra_body={"seed": seed, "num_inference_steps": 6},
-        )  # fmt: skip
+        )
 
     with ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(generate, range(8)))
@@ -72,7 +71,7 @@ def test_the_override_changes_only_stage_1(server):
         image = Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json)))
         assert image.size == (32, 32) and np.asarray(image).std() > 0
 
-    after = _metrics(server)["vllm_omni:diffusion_batch_size"]
+    after = _metrics(server)["vllm_omni:batch_num_requests"]
     new = {
         stage: {le: count - _batches(before, stage).get(le, 0) for le, count in _batches(after, stage).items()}
         for stage in "012"

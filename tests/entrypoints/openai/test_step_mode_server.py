@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def _histogram(server: RemoteOmniServer, name: str, task: str) -> tuple[float, float]:
     """(count, sum) of a histogram of the server's /metrics."""
     values = {}
-    for line in httpx.get(server.url_for("metrics")).text.splitlines():
+    for line in httpx.get(server.url_for("metrics"), timeout=60).text.splitlines():
         for part in ("count", "sum"):
             if line.startswith(f"{name}_{part}{{") and f'task="{task}"' in line:
                 values[part] = float(line.rsplit(" ", 1)[1])
@@ -29,26 +29,28 @@ def test_images_with_different_steps_share_forwards(tiny_flux, tmp_path):
     log = tmp_path / "server.log"
     with RemoteOmniServer(tiny_flux, ["--execution-mode", "step", "--max-num-seqs", "4"], log_path=str(log)) as server:
         assert "execution_mode='step' (cli)" in log.read_text()
-        forwards, rows = _histogram(server, "vllm_omni:diffusion_batch_size", "image")
+        forwards, rows = _histogram(server, "vllm_omni:batch_num_requests", "image")
 
         async def four():
             async with openai.AsyncOpenAI(base_url=server.url_for("v1"), api_key="unused", max_retries=0) as client:
                 return await asyncio.gather(
                     *(
                         client.images.generate(
-                            prompt=f"prompt {i}", size="32x32", response_format="b64_json",
+                            prompt=f"prompt {i}",
+                            size="32x32",
+                            response_format="b64_json",
                             extra_body={"num_inference_steps": steps, "seed": i},
-                        )  # fmt: skip
-                        for i, steps in enumerate((12, 4, 8, 6))
+                        )
+                        for i, steps in enumerate((60, 20, 40, 30))  # long enough to overlap on a busy machine
                     )
                 )
 
         for response in asyncio.run(four()):
             image = Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json)))
             assert image.size == (32, 32)
-        forwards_after, rows_after = _histogram(server, "vllm_omni:diffusion_batch_size", "image")
-        assert rows_after - rows == 12 + 4 + 8 + 6  # one observation per forward, one row per request and step
-        assert forwards_after - forwards < 30  # some forwards held several requests
+        forwards_after, rows_after = _histogram(server, "vllm_omni:batch_num_requests", "image")
+        assert rows_after - rows == 60 + 20 + 40 + 30  # one observation per forward, one row per request and step
+        assert forwards_after - forwards < 150  # some forwards held several requests
     assert server.returncode == 0
 
 

@@ -20,27 +20,31 @@ SMALL = {"size": "32x32", "num_frames": 9, "num_inference_steps": 2, "fps": 8}
 
 @pytest.fixture(scope="module")
 def server(tiny_wan):
-    args = ["--max-num-seqs", "2", "--request-batch-max-wait-ms", "500", "--api-key", API_KEY, "--max-video-frames", "33"]
+    args = [
+        *("--max-num-seqs", "2", "--request-batch-max-wait-ms", "500"),
+        *("--api-key", API_KEY, "--max-video-frames", "33"),
+    ]
     with RemoteOmniServer(tiny_wan, args) as server:
         yield server
     assert server.returncode == 0
 
 
 def _create(server, **body) -> httpx.Response:
-    return httpx.post(server.url_for("v1", "videos"), json={"prompt": "a cat running", **SMALL, **body}, headers=AUTH)
+    body = {"prompt": "a cat running", **SMALL, **body}
+    return httpx.post(server.url_for("v1", "videos"), json=body, headers=AUTH, timeout=60)
 
 
 def _wait(server, video_id: str, timeout=120.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        job = httpx.get(server.url_for("v1", "videos", video_id), headers=AUTH).json()
+        job = httpx.get(server.url_for("v1", "videos", video_id), headers=AUTH, timeout=60).json()
         if job["status"] in ("completed", "failed") or time.monotonic() > deadline:
             return job
         time.sleep(0.1)
 
 
 def _metric(server, name: str) -> float:
-    for line in httpx.get(server.url_for("metrics")).text.splitlines():
+    for line in httpx.get(server.url_for("metrics"), timeout=60).text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             if 'task="video"' in line or "task" not in line:
                 return float(line.rsplit(" ", 1)[1])
@@ -51,9 +55,8 @@ def test_a_video_job_runs_to_an_mp4(server):
     created = _create(server, seed=3)
     assert created.status_code == 200
     job = created.json()
-    assert (job["object"], job["status"], job["progress"], job["size"], job["seconds"]) == (
-        "video", "queued", 0, "32x32", "1.125",
-    )  # fmt: skip
+    shown = (job["object"], job["status"], job["progress"], job["size"], job["seconds"])
+    assert shown == ("video", "queued", 0, "32x32", "1.125")
     done = _wait(server, job["id"])
     assert (done["status"], done["progress"]) == ("completed", 100) and done["completed_at"] >= done["created_at"]
     content = httpx.get(server.url_for("v1", "videos", job["id"], "content"), headers=AUTH)
@@ -67,7 +70,9 @@ def test_a_video_job_runs_to_an_mp4(server):
 
 def test_the_openai_client_and_seconds(server):
     client = openai.OpenAI(base_url=server.url_for("v1"), api_key=API_KEY, max_retries=0)
-    video = client.videos.create(prompt="a red car", seconds="1", size="32x32", extra_body={"num_inference_steps": 2, "fps": 8})
+    video = client.videos.create(
+        prompt="a red car", seconds="1", size="32x32", extra_body={"num_inference_steps": 2, "fps": 8}
+    )
     assert video.status in ("queued", "in_progress") and video.seconds == "1.125"  # 9 frames at 8 fps
     assert _wait(server, video.id)["status"] == "completed"
     assert client.videos.retrieve(video.id).status == "completed"
@@ -75,17 +80,19 @@ def test_the_openai_client_and_seconds(server):
 
 
 def test_concurrent_video_jobs_share_one_batch(server):
-    count, total = (_metric(server, f"vllm_omni:diffusion_batch_size_{s}") for s in ("count", "sum"))
+    count, total = (_metric(server, f"vllm_omni:batch_num_requests_{s}") for s in ("count", "sum"))
 
     async def two():
         async with httpx.AsyncClient(headers=AUTH) as client:
             body = {"prompt": "x", **SMALL}
-            return await asyncio.gather(*(client.post(server.url_for("v1", "videos"), json=body | {"seed": i}) for i in range(2)))
+            return await asyncio.gather(
+                *(client.post(server.url_for("v1", "videos"), json=body | {"seed": i}) for i in range(2))
+            )
 
     jobs = [r.json()["id"] for r in asyncio.run(two())]
     assert all(_wait(server, video_id)["status"] == "completed" for video_id in jobs)
-    assert _metric(server, "vllm_omni:diffusion_batch_size_count") == count + 1
-    assert _metric(server, "vllm_omni:diffusion_batch_size_sum") == total + 2
+    assert _metric(server, "vllm_omni:batch_num_requests_count") == count + 1
+    assert _metric(server, "vllm_omni:batch_num_requests_sum") == total + 2
 
 
 def test_list_newest_first_and_delete_cancels_a_running_job(server):
@@ -130,9 +137,30 @@ def test_invalid_video_requests(server, body, param):
 
 
 def test_form_bodies_and_auth(server):
-    form = httpx.post(server.url_for("v1", "videos"), data={"prompt": "x", "size": "32x32", "num_frames": "5",
-                                                              "num_inference_steps": "1"}, headers=AUTH)  # fmt: skip
+    form = httpx.post(
+        server.url_for("v1", "videos"),
+        data={"prompt": "x", "size": "32x32", "num_frames": "5", "num_inference_steps": "1"},
+        headers=AUTH,
+    )
     assert form.status_code == 200 and _wait(server, form.json()["id"])["status"] == "completed"
     assert httpx.get(server.url_for("v1", "videos")).status_code == 401
     missing = httpx.get(server.url_for("v1", "videos", "video_nope"), headers=AUTH)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "video_not_found"
+
+
+def test_each_api_counts_its_own_invalid_requests(server):
+    """A bad Videos API body or ``?limit=`` does not count as an invalid image request (docs/serving.md: that
+    counter covers ``POST /v1/images/generations`` only); a bad image request does."""
+    image_invalid = 'vllm_omni:image_generation_requests_total{outcome="invalid"}'
+    video_invalid = 'vllm_omni:video_generation_requests_total{outcome="invalid"}'
+    images, videos = _metric(server, image_invalid), _metric(server, video_invalid)
+
+    bad_body = _create(server, style="vivid")
+    assert bad_body.status_code == 400 and bad_body.json()["error"]["code"] == "unknown_parameter"
+    bad_limit = httpx.get(server.url_for("v1", "videos"), params={"limit": "many"}, headers=AUTH)
+    assert bad_limit.status_code == 400 and bad_limit.json()["error"]["code"] == "invalid_value"
+    assert (_metric(server, image_invalid), _metric(server, video_invalid)) == (images, videos + 1)
+
+    bad_image = httpx.post(server.url_for("v1", "images", "generations"), json={"prompt": ""}, headers=AUTH)
+    assert bad_image.status_code == 400 and bad_image.json()["error"]["param"] == "prompt"
+    assert (_metric(server, image_invalid), _metric(server, video_invalid)) == (images + 1, videos + 1)

@@ -72,8 +72,8 @@ class StepState:
     """Its complete sampling parameters."""
     latents: torch.Tensor
     """``[n, ...]``: the latents of its ``n = num_outputs_per_prompt`` outputs."""
-    scheduler: Any
-    """Its own scheduler instance: timesteps, sigmas, multistep history."""
+    noise_scheduler: Any
+    """Its own diffusers noise scheduler instance: timesteps, sigmas, multistep history."""
     timesteps: torch.Tensor
     """Its schedule; one engine step is one entry (second-order schedulers list ``2N - 1``)."""
     cond: dict[str, torch.Tensor]
@@ -115,8 +115,8 @@ def generators_for(seed: int, n: int) -> list[torch.Generator]:
     return [torch.Generator("cpu").manual_seed(seed)] * n
 
 
-def fresh_scheduler(pipeline) -> Any:
-    """A scheduler of the pipeline's class and config that belongs to one request only."""
+def fresh_noise_scheduler(pipeline) -> Any:
+    """A noise scheduler of the pipeline's class and config that belongs to one request only."""
     return type(pipeline.scheduler).from_config(pipeline.scheduler.config)
 
 
@@ -230,7 +230,7 @@ class Stepper:
     def advance(self, states: list[StepState], predictions: list[torch.Tensor]) -> None:
         """Move each request one step along its own schedule."""
         for state, prediction in zip(states, predictions, strict=True):
-            state.latents = state.scheduler.step(
+            state.latents = state.noise_scheduler.step(
                 prediction, state.timestep, state.latents, **(state.step_kwargs or {}), return_dict=False
             )[0]
             state.step += 1

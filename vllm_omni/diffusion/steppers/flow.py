@@ -20,7 +20,7 @@ from vllm_omni.diffusion.steppers.base import (
     Latents,
     Stepper,
     StepState,
-    fresh_scheduler,
+    fresh_noise_scheduler,
     generators_for,
     split_rows,
 )
@@ -55,7 +55,10 @@ class FlowMatchStepper(Stepper):
             return super().advance(states, predictions)
         v = torch.cat(predictions)
         dt = torch.cat(
-            [(s.scheduler.sigmas[s.step + 1] - s.scheduler.sigmas[s.step]).expand(len(s.latents)) for s in states]
+            [
+                (s.noise_scheduler.sigmas[s.step + 1] - s.noise_scheduler.sigmas[s.step]).expand(len(s.latents))
+                for s in states
+            ]
         ).view(-1, *[1] * (v.dim() - 1))
         x = torch.cat([s.latents.float() for s in states])
         # As the scheduler does it: the 0-d σ difference times v rounds to v's dtype, the sum is float32,
@@ -100,23 +103,36 @@ class FluxStepper(FlowMatchStepper):
             cond = cond | {"guidance": guidance}
             uncond = None if uncond is None else uncond | {"guidance": guidance}
         latents, image_ids = p.prepare_latents(
-            n, self.transformer.config.in_channels // 4, params.height, params.width,
-            cond["encoder_hidden_states"].dtype, self.device, generators_for(seed, n),
-        )  # fmt: skip
-        scheduler = fresh_scheduler(p)
+            n,
+            self.transformer.config.in_channels // 4,
+            params.height,
+            params.width,
+            cond["encoder_hidden_states"].dtype,
+            self.device,
+            generators_for(seed, n),
+        )
+        scheduler = fresh_noise_scheduler(p)
         config = scheduler.config
         sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / steps, steps)
         mu = calculate_shift(
-            latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-        )  # fmt: skip
+            latents.shape[1],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         return StepState(
-            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond, uncond=uncond,
+            params=params,
+            latents=latents,
+            noise_scheduler=scheduler,
+            timesteps=timesteps,
+            cond=cond,
+            uncond=uncond,
             shared={"txt_ids": self.on_device(conditioning.shared)["txt_ids"], "img_ids": image_ids},
             guidance=float(params.extra_args.get("true_cfg_scale", 1.0)),
-        )  # fmt: skip
+        )
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
         return self.transformer(
@@ -148,10 +164,15 @@ class SD3Stepper(FlowMatchStepper):
         p, n, cfg, count = self.pipeline, params[0].num_outputs_per_prompt, self.negative_rows(params[0]), len(prompts)
         negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
         embeds, negative_embeds, pooled, negative_pooled = p.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=n,
-            do_classifier_free_guidance=cfg, negative_prompt=negative,
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=n,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=negative,
             max_sequence_length=self.max_sequence_length(params[0]),
-        )  # fmt: skip
+        )
         cond = zip(split_rows(embeds, n, count), split_rows(pooled, n, count), strict=True)
         uncond = zip(split_rows(negative_embeds, n, count), split_rows(negative_pooled, n, count), strict=True)
         return [
@@ -167,23 +188,37 @@ class SD3Stepper(FlowMatchStepper):
         p, n = self.pipeline, params.num_outputs_per_prompt
         cond, uncond = self.on_device(conditioning.cond), self.on_device(conditioning.uncond)
         latents = p.prepare_latents(
-            n, self.transformer.config.in_channels, params.height, params.width, cond["encoder_hidden_states"].dtype,
-            self.device, generators_for(seed, n),
-        )  # fmt: skip
-        scheduler = fresh_scheduler(p)
+            n,
+            self.transformer.config.in_channels,
+            params.height,
+            params.width,
+            cond["encoder_hidden_states"].dtype,
+            self.device,
+            generators_for(seed, n),
+        )
+        scheduler = fresh_noise_scheduler(p)
         config, kwargs = scheduler.config, {}
         if config.get("use_dynamic_shifting", None):
             patch = self.transformer.config.patch_size
             seq_len = (latents.shape[2] // patch) * (latents.shape[3] // patch)
             kwargs["mu"] = calculate_shift(
-                seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5), config.get("max_shift", 1.16),
-            )  # fmt: skip
+                seq_len,
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.16),
+            )
         timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
         return StepState(
-            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond, uncond=uncond,
-            shared={}, guidance=params.guidance_scale,
-        )  # fmt: skip
+            params=params,
+            latents=latents,
+            noise_scheduler=scheduler,
+            timesteps=timesteps,
+            cond=cond,
+            uncond=uncond,
+            shared={},
+            guidance=params.guidance_scale,
+        )
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
         return self.transformer(
@@ -221,9 +256,13 @@ class WanStepper(FlowMatchStepper):
         p, n, cfg, count = self.pipeline, params[0].num_outputs_per_prompt, self.negative_rows(params[0]), len(prompts)
         negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
         embeds, negative_embeds = p.encode_prompt(
-            prompt=prompts, negative_prompt=negative, do_classifier_free_guidance=cfg, num_videos_per_prompt=n,
-            max_sequence_length=self.max_sequence_length(params[0]), device=self.device,
-        )  # fmt: skip
+            prompt=prompts,
+            negative_prompt=negative,
+            do_classifier_free_guidance=cfg,
+            num_videos_per_prompt=n,
+            max_sequence_length=self.max_sequence_length(params[0]),
+            device=self.device,
+        )
         return [
             Conditioning({"encoder_hidden_states": e}, {"encoder_hidden_states": ne} if cfg else None, {})
             for e, ne in zip(split_rows(embeds, n, count), split_rows(negative_embeds, n, count), strict=True)
@@ -231,18 +270,29 @@ class WanStepper(FlowMatchStepper):
 
     def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         p, n = self.pipeline, params.num_outputs_per_prompt
-        scheduler = fresh_scheduler(p)
+        scheduler = fresh_noise_scheduler(p)
         scheduler.set_timesteps(params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         latents = p.prepare_latents(
-            n, self.transformer.config.in_channels, params.height, params.width, params.num_frames, torch.float32,
-            self.device, generators_for(seed, n),
-        )  # fmt: skip
+            n,
+            self.transformer.config.in_channels,
+            params.height,
+            params.width,
+            params.num_frames,
+            torch.float32,
+            self.device,
+            generators_for(seed, n),
+        )
         return StepState(
-            params=params, latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps,
-            cond=self.on_device(conditioning.cond), uncond=self.on_device(conditioning.uncond),
-            shared={}, guidance=params.guidance_scale,
-        )  # fmt: skip
+            params=params,
+            latents=latents,
+            noise_scheduler=scheduler,
+            timesteps=scheduler.timesteps,
+            cond=self.on_device(conditioning.cond),
+            uncond=self.on_device(conditioning.uncond),
+            shared={},
+            guidance=params.guidance_scale,
+        )
 
     def model_input(self, state: StepState) -> torch.Tensor:
         return state.latents.to(self.transformer.dtype)

@@ -19,7 +19,7 @@ from vllm_omni.diffusion.steppers.base import (
     Latents,
     Stepper,
     StepState,
-    fresh_scheduler,
+    fresh_noise_scheduler,
     generators_for,
     split_rows,
 )
@@ -51,9 +51,12 @@ class UNetStepper(Stepper):
         negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
         if self.xl:
             embeds, negative_embeds, pooled, negative_pooled = p.encode_prompt(
-                prompt=prompts, device=self.device, num_images_per_prompt=n, do_classifier_free_guidance=cfg,
+                prompt=prompts,
+                device=self.device,
+                num_images_per_prompt=n,
+                do_classifier_free_guidance=cfg,
                 negative_prompt=negative,
-            )  # fmt: skip
+            )
             cond = [
                 {"encoder_hidden_states": e, "text_embeds": q}
                 for e, q in zip(split_rows(embeds, n, count), split_rows(pooled, n, count), strict=True)
@@ -73,12 +76,16 @@ class UNetStepper(Stepper):
         if self.xl:
             # The pooled text embedding's width is text_encoder_2's projection_dim, which this stage may not hold.
             size = (params.height, params.width)
-            time_ids = p._get_add_time_ids(
-                size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=int(cond["text_embeds"].shape[-1])
-            ).to(self.device).repeat(n, 1)  # fmt: skip
+            time_ids = (
+                p._get_add_time_ids(
+                    size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=int(cond["text_embeds"].shape[-1])
+                )
+                .to(self.device)
+                .repeat(n, 1)
+            )
             cond = cond | {"time_ids": time_ids}
             uncond = None if uncond is None else uncond | {"time_ids": time_ids}
-        scheduler = fresh_scheduler(p)
+        scheduler = fresh_noise_scheduler(p)
         timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device)
         if self.xl and hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
@@ -93,14 +100,20 @@ class UNetStepper(Stepper):
         latents = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
         latents = latents * scheduler.init_noise_sigma
         return StepState(
-            params=params, latents=latents, scheduler=scheduler, timesteps=timesteps, cond=cond, uncond=uncond,
-            shared={}, guidance=params.guidance_scale,
+            params=params,
+            latents=latents,
+            noise_scheduler=scheduler,
+            timesteps=timesteps,
+            cond=cond,
+            uncond=uncond,
+            shared={},
+            guidance=params.guidance_scale,
             guidance_rescale=float(params.extra_args.get("guidance_rescale", 0.0)),
             step_kwargs=p.prepare_extra_step_kwargs(generators, float(params.extra_args.get("eta", 0.0))),
-        )  # fmt: skip
+        )
 
     def model_input(self, state: StepState) -> torch.Tensor:
-        return state.scheduler.scale_model_input(state.latents, state.timestep)
+        return state.noise_scheduler.scale_model_input(state.latents, state.timestep)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
         added = {"text_embeds": rows["text_embeds"], "time_ids": rows["time_ids"]} if self.xl else None

@@ -21,24 +21,52 @@ from vllm_omni.config.serving import ServingConfig
 # Any other vLLM flag given explicitly is refused rather than silently ignored.
 _USED_VLLM_FLAGS = frozenset(
     {
-        "model_tag", "model", "host", "port", "api_key", "served_model_name", "max_num_seqs", "dtype",
-        "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials", "uvicorn_log_level",
-        "disable_uvicorn_access_log", "ssl_keyfile", "ssl_certfile", "root_path", "distributed_executor_backend",
+        "model_tag",
+        "model",
+        "host",
+        "port",
+        "api_key",
+        "served_model_name",
+        "max_num_seqs",
+        "dtype",
+        "allowed_origins",
+        "allowed_methods",
+        "allowed_headers",
+        "allow_credentials",
+        "uvicorn_log_level",
+        "disable_uvicorn_access_log",
+        "ssl_keyfile",
+        "ssl_certfile",
+        "root_path",
+        "distributed_executor_backend",
     }
-)  # fmt: skip
+)
 # Stage knobs that the omni group sets as flags of the same name (max_num_seqs, dtype and
 # distributed_executor_backend come from vLLM's own flags).
 _OMNI_STAGE_FLAGS = (
-    "request_batch_max_wait_ms", "execution_mode", "num_replicas", "ray_address", "num_cpus", "num_gpus",
+    "request_batch_max_wait_ms",
+    "execution_mode",
+    "num_replicas",
+    "ray_address",
+    "num_cpus",
+    "num_gpus",
     "placement_strategy",
-)  # fmt: skip
+)
 _METAVARS = {"request_batch_max_wait_ms": "MS", "ray_address": "ADDRESS"}
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
 _OMNI_SERVING_FLAGS = (
-    "max_waiting_requests", "max_request_body_bytes", "max_image_pixels", "max_inference_steps", "max_prompt_length",
-    "max_video_frames", "image_url_ttl_s", "image_store_max_bytes", "video_ttl_s", "video_store_max_bytes",
+    "max_waiting_requests",
+    "max_request_body_bytes",
+    "max_image_pixels",
+    "max_inference_steps",
+    "max_prompt_length",
+    "max_video_frames",
+    "image_url_ttl_s",
+    "image_store_max_bytes",
+    "video_ttl_s",
+    "video_store_max_bytes",
     "shutdown_timeout_s",
-)  # fmt: skip
+)
 _VLLM_DTYPES = {"half": "float16", "float": "float32"}
 
 
@@ -57,7 +85,9 @@ def _stage_overrides(text: str) -> dict:
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError('must be a JSON object of stage id to knobs, e.g. \'{"0": {"max_num_seqs": 8}}\'')
+        raise argparse.ArgumentTypeError(
+            'must be a JSON object of stage id to knobs, e.g. \'{"0": {"max_num_seqs": 8}}\''
+        )
     return value
 
 
@@ -86,11 +116,14 @@ def make_serve_parser(prog: str):
         OmniServeParser(prog=prog, description="Serve a diffusers model folder with the OpenAI Images API.")
     )
     omni = parser.add_argument_group(
-        "Omni", "Diffusion serving (vllm-omni). Of vLLM's flags above, these are used: "
+        "Omni",
+        "Diffusion serving (vllm-omni). Of vLLM's flags above, these are used: "
         + ", ".join("--" + f.replace("_", "-") for f in sorted(_USED_VLLM_FLAGS - {"model_tag"}))
         + "; any other vLLM flag is refused.",
-    )  # fmt: skip
-    omni.add_argument("--omni", action="store_true", help="Hand the command to vllm-omni (for `vllm serve ... --omni`).")
+    )
+    omni.add_argument(
+        "--omni", action="store_true", help="Hand the command to vllm-omni (for `vllm serve ... --omni`)."
+    )
     omni.add_argument("--deploy-config", metavar="PATH", help="Deploy YAML with per-stage knobs.")
     for name in _OMNI_STAGE_FLAGS:
         info = StageDeployConfig.model_fields[name]
@@ -99,20 +132,27 @@ def make_serve_parser(prog: str):
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
         omni.add_argument(
-            "--" + name.replace("_", "-"), type=None if choices else kind, choices=choices,
+            "--" + name.replace("_", "-"),
+            type=None if choices else kind,
+            choices=choices,
             help=info.description + " Per stage; see docs/configuration.md.",
             metavar=None if choices else _METAVARS.get(name, "N"),
-        )  # fmt: skip
+        )
     omni.add_argument(
-        "--stage-overrides", type=_stage_overrides, metavar="JSON",
+        "--stage-overrides",
+        type=_stage_overrides,
+        metavar="JSON",
         help='Per-stage knobs that beat every other layer, e.g. \'{"0": {"max_num_seqs": 8}}\'.',
-    )  # fmt: skip
+    )
     for name in _OMNI_SERVING_FLAGS:
         info = ServingConfig.model_fields[name]
         omni.add_argument(
-            "--" + name.replace("_", "-"), type=info.annotation, default=info.default, help=info.description,
+            "--" + name.replace("_", "-"),
+            type=info.annotation,
+            default=info.default,
+            help=info.description,
             metavar="N" if info.annotation is int else "SECONDS",
-        )  # fmt: skip
+        )
     return parser
 
 
@@ -131,9 +171,7 @@ def parse_serve_args(parser, argv: list[str]) -> tuple[argparse.Namespace, set[s
 def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
     """Check the flags and resolve the stage configs; ``parser.error`` (exit 2) names the flag on any problem."""
     omni_dests = {a.dest for group in parser._action_groups if group.title == "Omni" for a in group._group_actions}
-    unused = sorted(
-        a.option_strings[0] for a in parser._actions if a.dest in explicit - _USED_VLLM_FLAGS - omni_dests
-    )
+    unused = sorted(a.option_strings[0] for a in parser._actions if a.dest in explicit - _USED_VLLM_FLAGS - omni_dests)
     if unused:
         parser.error(f"{', '.join(unused)}: vLLM flag(s) that a diffusion server does not use; remove them")
 
@@ -176,7 +214,9 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
     try:
         serving = ServingConfig(**values)
     except ValidationError as exc:
-        problems = "; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e.get('input')!r}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"--{str(e['loc'][0]).replace('_', '-')} {e.get('input')!r}: {e['msg']}" for e in exc.errors()
+        )
         parser.error(problems)
     for stage in stage_configs:
         if serving.max_waiting_requests < stage.max_num_seqs:
@@ -195,4 +235,3 @@ def serve(argv: list[str], prog: str = "vllm serve") -> int:
     from vllm_omni.entrypoints.openai.api_server import run_server
 
     return run_server(model, stage_configs, serving)
-

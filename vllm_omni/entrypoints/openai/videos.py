@@ -7,16 +7,17 @@ import io
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, StageUnavailableError
+from vllm_omni.diffusion.request import RequestFailedError, StageUnavailableError
 from vllm_omni.diffusion.runner import DEFAULT_VIDEO_FPS
-from vllm_omni.entrypoints.openai.checks import APIError, check_api_key, check_request, complete_params
+from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
+from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
     VideoDeleted,
@@ -27,7 +28,14 @@ from vllm_omni.entrypoints.openai.protocol import (
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 
+if TYPE_CHECKING:
+    from vllm_omni.engine.omni_engine import AdmittedParams
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+    from vllm_omni.entrypoints.openai.server_state import ServerState
+
 logger = init_logger(__name__)
+
+_FORM_TYPES = ("multipart/form-data", "application/x-www-form")
 
 
 def encode_mp4(frames: list[Any], fps: int) -> bytes:
@@ -52,7 +60,8 @@ class VideoJob:
     id: str
     model: str
     prompt: str
-    params: OmniDiffusionSamplingParams
+    admitted: AdmittedParams
+    """Its parameters, completed once at creation (the model's defaults filled in, a seed drawn)."""
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "queued"
     completed_at: int | None = None
@@ -61,15 +70,22 @@ class VideoJob:
     content: bytes | None = None
     task: asyncio.Task | None = None
 
-    def view(self, engine) -> VideoObject:
+    def view(self, omni: AsyncOmni) -> VideoObject:
         status, progress = self.status, 100 if self.status == "completed" else 0
-        if status == "queued" and (found := engine.progress(self.id)) is not None and found[0] == "running":
+        if status == "queued" and (found := omni.progress(self.id)) is not None and found[0] == "running":
             status, progress = "in_progress", int(100 * found[1])
+        params = self.admitted.params
         return VideoObject(
-            id=self.id, model=self.model, status=status, progress=progress, created_at=self.created_at,
-            completed_at=self.completed_at, size=f"{self.params.width}x{self.params.height}",
-            seconds=f"{self.params.num_frames / self.params.fps:g}", error=self.error,
-        )  # fmt: skip
+            id=self.id,
+            model=self.model,
+            status=status,
+            progress=progress,
+            created_at=self.created_at,
+            completed_at=self.completed_at,
+            size=f"{params.width}x{params.height}",
+            seconds=f"{params.num_frames / params.fps:g}",
+            error=self.error,
+        )
 
 
 class VideoJobs:
@@ -109,13 +125,13 @@ class VideoJobs:
                 job.task.cancel()
 
 
-async def _run(state, job: VideoJob) -> None:
+async def _run(state: ServerState, job: VideoJob) -> None:
     outcome = "failed"
     try:
-        outputs = [output async for output in state.omni.generate(job.prompt, job.params, request_id=job.id)]
+        outputs = [output async for output in state.omni.generate(job.prompt, job.admitted, request_id=job.id)]
         if not outputs:
             raise RequestFailedError(job.id, "aborted")
-        job.content = await asyncio.to_thread(encode_mp4, outputs[0].videos[0], job.params.fps)
+        job.content = await asyncio.to_thread(encode_mp4, outputs[0].videos[0], job.admitted.params.fps)
         job.status, outcome = "completed", "completed"
     except asyncio.CancelledError:
         outcome = "cancelled"
@@ -138,22 +154,29 @@ def build_videos_router() -> APIRouter:
     """The /v1/videos routes; the server's state holds the jobs (``state.videos``)."""
     router = APIRouter(prefix="/v1/videos", dependencies=[Depends(check_api_key)])
 
-    def _job(state, video_id: str) -> VideoJob:
+    def _job(state: ServerState, video_id: str) -> VideoJob:
         job = state.videos.get(video_id)
         if job is None:
-            raise APIError(404, f"No video job {video_id!r} (it may have expired)", param="video_id", code="video_not_found")
+            raise APIError(
+                404, f"No video job {video_id!r} (it may have expired)", param="video_id", code="video_not_found"
+            )
         return job
 
     @router.post("", response_model=VideoObject, response_model_exclude_none=True)
     async def create_video(raw_request: Request) -> VideoObject:
-        state = raw_request.app.state.server
+        # The body is read here (JSON or a form), and this route counts its own invalid requests.
+        state: ServerState = raw_request.app.state.server
         outcome = "invalid"
         try:
-            if raw_request.headers.get("content-type", "").startswith(("multipart/form-data", "application/x-www-form")):
+            if raw_request.headers.get("content-type", "").startswith(_FORM_TYPES):
                 form = await raw_request.form()
                 if "input_reference" in form:
-                    raise APIError(400, "input_reference (image-to-video) is not supported", param="input_reference",
-                                    code="unsupported_parameter")  # fmt: skip
+                    raise APIError(
+                        400,
+                        "input_reference (image-to-video) is not supported",
+                        param="input_reference",
+                        code="unsupported_parameter",
+                    )
                 data = dict(form)
             else:
                 try:
@@ -164,27 +187,27 @@ def build_videos_router() -> APIRouter:
                 body = VideoGenerationRequest.model_validate(data)
             except ValidationError as exc:
                 raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-            params = await asyncio.to_thread(_video_params, state, body)  # may ask a replica: off the loop
-            if state.omni.engine.num_waiting >= state.serving.max_waiting_requests:
-                outcome = "overloaded"
-                raise APIError(429, f"Too many requests waiting ({state.serving.max_waiting_requests}); retry later",
-                                code="too_many_waiting_requests")  # fmt: skip
-            job = VideoJob(id=f"video_{secrets.token_hex(16)}", model=body.model or state.serving.served_model_names[0],
-                           prompt=body.prompt, params=params)  # fmt: skip
+            admitted = await asyncio.to_thread(_admit, state, body)  # may ask the replicas: off the loop
+            job = VideoJob(
+                id=f"video_{secrets.token_hex(16)}",
+                model=body.model or state.serving.served_model_names[0],
+                prompt=body.prompt,
+                admitted=admitted,
+            )
             state.videos.add(job)
             job.task = asyncio.create_task(_run(state, job))
             outcome = None  # counted when the job ends
-            return job.view(state.omni.engine)
+            return job.view(state.omni)
         except Exception as exc:
             if outcome is not None:
-                if getattr(exc, "status", None) == 503:
-                    outcome = "unavailable"
+                if isinstance(exc, APIError):
+                    outcome = refusal_outcome(exc)
                 metrics.video_requests.labels(outcome).inc()
             raise
 
     @router.get("", response_model=VideoList, response_model_exclude_none=True)
     async def list_videos(raw_request: Request, limit: int = 20, after: str | None = None) -> VideoList:
-        state = raw_request.app.state.server
+        state: ServerState = raw_request.app.state.server
         if not 1 <= limit <= 100:
             raise APIError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
         jobs = state.videos.newest_first()
@@ -193,26 +216,31 @@ def build_videos_router() -> APIRouter:
             if after not in ids:
                 raise APIError(400, f"after={after!r} is not a video id", param="after", code="invalid_value")
             jobs = jobs[ids.index(after) + 1 :]
-        page = [j.view(state.omni.engine) for j in jobs[:limit]]
-        return VideoList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-                         has_more=len(jobs) > limit)  # fmt: skip
+        page = [j.view(state.omni) for j in jobs[:limit]]
+        return VideoList(
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+            has_more=len(jobs) > limit,
+        )
 
     @router.get("/{video_id}", response_model=VideoObject, response_model_exclude_none=True)
     async def get_video(video_id: str, raw_request: Request) -> VideoObject:
-        state = raw_request.app.state.server
-        return _job(state, video_id).view(state.omni.engine)
+        state: ServerState = raw_request.app.state.server
+        return _job(state, video_id).view(state.omni)
 
     @router.get("/{video_id}/content")
     async def get_video_content(video_id: str, raw_request: Request) -> Response:
         job = _job(raw_request.app.state.server, video_id)
         if job.status != "completed":
-            raise APIError(400, f"Video {video_id} is {job.status}, not completed", param="video_id",
-                            code="video_not_ready")  # fmt: skip
+            raise APIError(
+                400, f"Video {video_id} is {job.status}, not completed", param="video_id", code="video_not_ready"
+            )
         return Response(job.content, media_type="video/mp4")
 
     @router.delete("/{video_id}", response_model=VideoDeleted)
     async def delete_video(video_id: str, raw_request: Request) -> VideoDeleted:
-        state = raw_request.app.state.server
+        state: ServerState = raw_request.app.state.server
         job = _job(state, video_id)
         state.videos.pop(video_id)
         if job.task is not None and not job.task.done():
@@ -222,23 +250,33 @@ def build_videos_router() -> APIRouter:
     return router
 
 
-def _video_params(state, body: VideoGenerationRequest) -> OmniDiffusionSamplingParams:
+def _admit(state: ServerState, body: VideoGenerationRequest) -> AdmittedParams:
+    """The job's complete parameters (model defaults filled in, seed drawn), within the operator's limits."""
     check_request(state, body, kind="video")
     if body.seconds is not None and body.num_frames is not None:
         raise APIError(400, "give seconds or num_frames, not both", param="seconds", code="invalid_value")
     num_frames = body.num_frames
     if body.seconds is not None:
-        step = state.omni.engine.frame_multiple
+        step = state.omni.frame_multiple
         num_frames = step * max(1, round(body.seconds * (body.fps or DEFAULT_VIDEO_FPS) / step)) + 1
     width, height = body.dimensions() or (None, None)
-    params = complete_params(
-        state, height=height, width=width, num_frames=num_frames, fps=body.fps,
-        num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale, seed=body.seed,
+    admitted = admit(
+        state,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        fps=body.fps,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        seed=body.seed,
         negative_prompt=body.negative_prompt,
-    )  # fmt: skip
-    if params.num_frames > state.serving.max_video_frames:
+    )
+    num_frames = admitted.params.num_frames
+    if num_frames > state.serving.max_video_frames:
         raise APIError(
-            400, f"{params.num_frames} frames are above the limit of {state.serving.max_video_frames}",
-            param="seconds" if body.seconds is not None else "num_frames", code="invalid_value",
-        )  # fmt: skip
-    return params
+            400,
+            f"{num_frames} frames are above the limit of {state.serving.max_video_frames}",
+            param="seconds" if body.seconds is not None else "num_frames",
+            code="invalid_value",
+        )
+    return admitted

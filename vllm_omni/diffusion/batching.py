@@ -1,7 +1,8 @@
-"""Batching policies: which waiting requests run together, and when.
+"""Batch schedulers: which waiting requests run together, and when (not to be confused with the diffusers noise
+schedulers that the steppers drive).
 
-`Scheduler` is the request-level policy (``execution_mode: request``);
-`StepScheduler` the step-level one (``execution_mode: step``, see its docstring).
+`BatchScheduler` is the request-level policy (``execution_mode: request``);
+`StepBatchScheduler` the step-level one (``execution_mode: step``, see its docstring).
 
 - Capacity is ``od_config.max_num_seqs`` requests per batch.
 - Only requests with the same `BatchKey` share a batch. The oldest waiting
@@ -26,15 +27,11 @@ from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.request import (
-    DiffusionRequest,
-    OmniRequestOutput,
-    RequestAbortedError,
-    RequestFailedError,
-)
+from vllm_omni.diffusion.outputs import OmniRequestOutput, StageOutput
+from vllm_omni.diffusion.request import DiffusionRequest, RequestAbortedError, RequestFailedError
 
 
-class Scheduler:
+class BatchScheduler:
     def __init__(self, od_config: OmniDiffusionConfig):
         self.capacity = od_config.max_num_seqs
         self.max_wait_s = od_config.request_batch_max_wait_ms / 1000.0
@@ -106,7 +103,9 @@ class Scheduler:
                 self._cond.wait(wait)
         return []
 
-    def finish(self, batch: list[DiffusionRequest], outputs: list[OmniRequestOutput | BaseException]) -> None:
+    def finish(
+        self, batch: list[DiffusionRequest], outputs: list[OmniRequestOutput | StageOutput | BaseException]
+    ) -> None:
         """Resolve each request's future with its output; the engine is idle from now on."""
         with self._cond:
             self._running = []
@@ -131,7 +130,7 @@ class Scheduler:
         return list(self._running)
 
 
-def _resolve(request: DiffusionRequest, output: OmniRequestOutput | BaseException) -> None:
+def _resolve(request: DiffusionRequest, output: OmniRequestOutput | StageOutput | BaseException) -> None:
     """Resolve a scheduled request's future: its output, `RequestAbortedError` or `RequestFailedError`."""
     if request.future.done():  # failed already by `close(include_running=True)`
         return
@@ -164,7 +163,7 @@ class StepPlan:
     """Running requests aborted since the last step; their slots are free again."""
 
 
-class StepScheduler(Scheduler):
+class StepBatchScheduler(BatchScheduler):
     """Step-level policy: requests join and leave the running batch at denoising-step boundaries.
 
     - At every boundary, waiting requests whose prompt is encoded join the running
@@ -256,7 +255,7 @@ class StepScheduler(Scheduler):
             self._finishing += requests
             self._cond.notify_all()
 
-    def complete(self, request: DiffusionRequest, output: OmniRequestOutput | BaseException) -> None:
+    def complete(self, request: DiffusionRequest, output: OmniRequestOutput | StageOutput | BaseException) -> None:
         """Resolve a request that was running or decoding with its output (or error)."""
         with self._cond:
             self._running = [r for r in self._running if r is not request]

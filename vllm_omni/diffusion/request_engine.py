@@ -1,0 +1,68 @@
+"""The request engine (``execution_mode: request``): ``schedule → run → finish``, one call of the stage's role per
+batch."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.batching import BatchScheduler
+from vllm_omni.diffusion.engine_core import EngineCore, run_isolated
+from vllm_omni.diffusion.outputs import RequestMetrics
+from vllm_omni.diffusion.request import DiffusionRequest
+
+
+class RequestEngine(EngineCore):
+    """A batch runs together from its first step to its last: one call of the role per batch."""
+
+    def __init__(self, od_config: OmniDiffusionConfig, role):
+        super().__init__(od_config, BatchScheduler(od_config), role)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether accepted requests are still in the engine (a batch ends within `step`, so never here)."""
+        return False
+
+    def step(self, timeout: float | None = None) -> int:
+        """Run at most one batch; returns how many requests it held (0 if none was due in ``timeout``)."""
+        batch = self.scheduler.schedule(timeout)
+        if not batch:
+            return 0
+        started = time.monotonic()
+        for request in batch:
+            request.started_time = started
+            self.metrics.queue_time.observe(started - request.arrival_time)
+        outputs = run_isolated(
+            self._run, batch, what="request", name=lambda r: r.request_id, on_oom_split=self._on_oom_split
+        )
+        self.scheduler.finish(batch, outputs)
+        return len(batch)
+
+    def _run(self, batch: list[DiffusionRequest]) -> list:
+        """One call of the role for ``batch`` (all of a scheduled batch, or part of one that failed)."""
+        self.metrics.batch_num_requests.observe(len(batch))
+        started = time.monotonic()
+        with self.metrics.batch_execution_time.time(), torch.inference_mode():
+            results = self.role.run(batch)
+        finished = time.monotonic()
+        return [
+            result
+            if isinstance(result, BaseException)
+            else self.output(
+                request,
+                result,
+                RequestMetrics(
+                    batch_size=len(batch),
+                    queue_ms=(request.started_time - request.arrival_time) * 1000.0,
+                    exec_ms=(finished - started) * 1000.0,
+                    seed=request.seed,
+                    replica=self.od_config.replica,
+                ),
+            )
+            for request, result in zip(batch, results, strict=True)
+        ]
+
+    def shutdown(self) -> None:
+        """Release what the engine holds once its loop has stopped: request mode has no workers to stop."""

@@ -1,0 +1,185 @@
+"""Stage roles: what a stage of each type does, in one table (`ROLES`; docs/stages.md, docs/architecture.md).
+
+A role owns, for its stage type: the pipeline components the stage skips when it loads, whether it completes
+sampling parameters, its batch key, how a request begins (`begin`: encode and start, or start from the previous
+stage's payload) and how requests end (`end`: decode to images or videos, or hand latents on), and `run`, one
+batch in request mode. The engines (`request_engine.py`, `step_engine.py`) run any role; the graph facts of a
+stage type (what it takes as input, whether it is final, whether it denoises) live in
+`vllm_omni.config.stage.STAGE_TYPES`. Adding a stage type is one role here plus one entry in each table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar
+
+from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
+from vllm_omni.diffusion.engine_core import denoise_step
+from vllm_omni.diffusion.request import BatchKey, DiffusionRequest, OmniDiffusionSamplingParams
+from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS, DiffusionRunner, check_batchable, read_model_index
+from vllm_omni.diffusion.steppers import SPLIT, STEP_MODE, SUPPORTED_PIPELINES, Latents, StepState, make_stepper
+
+
+class StageRole:
+    """One stage type's behaviour; a subclass per type, registered in `ROLES`."""
+
+    stage_type: ClassVar[str]
+    skips: ClassVar[tuple[str, ...]] = ()
+    """Pipeline components the stage does not load (a split stage holds only what it runs)."""
+    completes_params: ClassVar[bool] = False
+    """Whether the stage fills in the model's defaults: the stage that holds the denoiser (its config sizes them);
+    the stages around it take complete parameters."""
+    split: ClassVar[bool] = True
+    """Whether it is one part of a split pipeline: it needs the model's stepper, and the other stages to run."""
+
+    def __init__(self, od_config: OmniDiffusionConfig, runner: DiffusionRunner, on_oom_split: Callable[[], None]):
+        """``on_oom_split``: what the engine does when a batch ran out of memory and is split (request mode's
+        denoising loop isolates failures per forward, as step mode does)."""
+        self.runner = runner
+        self.on_oom_split = on_oom_split
+        self.stepper = (
+            make_stepper(runner.pipeline, runner.device, SPLIT if self.split else STEP_MODE)
+            if self.split or od_config.execution_mode == "step"
+            else None
+        )
+        """The model's `Stepper` when the stage steps or splits the pipeline, else ``None``."""
+
+    @property
+    def final(self) -> bool:
+        """Whether its outputs are images or videos (else it hands a payload to the next stage)."""
+        return STAGE_TYPES[self.stage_type].final
+
+    def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
+        """``params`` with the model's defaults filled in where this stage holds them, checked against what the
+        stage can run (raises `SamplingParamsError`)."""
+        if self.completes_params:
+            params = self.runner.complete_params(params)
+        if self.stepper is not None:
+            self.stepper.check_params(params)
+        return params
+
+    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+        """What must match for complete ``params`` to share a batch (or, stepping, a forward)."""
+        return self.stepper.key(params)
+
+    def run(self, batch: list[DiffusionRequest]) -> list[Any]:
+        """Request mode: one batch; one result per request (what `build_output` takes), or the exception that
+        failed that request alone."""
+        raise NotImplementedError
+
+    def begin(self, request: DiffusionRequest) -> StepState:
+        """A request's denoising state: noise and its own schedule around its encoded prompt."""
+        raise NotImplementedError(f"a {self.stage_type} stage does not denoise")
+
+    def end(self, requests: list[DiffusionRequest]) -> list[Any]:
+        """The results of requests whose denoising is done."""
+        raise NotImplementedError(f"a {self.stage_type} stage does not denoise")
+
+    def _denoise(self, batch: list[DiffusionRequest]) -> list[Any]:
+        """Request mode of a role that denoises: the batch runs its steps together, one forward per step over the
+        requests that still have steps (each on its own schedule), until all are done or all are aborted."""
+        failed: dict[int, BaseException] = {}
+        for request in batch:
+            request.state = self.begin(request)
+            request.total_steps = len(request.state.timesteps)
+        while not all(request.aborted for request in batch):
+            pending = [r for r in batch if id(r) not in failed and not r.state.done]
+            if not pending:
+                break
+            for request, error in denoise_step(pending, self.stepper, self.on_oom_split):
+                failed[id(request)] = error
+        finished = [r for r in batch if id(r) not in failed]
+        results = iter(self.end(finished) if finished else [])
+        return [failed[id(r)] if id(r) in failed else next(results) for r in batch]
+
+
+class DiffusionRole(StageRole):
+    """``diffusion``: the whole pipeline. Request mode makes one pipeline call per batch; step mode encodes,
+    steps and decodes through the model's stepper."""
+
+    stage_type = "diffusion"
+    completes_params = True
+    split = False
+
+    def __init__(self, od_config: OmniDiffusionConfig, runner: DiffusionRunner, on_oom_split: Callable[[], None]):
+        super().__init__(od_config, runner, on_oom_split)
+        if self.stepper is None:  # step mode batches forwards, not pipeline calls
+            check_batchable(type(runner.pipeline), od_config.max_num_seqs)
+
+    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+        return BatchKey.of(params) if self.stepper is None else self.stepper.key(params)
+
+    def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
+        return self.runner.run(batch)
+
+    def begin(self, request: DiffusionRequest) -> StepState:
+        return self.stepper.prepare(request.prompt, request.params, request.seed)
+
+    def end(self, requests: list[DiffusionRequest]) -> list[list[Any]]:
+        return self.stepper.decode([request.state for request in requests])
+
+
+class EncodeRole(StageRole):
+    """``encode``: the text encoders, once for a whole batch of prompts (a text-shaped key)."""
+
+    stage_type = "encode"
+    skips = DENOISERS + ("vae",)
+
+    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+        return self.stepper.encode_key(params)
+
+    def run(self, batch: list[DiffusionRequest]) -> list[Any]:
+        return self.stepper.encode([r.prompt for r in batch], [r.params for r in batch])
+
+
+class DenoiseRole(StageRole):
+    """``denoise``: starts from the encoded prompt of the ``encode`` stage and hands the final latents on."""
+
+    stage_type = "denoise"
+    skips = TEXT_ENCODERS  # the VAE stays: its config sizes the latents
+    completes_params = True
+
+    def run(self, batch: list[DiffusionRequest]) -> list[Any]:
+        return self._denoise(batch)
+
+    def begin(self, request: DiffusionRequest) -> StepState:
+        return self.stepper.start(request.payload, request.params, request.seed)
+
+    def end(self, requests: list[DiffusionRequest]) -> list[Latents]:
+        return [Latents(request.state.latents, request.params) for request in requests]
+
+
+class DecodeRole(StageRole):
+    """``decode``: the VAE, once for a whole batch of latents (a latent-shaped key), then each request's images or
+    frames."""
+
+    stage_type = "decode"
+    skips = TEXT_ENCODERS + DENOISERS
+
+    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+        return self.stepper.decode_key(params)
+
+    def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
+        # The denoise stage may run on another device or in another dtype; on the same ones nothing is copied.
+        device, dtype = self.stepper.device, self.stepper.pipeline.vae.dtype
+        return self.stepper.decode([Latents(r.payload.latents.to(device, dtype), r.params) for r in batch])
+
+
+ROLES: dict[str, type[StageRole]] = {
+    role.stage_type: role for role in (DiffusionRole, EncodeRole, DenoiseRole, DecodeRole)
+}
+"""The role of each stage type this release serves."""
+
+
+def check_splittable(model: str, stage_configs: list[StageDeployConfig]) -> None:
+    """Fail before anything loads when a split stage is asked of a pipeline that has no split."""
+    split = [s for s in stage_configs if ROLES[s.stage_type].split]
+    if not split:
+        return
+    name = read_model_index(model).get("_class_name")
+    if name not in SUPPORTED_PIPELINES:
+        raise ValueError(
+            f"stage {split[0].stage_id} ({split[0].stage_type}): {name} cannot be split into encode / denoise / "
+            f"decode stages; splittable pipelines: {', '.join(SUPPORTED_PIPELINES)}. Serve it as one stage with "
+            "stage_type: diffusion"
+        )

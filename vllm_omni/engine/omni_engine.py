@@ -1,0 +1,247 @@
+"""`OmniEngine`: owns the stage runtimes and, in this process, every request in flight: which stage and replica
+hold it, its route through the stage graph, its re-run after a lost replica, abort and progress.
+
+A deploy is one ``diffusion`` stage, or a split pipeline ``encode → denoise → decode`` (docs/stages.md).
+Each stage has its own runtime, replicas, scheduler and batch key; a request enters the next stage when
+the previous one hands on its output (by reference when both run in this process).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni.config import StageDeployConfig
+from vllm_omni.config.stage import check_stage_graph
+from vllm_omni.diffusion.outputs import StageMetrics, across_stages
+from vllm_omni.diffusion.request import (
+    MAX_SEED,
+    OmniDiffusionSamplingParams,
+    RequestAbortedError,
+    StageUnavailableError,
+)
+from vllm_omni.diffusion.roles import check_splittable
+from vllm_omni.engine.replica import ReplicaLostError
+from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime
+from vllm_omni.logger import init_logger
+from vllm_omni.metrics import prometheus as metrics
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class AdmittedParams:
+    """Sampling parameters every stage has admitted: complete (the model's defaults filled in, the seed drawn),
+    checked, and the batch key each stage gives them. Made once per request (`OmniEngine.admit`)."""
+
+    params: OmniDiffusionSamplingParams
+    keys: tuple[Hashable, ...]
+    """One batch key per stage, in request order."""
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A request on its way through the stages."""
+
+    request_id: str
+    prompt: str
+    admitted: AdmittedParams
+    future: Future = field(default_factory=Future)
+    stage: int = 0
+    """Index (in request order) of the stage that holds it."""
+    replica: int | None = None
+    """The replica of that stage running it; ``None`` between stages, and between a lost replica and the re-run."""
+    retried: bool = False
+    """Whether it was re-run at this stage already (once per stage)."""
+    aborted: bool = False
+    stage_metrics: list[StageMetrics] = field(default_factory=list)
+
+
+class OmniEngine:
+    """Engine behind `Omni` and `AsyncOmni`; thread-safe, returns one future per request."""
+
+    def __init__(self, model: str, stage_configs: list[StageDeployConfig]):
+        order = check_stage_graph(stage_configs)
+        check_splittable(model, order)
+        self.stage_configs = stage_configs
+        self.stages: list[StageRuntime] = []
+        """The stage runtimes in the order a request passes them."""
+        try:
+            for stage_config, next_stage in zip(order, order[1:] + [None], strict=True):
+                self.stages.append(StageRuntime(model, stage_config, next_stage))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._denoiser = next(i for i, s in enumerate(order) if s.denoises)
+        """The stage that holds the denoiser: it fills in the model's defaults and reports progress."""
+        metrics.replica_metrics.add(self._replica_metrics)
+        self._flights: dict[str, _Flight | None] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, params: OmniDiffusionSamplingParams) -> AdmittedParams:
+        """``params`` completed by the stage that holds the denoiser (a seed drawn if none is given, so a re-run on
+        another replica makes the same image), then each stage's batch key for them (raises `SamplingParamsError`
+        for parameters the model cannot take)."""
+        if params.seed is None:
+            params = params.model_copy(update={"seed": secrets.randbelow(MAX_SEED)})
+        first = self.stages[self._denoiser].admit(params)
+        keys = [first.key if i == self._denoiser else s.admit(first.params).key for i, s in enumerate(self.stages)]
+        return AdmittedParams(first.params, tuple(keys))
+
+    def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams | AdmittedParams) -> Future:
+        """Queue a request (raises `SamplingParamsError` for parameters the model cannot take); ``params`` admitted
+        already are not completed again."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        with self._lock:
+            if request_id in self._flights:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._flights[request_id] = None  # reserved while it is admitted
+        try:
+            admitted = params if isinstance(params, AdmittedParams) else self.admit(params)
+        except BaseException:
+            with self._lock:
+                del self._flights[request_id]
+            raise
+        flight = _Flight(request_id, prompt, admitted)
+        with self._lock:
+            self._flights[request_id] = flight
+        # A caller that cancels the future (asyncio cancellation) aborts the request, wherever it is.
+        flight.future.add_done_callback(lambda done: done.cancelled() and self.abort(request_id))
+        self._enter(flight, 0, None)
+        return flight.future
+
+    def _finish(self, flight: _Flight, output=None, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._flights.pop(flight.request_id, None)
+        if flight.future.done():  # cancelled by its caller
+            return
+        if error is not None:
+            flight.future.set_exception(error)
+        else:
+            flight.future.set_result(output)
+
+    def _enter(self, flight: _Flight, index: int, payload: Any) -> None:
+        """Hand ``flight`` to stage ``index`` with the previous stage's ``payload``."""
+        with self._lock:
+            flight.stage, flight.retried = index, False
+        self._dispatch(flight, payload)
+
+    def _dispatch(self, flight: _Flight, payload: Any, lost: int | None = None) -> None:
+        """Send ``flight`` to a replica of its stage (other than the ``lost`` one)."""
+        stage = self.stages[flight.stage]
+        key = flight.admitted.keys[flight.stage]
+        with self._lock:
+            index = None if flight.aborted else stage.route(key, lost)
+            flight.replica, aborted = index, flight.aborted
+        if aborted:
+            self._finish(flight, error=RequestAbortedError(flight.request_id))
+            return
+        if index is None:
+            why = "no replica is alive" if lost is None else f"replica {lost} was lost and no other is alive"
+            self._finish(flight, error=StageUnavailableError(stage.stage_id, why, flight.request_id))
+            return
+        try:
+            inner = stage.replicas[index].submit(flight.request_id, flight.prompt, flight.admitted.params, payload)
+        except BaseException as exc:  # noqa: BLE001 - the request fails; the caller's future says why
+            self._settle(flight, payload, index, exc)
+            return
+        if flight.aborted:  # aborted while it was being submitted, before the replica knew it
+            stage.replicas[index].abort(flight.request_id)
+        inner.add_done_callback(lambda done: self._settle(flight, payload, index, done.exception(), done))
+
+    def _settle(
+        self, flight: _Flight, payload: Any, index: int, error: BaseException | None, done: Future | None = None
+    ) -> None:
+        stage = self.stages[flight.stage]
+        stage.release(index, flight.admitted.keys[flight.stage])
+        with self._lock:
+            flight.replica = None
+            retry = isinstance(error, ReplicaLostError) and not flight.retried and not flight.aborted
+            flight.retried |= retry
+        if retry:
+            metrics.request_retries.labels(str(stage.stage_id)).inc()
+            logger.warning("request %s: %s; re-running it on another replica (same seed)", flight.request_id, error)
+            self._dispatch(flight, payload, lost=index)
+        elif isinstance(error, ReplicaLostError):
+            lost_again = StageUnavailableError(stage.stage_id, f"{error} (after a retry)", flight.request_id)
+            self._finish(flight, error=RequestAbortedError(flight.request_id) if flight.aborted else lost_again)
+        elif error is not None:
+            self._finish(flight, error=error)
+        else:
+            self._advance(flight, done.result())
+
+    def _advance(self, flight: _Flight, output) -> None:
+        """The stage that held ``flight`` is done with it: on to the next stage, or finish with its output."""
+        if len(self.stages) == 1:
+            self._finish(flight, output)
+            return
+        config = self.stages[flight.stage].stage_config
+        flight.stage_metrics.append(StageMetrics.of(config.stage_id, config.stage_type, output.metrics))
+        if flight.stage + 1 < len(self.stages):
+            self._enter(flight, flight.stage + 1, output.payload)
+            return
+        output.metrics = across_stages(flight.stage_metrics, self._denoiser)
+        self._finish(flight, output)
+
+    def progress(self, request_id: str) -> tuple[str, float] | None:
+        """``(state, fraction of denoising steps done)`` of a request in flight; state is waiting or running."""
+        with self._lock:
+            flight = self._flights.get(request_id)
+            stage, replica = (None, None) if flight is None else (flight.stage, flight.replica)
+        if flight is None:
+            return None
+        if stage != self._denoiser or replica is None:
+            return ("waiting", 0.0) if stage <= self._denoiser else ("running", 1.0)
+        return self.stages[stage].replicas[replica].progress(request_id)
+
+    @property
+    def frame_multiple(self) -> int:
+        """A video's num_frames must be 1 more than a multiple of this (the VAE's temporal factor)."""
+        return self.stages[self._denoiser].info.frame_multiple
+
+    @property
+    def makes_videos(self) -> bool:
+        """Whether the model generates videos (its outputs fill ``videos``) rather than images."""
+        return self.stages[self._denoiser].info.is_video
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if it is not in flight."""
+        with self._lock:
+            flight = self._flights.get(request_id)
+            if flight is None:
+                return False
+            flight.aborted = True
+            stage, replica = flight.stage, flight.replica
+        if replica is not None:  # else it is between replicas or stages, where the flag stops it
+            self.stages[stage].replicas[replica].abort(request_id)
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch, over all stages (`StageRuntime.num_waiting`)."""
+        return sum(stage.num_waiting for stage in self.stages)
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether every stage has a live replica."""
+        return all(stage.is_alive for stage in self.stages)
+
+    def health(self) -> list[StageHealth]:
+        return [stage.health() for stage in self.stages]
+
+    def _replica_metrics(self) -> list:
+        return [families for stage in self.stages for families in stage.collect_metrics()]
+
+    def shutdown(self) -> None:
+        metrics.replica_metrics.discard(self._replica_metrics)
+        for stage in self.stages:
+            stage.shutdown()
+
+
+AsyncOmniEngine = OmniEngine
+"""The name the design contract (shared/design/ARCHITECTURE.md) gives this engine; it is not async itself."""

@@ -1,0 +1,90 @@
+"""The FastAPI app: its state, middleware, error handlers and routers; the model loads once the app starts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm_omni.config import StageDeployConfig
+from vllm_omni.config.serving import ServingConfig
+from vllm_omni.entrypoints.openai.basic import build_basic_router
+from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
+from vllm_omni.entrypoints.openai.images import build_images_router
+from vllm_omni.entrypoints.openai.server_state import ServerState, load_and_warm_up
+from vllm_omni.entrypoints.openai.videos import build_videos_router
+
+
+class BodyLimitMiddleware:
+    """Answer 413 as soon as a request body is larger than the limit, declared or streamed."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await self._reject(send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # a chunked body: FastAPI passes this on to the 413 handler
+                raise StarletteHTTPException(413, self.message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    @property
+    def message(self) -> str:
+        return f"The request body is larger than {self.max_bytes} bytes"
+
+    async def _reject(self, send) -> None:
+        response = error_response(413, self.message, code="request_too_large")
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+def build_app(
+    model: str,
+    stage_configs: list[StageDeployConfig],
+    serving: ServingConfig,
+    on_fatal: Callable[[BaseException], None],
+) -> FastAPI:
+    """The app; the model loads in the background once it starts, and ``/health`` turns 200 when it is warm."""
+    state = ServerState.create(model, stage_configs, serving, on_fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(load_and_warm_up(state))
+        yield
+        state.draining = True
+        await loading
+        state.videos.cancel_all()
+        if state.omni is not None:
+            await asyncio.to_thread(state.omni.shutdown)
+
+    app = FastAPI(title="vllm-omni", lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=serving.max_request_body_bytes)
+    if serving.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=serving.allowed_origins,
+            allow_methods=serving.allowed_methods,
+            allow_headers=serving.allowed_headers,
+            allow_credentials=serving.allow_credentials,
+        )
+    add_error_handlers(app)
+    app.include_router(build_basic_router())
+    app.include_router(build_images_router())
+    app.include_router(build_videos_router())
+    return app

@@ -1,0 +1,47 @@
+"""The routes besides the generation APIs: ``/health``, ``/metrics`` and ``/v1/models``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from vllm_omni.entrypoints.openai.checks import check_api_key
+from vllm_omni.entrypoints.openai.errors import error_response
+from vllm_omni.entrypoints.openai.protocol import ModelCard, ModelList
+from vllm_omni.entrypoints.openai.server_state import ServerState
+
+
+async def health(raw_request: Request) -> Response:
+    """200 while every stage has a live replica (``status`` says ``degraded`` when some are down), else 503."""
+    state: ServerState = raw_request.app.state.server
+    reason = state.unavailable_reason()
+    if reason is not None:
+        return error_response(503, f"Service unavailable: {reason}", code="service_unavailable")
+    stages = [
+        {"stage_id": h.stage_id, "status": h.status, "num_replicas": h.num_replicas, "alive_replicas": h.alive}
+        for h in state.omni.health()
+    ]
+    status = "ok" if all(s["status"] == "ok" for s in stages) else "degraded"
+    return JSONResponse({"status": status, "stages": stages})
+
+
+async def prometheus_metrics() -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def list_models(raw_request: Request) -> ModelList:
+    state: ServerState = raw_request.app.state.server
+    return ModelList(
+        data=[
+            ModelCard(id=name, created=state.loaded_at, root=state.model) for name in state.serving.served_model_names
+        ]
+    )
+
+
+def build_basic_router() -> APIRouter:
+    router = APIRouter()
+    router.add_api_route("/health", health, methods=["GET"])
+    router.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
+    router.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=[Depends(check_api_key)])
+    return router

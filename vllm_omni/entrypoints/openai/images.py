@@ -1,0 +1,188 @@
+"""OpenAI's Images API: ``POST /v1/images/generations`` and the ``url`` images it hands out."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
+
+from vllm_omni.diffusion.request import RequestFailedError, StageUnavailableError
+from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
+from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.protocol import (
+    ErrorResponse,
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+)
+from vllm_omni.entrypoints.openai.server_state import ServerState
+from vllm_omni.metrics import prometheus as metrics
+
+if TYPE_CHECKING:
+    from vllm_omni.engine.omni_engine import AdmittedParams
+
+T = TypeVar("T")
+
+_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first (vLLM's ``listen_for_disconnect``), cancel it, which aborts
+    its request and frees its slot.
+
+    vLLM's ``with_cancellation`` decorator does not fit: when the server cancels the handler (at the end of the
+    shutdown timeout) it leaves the work running instead of aborting it, and it answers 200 to a client that is gone.
+    """
+    work = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(listen_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server cancels us (shutdown timeout): abort the request too
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    raise ClientDisconnected
+
+
+class _CountsInvalidImageRequests(APIRoute):
+    """A body that does not fit `ImageGenerationRequest` counts as an invalid image request; the app's handler
+    answers it. (Other APIs' invalid requests are theirs to count.)"""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def counted(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError:
+                metrics.image_requests.labels("invalid").inc()
+                raise
+
+        return counted
+
+
+def _encode(image, output_format: str, compression: int | None) -> bytes:
+    buffer = io.BytesIO()
+    if output_format == "png":
+        image.save(buffer, format="PNG")
+    else:
+        quality = 100 if compression is None else compression
+        image.convert("RGB").save(buffer, format=output_format.upper(), quality=quality)
+    return buffer.getvalue()
+
+
+def _admit(body: ImageGenerationRequest, state: ServerState) -> AdmittedParams:
+    """The request's complete parameters (model defaults filled in, seed drawn), within the operator's limits."""
+    check_request(state, body, kind="image")
+    if body.output_compression is not None and body.output_format == "png":
+        raise APIError(
+            400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
+        )
+    width, height = body.dimensions() or (None, None)
+    return admit(
+        state,
+        height=height,
+        width=width,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        num_outputs_per_prompt=body.n,
+        seed=body.seed,
+        negative_prompt=body.negative_prompt,
+    )
+
+
+async def create_image(body: ImageGenerationRequest, raw_request: Request) -> ImageGenerationResponse | Response:
+    state: ServerState = raw_request.app.state.server
+    outcome = "failed"
+    try:
+        try:
+            # Admission may ask the replicas (Ray calls): off the event loop.
+            admitted = await asyncio.to_thread(_admit, body, state)
+        except APIError as exc:
+            outcome = refusal_outcome(exc)
+            raise
+        generation = state.omni.generate(body.prompt, admitted, request_id=f"img-{uuid.uuid4().hex}")
+        try:
+            output = await until_disconnect(raw_request, anext(generation, None))
+        except ClientDisconnected:
+            outcome = "aborted"
+            return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
+        except asyncio.CancelledError:
+            outcome = "aborted"
+            raise
+        except RequestFailedError as exc:
+            unavailable = isinstance(exc, StageUnavailableError) or state.unavailable_reason() is not None
+            outcome = "unavailable" if unavailable else "failed"
+            raise APIError(
+                503 if unavailable else 500,
+                str(exc),
+                code="service_unavailable" if isinstance(exc, StageUnavailableError) else "generation_failed",
+            ) from None
+        if output is None:
+            outcome = "aborted"
+            raise APIError(503, "The request was aborted", code="aborted")
+
+        encoded = await asyncio.to_thread(
+            lambda: [_encode(image, body.output_format, body.output_compression) for image in output.images]
+        )
+        data = []
+        for payload in encoded:
+            if body.response_format == "b64_json":
+                data.append(ImageData(b64_json=base64.b64encode(payload).decode(), revised_prompt=body.prompt))
+                continue
+            image_id = state.store.put(payload, _MEDIA_TYPES[body.output_format])
+            if image_id is None:
+                raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
+            url = str(raw_request.url_for("get_image", image_id=image_id))
+            data.append(ImageData(url=url, revised_prompt=body.prompt))
+        outcome = "completed"
+        first_image = output.images[0]
+        return ImageGenerationResponse(
+            data=data, output_format=body.output_format, size=f"{first_image.width}x{first_image.height}"
+        )
+    finally:
+        metrics.image_requests.labels(outcome).inc()
+
+
+async def get_image(image_id: str, raw_request: Request) -> Response:
+    # An in-memory map lookup: no path is ever built from image_id, so nothing outside the store is reachable.
+    stored = raw_request.app.state.server.store.get(image_id)
+    if stored is None:
+        raise APIError(404, "No such image, or it has expired", code="image_not_found")
+    return Response(stored.data, media_type=stored.media_type)
+
+
+def build_images_router() -> APIRouter:
+    """The /v1/images routes; the server's state holds the image store (``state.store``)."""
+    router = APIRouter(prefix="/v1/images", dependencies=[Depends(check_api_key)])
+    router.add_api_route("/files/{image_id}", get_image, methods=["GET"], name="get_image")
+    router.add_api_route(
+        "/generations",
+        create_image,
+        methods=["POST"],
+        response_model=ImageGenerationResponse,
+        response_model_exclude_none=True,
+        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)},
+        route_class_override=_CountsInvalidImageRequests,
+    )
+    return router

@@ -1,0 +1,76 @@
+"""What the routes share: the configuration, the stores, the `AsyncOmni` once loaded, and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_omni.config import StageDeployConfig
+from vllm_omni.config.serving import ServingConfig
+from vllm_omni.entrypoints.async_omni import AsyncOmni
+from vllm_omni.entrypoints.openai.image_store import ImageStore
+from vllm_omni.entrypoints.openai.videos import VideoJobs
+from vllm_omni.logger import init_logger
+from vllm_omni.metrics import prometheus as metrics
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ServerState:
+    model: str
+    stage_configs: list[StageDeployConfig]
+    serving: ServingConfig
+    store: ImageStore
+    videos: VideoJobs
+    on_fatal: Callable[[BaseException], None]
+    omni: AsyncOmni | None = None
+    ready: bool = False
+    draining: bool = False
+    loaded_at: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        stage_configs: list[StageDeployConfig],
+        serving: ServingConfig,
+        on_fatal: Callable[[BaseException], None],
+    ) -> ServerState:
+        return cls(
+            model=model,
+            stage_configs=stage_configs,
+            serving=serving,
+            store=ImageStore(serving.image_url_ttl_s, serving.image_store_max_bytes),
+            videos=VideoJobs(serving.video_ttl_s, serving.video_store_max_bytes),
+            on_fatal=on_fatal,
+        )
+
+    def unavailable_reason(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
+        if self.omni is None or not self.ready:
+            return "the model is loading"
+        down = [h.stage_id for h in self.omni.health() if h.status == "down"]
+        if down:
+            return f"no replica of stage {', '.join(map(str, down))} is alive; see the server log"
+        return None
+
+
+async def load_and_warm_up(state: ServerState) -> None:
+    """Load the model (off the event loop), warm it up, then mark the server ready; a failure is fatal."""
+    try:
+        state.omni = await asyncio.to_thread(AsyncOmni.from_stage_configs, state.model, state.stage_configs)
+        for stage in state.stage_configs:
+            metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(
+                stage.max_num_seqs
+            )
+        started = time.perf_counter()
+        await state.omni.warm_up()
+        state.ready = True
+        logger.info("Warm-up done in %.2f s; ready to serve %s", time.perf_counter() - started, state.model)
+    except Exception as exc:  # noqa: BLE001 - the server cannot serve without its model
+        logger.exception("Could not load and warm up %s", state.model)
+        state.on_fatal(exc)
