@@ -25,9 +25,24 @@ def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
 
 def test_batching_sweep_writes_json_table_and_plot(tiny_flux, tmp_path):
     _run(
-        "batching_sweep.py", "--model", tiny_flux, "--name", "smoke", "--out-dir", str(tmp_path),
-        "--max-num-seqs", "1,2", "--shapes", "32x32:2", "--blocks", "1", "--rounds", "2", "--warmup", "1",
-    )  # fmt: skip
+        "batching_sweep.py",
+        "--model",
+        tiny_flux,
+        "--name",
+        "smoke",
+        "--out-dir",
+        str(tmp_path),
+        "--max-num-seqs",
+        "1,2",
+        "--shapes",
+        "32x32:2",
+        "--blocks",
+        "1",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+    )
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert [(r["n"], r["shape"]) for r in result["rows"]] == [(1, "32x32:2"), (2, "32x32:2")]
     for row in result["rows"]:
@@ -43,9 +58,20 @@ def test_bench_serving_open_loop_with_a_shape_mix(tiny_flux, tmp_path):
     with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "2"]) as server:
         out = tmp_path / "serving.json"
         _run(
-            "bench_serving.py", "--base-url", server.base_url, "--request-rate", "20", "--num-requests", "8",
-            "--shapes", "32x32:2:3,64x64:2:1", "--warmup", "1", "--json", str(out),
-        )  # fmt: skip
+            "bench_serving.py",
+            "--base-url",
+            server.base_url,
+            "--request-rate",
+            "20",
+            "--num-requests",
+            "8",
+            "--shapes",
+            "32x32:2:3,64x64:2:1",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        )
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"]) == (8, 0)
     assert result["server"]["executed_batches"] >= 1 and result["server"]["peak_rss_mb"] > 0
@@ -64,8 +90,19 @@ def test_bench_offline_and_bench_omni(tiny_flux):
 def test_load_test_fast_variant_loses_nothing(tiny_flux, tmp_path):
     """100 requests at concurrency 32 (the 1,000-request run is in docs/reliability.md)."""
     out = tmp_path / "load.json"
-    _run("load_test.py", "--model", tiny_flux, "--requests", "100", "--concurrency", "32", "--warmup", "32",
-         "--json", str(out))  # fmt: skip
+    _run(
+        "load_test.py",
+        "--model",
+        tiny_flux,
+        "--requests",
+        "100",
+        "--concurrency",
+        "32",
+        "--warmup",
+        "32",
+        "--json",
+        str(out),
+    )
     result = json.loads(out.read_text())
     assert result["ok"] and result["answered"] == 100 and result["lost"] == 0 and result["unexpected"] == 0
     assert result["images"] + result["rejected"] == 100 and result["images"] > 0
@@ -75,9 +112,19 @@ def test_step_batching_quick_writes_rows_per_mode_and_load(tiny_flux, tmp_path):
     """The smoke configuration, both modes: one row per mode and load, the ratios and the targets."""
     modes = ["request", "step"]
     _run(
-        "step_batching.py", "--quick", "--model", tiny_flux, "--families", "flux", "--modes", ",".join(modes),
-        "--name", "smoke", "--out-dir", str(tmp_path),
-    )  # fmt: skip
+        "step_batching.py",
+        "--quick",
+        "--model",
+        tiny_flux,
+        "--families",
+        "flux",
+        "--modes",
+        ",".join(modes),
+        "--name",
+        "smoke",
+        "--out-dir",
+        str(tmp_path),
+    )
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert result["config"]["quick"] and result["config"]["modes"] == modes
     [family] = result["families"]
@@ -89,8 +136,10 @@ def test_step_batching_quick_writes_rows_per_mode_and_load(tiny_flux, tmp_path):
         assert row["latency_p50_s"] <= row["latency_p90_s"] and row["mean_batch_size"] >= 1
         assert row["queue_wait_mean_ms"] is not None and row["queue_wait_p90_ms_est"] is not None
     assert [t["target"] for t in result["targets"]] == [
-        "queue_wait_request_over_step", "throughput_step_over_request", "p90_e2e_step_over_request",
-    ]  # fmt: skip
+        "queue_wait_request_over_step",
+        "throughput_step_over_request",
+        "p90_e2e_step_over_request",
+    ]
     [ratios] = result["ratios"]
     assert ratios["load"] == 0.8 and all(ratios[t["target"]] > 0 for t in result["targets"])
     assert all(isinstance(t["pass"], bool) for t in result["targets"])
@@ -100,12 +149,27 @@ def test_step_batching_quick_writes_rows_per_mode_and_load(tiny_flux, tmp_path):
 
 def test_replicas_benchmark_compares_one_and_two_ray_replicas(tiny_flux, tmp_path):
     _run(
-        "replicas.py", "--model", tiny_flux, "--shape", "32x32:2", "--num-requests", "4", "--reps", "1",
-        "--overhead-requests", "2", "--out-dir", str(tmp_path), "--name", "smoke",
-    )  # fmt: skip
+        "replicas.py",
+        "--model",
+        tiny_flux,
+        "--shape",
+        "32x32:2",
+        "--num-requests",
+        "4",
+        "--reps",
+        "1",
+        "--overhead-requests",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+        "--name",
+        "smoke",
+    )
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert [(r["backend"], r["replicas"], r["served_by"]) for r in result["rows"]] == [
-        ("inline", 1, [0]), ("ray", 1, [0]), ("ray", 2, [0, 1])
+        ("inline", 1, [0]),
+        ("ray", 1, [0]),
+        ("ray", 2, [0, 1]),
     ]
     assert result["speedup"] > 0 and all(r["overhead_ms_median"] > 0 for r in result["rows"])
     assert "2 Ray replicas / 1 Ray replica" in (tmp_path / "smoke.md").read_text()
@@ -114,15 +178,36 @@ def test_replicas_benchmark_compares_one_and_two_ray_replicas(tiny_flux, tmp_pat
 def test_stages_benchmark_compares_single_and_split_deploys(tiny_flux, tmp_path):
     deploys = ["single", "split", "split-step"]
     _run(
-        "stages.py", "--model", tiny_flux, "--families", "flux", "--size", "32x32", "--steps", "2",
-        "--num-requests", "4", "--concurrency", "4", "--reps", "1", "--warmup", "0",
-        "--out-dir", str(tmp_path), "--name", "smoke",
-    )  # fmt: skip
+        "stages.py",
+        "--model",
+        tiny_flux,
+        "--families",
+        "flux",
+        "--size",
+        "32x32",
+        "--steps",
+        "2",
+        "--num-requests",
+        "4",
+        "--concurrency",
+        "4",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--out-dir",
+        str(tmp_path),
+        "--name",
+        "smoke",
+    )
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert [(r["family"], r["deploy"]) for r in result["rows"]] == [("flux", d) for d in deploys]
     stage_types = {r["deploy"]: [s["stage_type"] for s in r["stages"]] for r in result["rows"]}
-    assert stage_types == {"single": ["diffusion"], "split": ["encode", "denoise", "decode"],
-                           "split-step": ["encode", "denoise", "decode"]}  # fmt: skip
+    assert stage_types == {
+        "single": ["diffusion"],
+        "split": ["encode", "denoise", "decode"],
+        "split-step": ["encode", "denoise", "decode"],
+    }
     for row in result["rows"]:
         assert row["req_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
         for stage in row["stages"]:

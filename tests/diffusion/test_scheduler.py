@@ -19,11 +19,17 @@ from vllm_omni.diffusion.batching import BatchScheduler
 def _scheduler(max_num_seqs=4, wait_ms=0.0) -> BatchScheduler:
     return BatchScheduler(
         OmniDiffusionConfig(
-            model="unused", stage_id=0, replica=0, stage_type="diffusion",
-            max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms,
-            execution_mode="request", dtype="auto", devices=None,
+            model="unused",
+            stage_id=0,
+            replica=0,
+            stage_type="diffusion",
+            max_num_seqs=max_num_seqs,
+            request_batch_max_wait_ms=wait_ms,
+            execution_mode="request",
+            dtype="auto",
+            devices=None,
         )
-    )  # fmt: skip
+    )
 
 
 def _request(name: str, size: int = 32, **params) -> DiffusionRequest:

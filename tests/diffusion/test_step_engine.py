@@ -43,9 +43,13 @@ def test_requests_with_different_steps_share_forwards_and_match_the_stock_pipeli
     pipeline = omni.engine.stages[0].replicas[0].engine.runner.pipeline
     for i, output in enumerate(outputs):
         stock = pipeline(
-            prompt=PROMPTS[i], height=32, width=32, num_inference_steps=steps[i], output_type="np",
+            prompt=PROMPTS[i],
+            height=32,
+            width=32,
+            num_inference_steps=steps[i],
+            output_type="np",
             generator=[torch.Generator("cpu").manual_seed(i)],
-        ).images[0]  # fmt: skip
+        ).images[0]
         assert np.abs(np.round(output.images[0] * 255) - np.round(stock * 255)).max() <= 2
 
 
@@ -122,7 +126,11 @@ def test_encode_and_decode_on_side_workers_give_the_same_results(tiny_flux):
     pipeline = engine.runner.pipeline
     for i, output in enumerate(outputs):
         stock = pipeline(
-            prompt=PROMPTS[i], height=32, width=32, num_inference_steps=3 + i, output_type="np",
+            prompt=PROMPTS[i],
+            height=32,
+            width=32,
+            num_inference_steps=3 + i,
+            output_type="np",
             generator=[torch.Generator("cpu").manual_seed(i)],
-        ).images[0]  # fmt: skip
+        ).images[0]
         assert np.abs(np.round(output.images[0] * 255) - np.round(stock * 255)).max() <= 2

@@ -16,11 +16,17 @@ from vllm_omni.diffusion.batching import StepBatchScheduler
 def _scheduler(max_num_seqs=2) -> StepBatchScheduler:
     return StepBatchScheduler(
         OmniDiffusionConfig(
-            model="unused", stage_id=0, replica=0, stage_type="diffusion",
-            max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0,
-            execution_mode="step", dtype="auto", devices=None,
+            model="unused",
+            stage_id=0,
+            replica=0,
+            stage_type="diffusion",
+            max_num_seqs=max_num_seqs,
+            request_batch_max_wait_ms=0.0,
+            execution_mode="step",
+            dtype="auto",
+            devices=None,
         )
-    )  # fmt: skip
+    )
 
 
 def _request(name: str, key="64x64") -> DiffusionRequest:

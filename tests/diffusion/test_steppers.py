@@ -53,11 +53,15 @@ def _stock(pipeline, prompt: str, params: OmniDiffusionSamplingParams, seed: int
     """The stock pipeline, this request alone, called as the request-mode runner calls it."""
     n = params.num_outputs_per_prompt
     kwargs = dict(
-        prompt=prompt, height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale, output_type="np",
+        prompt=prompt,
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        output_type="np",
         generator=[torch.Generator("cpu").manual_seed(seed)] * n,
         **params.extra_args,
-    )  # fmt: skip
+    )
     if params.negative_prompt is not None:
         kwargs["negative_prompt"] = params.negative_prompt
     if params.num_frames is not None:
@@ -96,14 +100,14 @@ def test_flux_joins_at_different_steps(tiny_flux):
                     **size,
                 ),
                 3,
-            ),  # fmt: skip
+            ),
             (
                 5,
                 "D",
                 "a small tree",
                 _params(num_inference_steps=4, guidance_scale=3.5, num_outputs_per_prompt=2, **size),
                 4,
-            ),  # fmt: skip
+            ),
         ],
     )
 
@@ -116,7 +120,7 @@ def test_flux_joins_at_different_steps(tiny_flux):
         "DPMSolverMultistepScheduler",
         "EulerAncestralDiscreteScheduler",
         "UniPCMultistepScheduler",
-    ],  # fmt: skip
+    ],
 )
 def test_stable_diffusion_schedulers_keep_their_semantics(tiny_sd, scheduler):
     """None is the model's own Euler; DPM++ and UniPC keep multistep history, Euler-a draws noise every step."""
@@ -130,7 +134,7 @@ def test_stable_diffusion_schedulers_keep_their_semantics(tiny_sd, scheduler):
                 "a photo of a cat",
                 _params(num_inference_steps=6, guidance_scale=7.5, negative_prompt="a dog", **size),
                 1,
-            ),  # fmt: skip
+            ),
             (2, "B", "a red car", _params(num_inference_steps=5, guidance_scale=1.0, **size), 2),  # no CFG: 1 row
             (3, "C", "a blue house", _params(num_inference_steps=6, guidance_scale=4.0, **size), 3),
         ],
@@ -150,7 +154,7 @@ def test_wan_videos_join_at_different_steps(tiny_wan):
                 "a blue house",
                 _params(num_inference_steps=6, guidance_scale=3.0, negative_prompt="a dog", **video),
                 3,
-            ),  # fmt: skip
+            ),
         ],
     )
 
@@ -169,7 +173,7 @@ def test_sd3_and_sdxl_join_at_different_steps(family, request):
                 "a blue house",
                 _params(num_inference_steps=4, guidance_scale=3.0, negative_prompt="a dog", **size),
                 3,
-            ),  # fmt: skip
+            ),
         ],
     )
 

@@ -16,6 +16,9 @@ from vllm_omni.diffusion.steppers import Conditioning
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+# The replicas' priority, as vllm_omni.engine.ray_replicas sets it for the clusters it starts (this one starts first).
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
@@ -147,7 +150,10 @@ def test_replicas_run_on_different_nodes_and_share_the_requests(cluster, omni):
     assert ray.get(threads) == [1, 1]
 
     batches_before = {r: _sample("batch_num_requests_sum", stage="0", replica=r, task="image") for r in "01"}
-    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=8, seed=i % 2) for i in range(8)]
+    # Placed alternately: each replica gets both seeds.
+    params = [
+        OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=8, seed=i // 2 % 2) for i in range(8)
+    ]
     for replica in replicas:  # no request finishes before all are placed, however slow the placing is
         _hold_batches(replica)
     try:
@@ -167,7 +173,9 @@ def test_replicas_run_on_different_nodes_and_share_the_requests(cluster, omni):
     # The same seed gives the same image on either replica.
     for seed in (0, 1):
         images = [_pixels(o) for o, p in zip(outputs, params, strict=True) if p.seed == seed]
-        assert all(np.array_equal(images[0], image) for image in images[1:])
+        assert {o.metrics["replica"] for o, p in zip(outputs, params, strict=True) if p.seed == seed} == {0, 1}
+        # Within the tolerance of a batch of another size (which of them share a batch depends on timing).
+        assert all(np.abs(images[0] - image).max() <= 2 for image in images[1:])
 
 
 def test_a_tie_goes_to_the_replica_that_holds_the_same_batch_key(omni):
@@ -238,7 +246,8 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_comes_back(omni, cap
     # The restarted replica serves again, and every request, retried or not, gave the image its seed gives.
     again = omni.generate([f"prompt {i}" for i in range(12)], params)
     assert {o.metrics["replica"] for o in again} == {0, 1}
-    assert all(np.array_equal(_pixels(a), _pixels(b)) for a, b in zip(outputs, again, strict=True))
+    # (Within the tolerance of a batch of another size: which requests share a batch depends on timing.)
+    assert all(np.abs(_pixels(a) - _pixels(b)).max() <= 2 for a, b in zip(outputs, again, strict=True))
 
 
 def test_a_replica_whose_engine_loop_dies_is_restarted_and_its_requests_rerun(omni):

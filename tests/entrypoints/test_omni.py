@@ -47,9 +47,7 @@ def test_requested_size_and_outputs_per_prompt(omni):
 
 def test_same_seed_gives_the_same_image_alone_or_in_a_batch_of_four(omni):
     alone = omni.generate([PROMPTS[2]], _params(seed=1234))[0]
-    batched = omni.generate(
-        PROMPTS, [_params(seed=1234 if p == PROMPTS[2] else i) for i, p in enumerate(PROMPTS)]
-    )[2]
+    batched = omni.generate(PROMPTS, [_params(seed=1234 if p == PROMPTS[2] else i) for i, p in enumerate(PROMPTS)])[2]
     assert (alone.metrics["batch_size"], batched.metrics["batch_size"]) == (1, 4)
     assert np.abs(_pixels(alone.images[0]) - _pixels(batched.images[0])).max() <= 2
 

@@ -57,5 +57,7 @@ def test_defaults_and_invalid_video_params(omni):
 
 def test_image_pipelines_refuse_video_params(tiny_flux):
     with Omni(model=tiny_flux) as omni:
-        with pytest.raises(SamplingParamsError, match="num_frames applies to video pipelines; FluxPipeline makes images"):
+        with pytest.raises(
+            SamplingParamsError, match="num_frames applies to video pipelines; FluxPipeline makes images"
+        ):
             omni.generate(["x"], OmniDiffusionSamplingParams(height=32, width=32, num_frames=9))

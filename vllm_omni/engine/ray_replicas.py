@@ -19,6 +19,9 @@ from dataclasses import replace
 # Ray's failure-signal handler also takes SIGTERM, which the server uses to drain: with it the process
 # aborted (exit -6) once drained. It must be off before Ray is imported (Ray reads this at import).
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+# Ray starts its workers at nice 15, below the server; a replica does the serving work, and on a busy machine a
+# niced replica got a few percent of a core. Read by the raylets of a cluster this process starts.
+os.environ.setdefault("RAY_worker_niceness", "0")
 try:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError

@@ -20,8 +20,10 @@ def test_make_tiny_model_writes_a_loadable_diffusers_folder(tmp_path):
 
 def test_unknown_family_is_refused_with_the_choices(tmp_path):
     done = subprocess.run(
-        ["vllm-omni", "make-tiny-model", str(tmp_path / "x"), "--family", "dalle"], capture_output=True, text=True,
+        ["vllm-omni", "make-tiny-model", str(tmp_path / "x"), "--family", "dalle"],
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert done.returncode == 2
     assert "--family" in done.stderr and all(f"'{f}'" in done.stderr for f in ("flux", "flux-bench", "sd", "wan"))

@@ -37,16 +37,37 @@ def _error(parser, argv, capsys) -> str:
 def test_vllm_flags_and_omni_flags_resolve_with_cli_provenance(parser, tiny_flux):
     model, stages, serving = _config(
         parser,
-        [tiny_flux, "--omni", "--max-num-seqs", "4", "--request-batch-max-wait-ms", "25", "--dtype", "half",
-         "--port", "9001", "--api-key", "k1", "k2", "--served-model-name", "tiny", "--max-image-pixels", "4096",
-         "--allowed-origins", '["http://localhost"]'],
-    )  # fmt: skip
+        [
+            tiny_flux,
+            "--omni",
+            "--max-num-seqs",
+            "4",
+            "--request-batch-max-wait-ms",
+            "25",
+            "--dtype",
+            "half",
+            "--port",
+            "9001",
+            "--api-key",
+            "k1",
+            "k2",
+            "--served-model-name",
+            "tiny",
+            "--max-image-pixels",
+            "4096",
+            "--allowed-origins",
+            '["http://localhost"]',
+        ],
+    )
     stage = stages[0]
     assert model == tiny_flux
     assert (stage.max_num_seqs, stage.request_batch_max_wait_ms, stage.dtype) == (4, 25.0, "float16")
     assert {k: stage.provenance[k] for k in ("max_num_seqs", "request_batch_max_wait_ms", "dtype", "devices")} == {
-        "max_num_seqs": "cli", "request_batch_max_wait_ms": "cli", "dtype": "cli", "devices": "default",
-    }  # fmt: skip
+        "max_num_seqs": "cli",
+        "request_batch_max_wait_ms": "cli",
+        "dtype": "cli",
+        "devices": "default",
+    }
     assert (serving.port, serving.api_keys, serving.served_model_names) == (9001, ["k1", "k2"], ["tiny"])
     assert (serving.max_image_pixels, serving.allowed_origins) == (4096, ["http://localhost"])
 
@@ -82,7 +103,10 @@ def test_execution_mode_flag_resolves_with_cli_provenance(parser, tiny_flux):
         (["--max-num-seqs", "0"], r"--max-num-seqs 0: Input should be greater than or equal to 1"),
         (["--max-num-seqs", "four"], r"argument --max-num-seqs: invalid int value: 'four'"),
         (["--request-batch-max-wait-ms", "-1"], r"--request-batch-max-wait-ms -1.0: Input should be greater"),
-        (["--tensor-parallel-size", "2"], r"--tensor-parallel-size: vLLM flag\(s\) that a diffusion server does not use"),
+        (
+            ["--tensor-parallel-size", "2"],
+            r"--tensor-parallel-size: vLLM flag\(s\) that a diffusion server does not use",
+        ),
         (["--stage-overrides", "{"], r"argument --stage-overrides: not valid JSON"),
         (["--stage-overrides", "[1]"], r"argument --stage-overrides: must be a JSON object"),
         (["--stage-overrides", '{"3": {"max_num_seqs": 2}}'], r"stage_overrides names stage 3, which does not exist"),
@@ -90,7 +114,10 @@ def test_execution_mode_flag_resolves_with_cli_provenance(parser, tiny_flux):
         (["--max-waiting-requests", "-1"], r"--max-waiting-requests -1: Input should be greater than or equal to 0"),
         (["--max-num-seqs", "8", "--max-waiting-requests", "4"], r"--max-waiting-requests 4 is below max_num_seqs=8"),
         (["--bogus-flag"], r"unrecognized arguments: --bogus-flag"),
-        (["--execution-mode", "steps"], r"argument --execution-mode: invalid choice: 'steps' \(choose from 'request', 'step'\)"),
+        (
+            ["--execution-mode", "steps"],
+            r"argument --execution-mode: invalid choice: 'steps' \(choose from 'request', 'step'\)",
+        ),
         (["--execution-mode", "step", "--request-batch-max-wait-ms", "5"], r"applies to execution_mode 'request' only"),
     ],
 )
@@ -114,8 +141,10 @@ def test_the_real_vllm_cli_refuses_a_bad_flag_before_loading(tiny_flux):
     started = time.monotonic()
     done = subprocess.run(
         [vllm_executable(), "serve", tiny_flux, "--omni", "--max-num-seqs", "0"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2
     assert "--max-num-seqs 0" in done.stderr and "Loaded" not in done.stderr + done.stdout
     assert time.monotonic() - started < 120
@@ -134,8 +163,10 @@ def test_deploy_config_and_global_flag_show_in_metrics(tiny_flux, tmp_path):
 def test_the_vllm_omni_script_has_the_same_serve_command(tiny_flux):
     done = subprocess.run(
         ["vllm-omni", "serve", tiny_flux, "--max-num-seqs", "2", "--max-waiting-requests", "1"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2
     assert "usage: vllm-omni serve" in done.stderr and "--max-waiting-requests 1 is below" in done.stderr
 

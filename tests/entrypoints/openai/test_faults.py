@@ -206,8 +206,11 @@ def test_sigterm_under_load_stops_admission_and_exits_0(tiny_flux):
         asyncio.run(load())
         assert server.process.wait(timeout=60) == 0
     assert outcomes.get("ok", 0) > 0
-    unexpected = {k: v for k, v in outcomes.items()
-                  if k not in ("ok", "503:service_unavailable", "ClientConnectorError", "ServerDisconnectedError",
-                               "ClientOSError")}  # fmt: skip
+    unexpected = {
+        k: v
+        for k, v in outcomes.items()
+        if k
+        not in ("ok", "503:service_unavailable", "ClientConnectorError", "ServerDisconnectedError", "ClientOSError")
+    }
     assert unexpected == {}, outcomes
     assert "TimeoutError" not in outcomes
