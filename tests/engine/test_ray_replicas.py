@@ -76,28 +76,13 @@ def _wait_restarted(replica, old_pid: int, restarts_before: float) -> None:
 
 
 def _hold_batches(replica, then_break: bool = False) -> None:
-    """The replica runs its batches but resolves none of their requests until `_release_batches`, so the test,
-    not the speed of the machine, decides when they finish (the loads the stage routes by only grow until then).
-    With ``then_break`` its engine loop dies right after the first batch it finishes."""
+    """`hold_batches` in the replica's process, until `_release_batches` (the loads the stage routes by only grow
+    until then)."""
 
-    def hold(actor):  # runs in the replica's process (a local function travels by value)
-        import threading
+    def hold(actor):  # runs in the replica's process
+        from vllm_omni.testing.faults import hold_batches
 
-        scheduler = actor.replica.engine.scheduler
-        finish, released = scheduler.finish, threading.Event()
-
-        def finish_when_released(batch, outputs):
-            released.wait()
-            finish(batch, outputs)
-            if then_break:
-                raise RuntimeError("simulated scheduler bug")
-
-        def release():
-            if not then_break:
-                scheduler.finish = finish
-            released.set()
-
-        scheduler.finish, actor.release_batches = finish_when_released, release
+        actor.release_batches = hold_batches(actor.replica.engine.scheduler, then_break)
 
     ray.get(replica._actor.__ray_call__.remote(hold))
 

@@ -16,6 +16,7 @@ import uvicorn
 from vllm_omni.config import resolve_stage_configs
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.app import build_app
+from vllm_omni.testing.faults import hold_batches
 from vllm_omni.testing.server import RemoteOmniServer, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -65,22 +66,6 @@ def in_process_server(model: str, **knobs):
     assert not thread.is_alive(), "the server did not stop"
 
 
-def hold_batches(scheduler, then_break: bool = False) -> threading.Event:
-    """The engine runs its batches but finishes none until the returned event is set: the test, not the speed of
-    the machine, decides when a running request ends. With ``then_break`` the engine loop dies right after the
-    first batch it finishes."""
-    finish, released = scheduler.finish, threading.Event()
-
-    def finish_when_released(batch, outputs):
-        released.wait()
-        finish(batch, outputs)
-        if then_break:
-            raise RuntimeError("simulated scheduler bug")
-
-    scheduler.finish = finish_when_released
-    return released
-
-
 @contextlib.contextmanager
 def request_left_open(base_url: str, path: str, body: dict):
     """POST ``body`` on a connection of its own, and close that connection, without reading the answer, when the
@@ -117,7 +102,7 @@ def test_a_dead_engine_loop_turns_health_503_and_fails_requests_fast(tiny_flux):
             waiting.start()
             wait_for(lambda: gauge(base, "num_requests_waiting") == 1)
         finally:
-            release.set()
+            release()
             running.join(120)
             if waiting.ident is not None:
                 waiting.join(120)
@@ -163,7 +148,7 @@ def test_a_client_that_disconnects_while_waiting_frees_its_slot(tiny_flux):
             wait_for(lambda: counter(base, 'image_generation_requests_total{outcome="aborted"}') == aborted + 1)
             assert gauge(base, "num_requests_running") == 1
         finally:
-            release.set()
+            release()
             running.join(120)
         assert result["long"].status_code == 200
         wait_for(lambda: gauge(base, "num_requests_running") == 0)
