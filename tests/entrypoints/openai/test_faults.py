@@ -163,7 +163,7 @@ def test_sigterm_under_load_stops_admission_and_exits_0(tiny_flux):
     outcomes: dict[str, int] = {}
 
     async def client(base: str, stop: asyncio.Event) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             while not stop.is_set():
                 try:
                     async with session.post(f"{base}/v1/images/generations", json={"prompt": "x", **QUICK}) as r:
@@ -174,7 +174,9 @@ def test_sigterm_under_load_stops_admission_and_exits_0(tiny_flux):
                     stop.set()
                 outcomes[key] = outcomes.get(key, 0) + 1
 
-    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "4", "--shutdown-timeout-s", "20"]) as server:
+    # The drain runs the queued requests; a busy machine may need minutes for them, and a graceful-shutdown timeout
+    # that expires cancels them with a plain 500, so the timeout is far above any drain (a hang still shows).
+    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "4", "--shutdown-timeout-s", "300"]) as server:
 
         async def load() -> None:
             stop = asyncio.Event()
@@ -186,10 +188,10 @@ def test_sigterm_under_load_stops_admission_and_exits_0(tiny_flux):
 
             await asyncio.wait_for(served(), timeout=120)
             server.process.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(asyncio.gather(*clients), timeout=90)
+            await asyncio.wait_for(asyncio.gather(*clients), timeout=400)
 
         asyncio.run(load())
-        assert server.process.wait(timeout=60) == 0
+        assert server.process.wait(timeout=400) == 0
     assert outcomes.get("ok", 0) > 0
     unexpected = {
         k: v
