@@ -14,7 +14,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 
 from vllm_omni.diffusion.request import RequestFailedError, StageUnavailableError
 from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
@@ -41,14 +40,15 @@ class ClientDisconnected(Exception):
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first (vLLM's ``listen_for_disconnect``), cancel it, which aborts
-    its request and frees its slot.
+    """Await ``work``; if the client disconnects first, cancel it, which aborts its request and frees its slot.
 
     vLLM's ``with_cancellation`` decorator does not fit: when the server cancels the handler (at the end of the
     shutdown timeout) it leaves the work running instead of aborting it, and it answers 200 to a client that is gone.
+    Nor does its ``listen_for_disconnect`` (the same loop as `_disconnected`): importing its module resolves vLLM's
+    platform at import time, before the CLI sets the CPU hint, which then fails vLLM's own parser in that process.
     """
     work = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(listen_for_disconnect(request))
+    watcher = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the server cancels us (shutdown timeout): abort the request too
@@ -62,6 +62,11 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     with contextlib.suppress(asyncio.CancelledError):
         await work
     raise ClientDisconnected
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _CountsInvalidImageRequests(APIRoute):
