@@ -1,6 +1,8 @@
 """Steppers against the stock pipeline: requests that join a running batch at different step indices end
 with the image (or video) the stock pipeline makes for them alone, within 2/255."""
 
+import functools
+
 import diffusers
 import numpy as np
 import pytest
@@ -180,26 +182,29 @@ def test_sd3_and_sdxl_join_at_different_steps(family, request):
 
 def test_keys_separate_what_cannot_share_a_forward(tiny_flux):
     stepper = make_stepper(_load(tiny_flux), CPU)
+    key = functools.partial(stepper.key, stepper.card)  # keys read only the model's card, not the pipeline
     base = _params(height=64, width=64, num_inference_steps=4, guidance_scale=3.5)
-    assert stepper.key(base) == stepper.key(base.model_copy(update={"num_inference_steps": 20, "guidance_scale": 7.0}))
-    assert stepper.key(base) != stepper.key(base.model_copy(update={"width": 32}))
-    assert stepper.key(base) != stepper.key(base.model_copy(update={"extra_args": {"max_sequence_length": 128}}))
+    assert key(base) == key(base.model_copy(update={"num_inference_steps": 20, "guidance_scale": 7.0}))
+    assert key(base) != key(base.model_copy(update={"width": 32}))
+    assert key(base) != key(base.model_copy(update={"extra_args": {"max_sequence_length": 128}}))
 
 
 def test_split_stage_keys_are_text_shaped_and_latent_shaped(tiny_flux):
     stepper = make_stepper(_load(tiny_flux), CPU, SPLIT)
+    encode_key = functools.partial(stepper.encode_key, stepper.card)
+    decode_key = functools.partial(stepper.decode_key, stepper.card)
     base = _params(height=64, width=64, num_inference_steps=4, guidance_scale=3.5)
     # Encode batches prompts whatever their size, steps or guidance; not different text lengths or negative rows.
-    assert stepper.encode_key(base) == stepper.encode_key(
+    assert encode_key(base) == encode_key(
         base.model_copy(update={"height": 32, "num_inference_steps": 20, "guidance_scale": 7.0})
     )
     true_cfg = base.model_copy(update={"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 2.0}})
     for other in (base.model_copy(update={"extra_args": {"max_sequence_length": 128}}), true_cfg):
-        assert stepper.encode_key(base) != stepper.encode_key(other)
+        assert encode_key(base) != encode_key(other)
     # Decode batches latents of one shape, whatever their prompt, steps or guidance.
-    assert stepper.decode_key(base) == stepper.decode_key(true_cfg.model_copy(update={"num_inference_steps": 9}))
-    assert stepper.decode_key(base) != stepper.decode_key(base.model_copy(update={"width": 32}))
-    assert stepper.decode_key(base) != stepper.decode_key(base.model_copy(update={"output_type": "pil"}))
+    assert decode_key(base) == decode_key(true_cfg.model_copy(update={"num_inference_steps": 9}))
+    assert decode_key(base) != decode_key(base.model_copy(update={"width": 32}))
+    assert decode_key(base) != decode_key(base.model_copy(update={"output_type": "pil"}))
 
 
 def test_unsupported_pipelines_and_arguments_are_refused(tiny_sd):
@@ -217,4 +222,4 @@ def test_unsupported_pipelines_and_arguments_are_refused(tiny_sd):
     stepper = make_stepper(pipeline, CPU)
     expected = r"'clip_skip' is not supported .* \(supported: eta, guidance_rescale\)"
     with pytest.raises(SamplingParamsError, match=expected):
-        stepper.check_params(_params(extra_args={"clip_skip": 1}))
+        stepper.check_params(stepper.card, _params(extra_args={"clip_skip": 1}))

@@ -2,7 +2,7 @@
 
 from vllm_omni.config.diffusion import OmniDiffusionConfig
 from vllm_omni.config.loader import load_deploy_config
-from vllm_omni.config.resolver import resolve_stage_configs
+from vllm_omni.config.resolver import engine_torch_threads, resolve_stage_configs
 from vllm_omni.config.stage import (
     STAGE_KNOBS,
     STAGE_TYPES,
@@ -22,6 +22,7 @@ __all__ = [
     "Source",
     "StageDeployConfig",
     "StageTypeSpec",
+    "engine_torch_threads",
     "load_deploy_config",
     "resolve_stage_configs",
 ]

@@ -43,8 +43,14 @@ class OmniDiffusionConfig(BaseModel):
     devices: str | None
     """CUDA device indices, or ``None`` for the default device."""
 
+    torch_threads: int | None
+    """Torch (OpenMP) threads of the engine's thread; ``None``: torch's default, one per core."""
+
     @classmethod
-    def from_stage(cls, model: str, stage: StageDeployConfig, replica: int = 0) -> OmniDiffusionConfig:
+    def from_stage(
+        cls, model: str, stage: StageDeployConfig, replica: int = 0, torch_threads: int | None = None
+    ) -> OmniDiffusionConfig:
+        """The engine config of one replica of ``stage``; ``torch_threads`` from `engine_torch_threads`."""
         if stage.stage_type == "llm":
             raise ValueError(f"stage {stage.stage_id} has stage_type 'llm', which this release does not serve")
         if not 0 <= replica < stage.num_replicas:
@@ -59,4 +65,5 @@ class OmniDiffusionConfig(BaseModel):
             execution_mode=stage.execution_mode,
             dtype=stage.dtype,
             devices=stage.devices,
+            torch_threads=torch_threads,
         )

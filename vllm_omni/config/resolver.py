@@ -142,6 +142,15 @@ def resolve_stage_configs(
     return resolved
 
 
+def engine_torch_threads(stage_configs: list[StageDeployConfig]) -> dict[int, int]:
+    """Torch threads of each stage's engine threads, by stage id (docs/performance.md): a Ray replica runs its
+    ``num_cpus``; the inline stages share this process, so they split its cores evenly (at least one each) and
+    their OpenMP teams together never hold more threads than there are cores."""
+    inline = sum(s.distributed_executor_backend == "inline" for s in stage_configs)
+    share = max(1, len(os.sched_getaffinity(0)) // max(1, inline))
+    return {s.stage_id: s.num_cpus if s.distributed_executor_backend == "ray" else share for s in stage_configs}
+
+
 def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Mapping[str, Source]) -> None:
     """Knobs that are valid alone but not together, named as each was written."""
 

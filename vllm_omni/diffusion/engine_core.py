@@ -110,8 +110,9 @@ class EngineCore:
         self.od_config = od_config
         self.runner = DiffusionRunner(od_config, skips=role.skips)
         self.role = role(od_config, self.runner, self._on_oom_split)
+        self.admission = role.admission(od_config.execution_mode, self.runner.card)
         self.scheduler = scheduler
-        task = "video" if self.runner.is_video else "image"
+        task = "video" if self.runner.card.is_video else "image"
         self.metrics = EngineMetrics(od_config.stage_id, od_config.replica, task)
         self.metrics.num_requests_running.set_function(lambda: scheduler.num_running)
         self.metrics.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
@@ -122,7 +123,7 @@ class EngineCore:
         """Queue a request with ``params`` its role has completed (and the previous stage's ``payload`` for it, in a split
         pipeline); the returned future resolves to its `OmniRequestOutput`, or a `StageOutput` from a stage that
         is not the last."""
-        request = DiffusionRequest.create(request_id, prompt, params, key=self.role.key(params), payload=payload)
+        request = DiffusionRequest.create(request_id, prompt, params, key=self.admission.key(params), payload=payload)
         self.scheduler.add(request)
         return request.future
 
@@ -133,7 +134,7 @@ class EngineCore:
         self, request: DiffusionRequest, result: Any, metrics: RequestMetrics
     ) -> OmniRequestOutput | StageOutput:
         """The request's output from its role's ``result`` and how it ran."""
-        video = self.runner.is_video
+        video = self.runner.card.is_video
         if video:
             metrics.fps = request.params.fps
         return build_output(request.request_id, request.prompt, result, metrics, final=self.role.final, video=video)

@@ -1,7 +1,7 @@
 """Stage roles: what a stage of each type does, in one table (`ROLES`; docs/stages.md, docs/architecture.md).
 
 A role owns, for its stage type: the pipeline components the stage skips when it loads, whether it completes
-sampling parameters, its batch key, how a request begins (`begin`: encode and start, or start from the previous
+sampling parameters, its batch key (`StageAdmission`, from the model's card alone), how a request begins (`begin`: encode and start, or start from the previous
 stage's payload) and how requests end (`end`: decode to images or videos, or hand latents on), and `run`, one
 batch in request mode. The engines (`request_engine.py`, `step_engine.py`) run any role; the graph facts of a
 stage type (what it takes as input, whether it is final, whether it denoises) live in
@@ -11,13 +11,32 @@ stage type (what it takes as input, whether it is final, whether it denoises) li
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.engine_core import denoise_step
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import BatchKey, DiffusionRequest, OmniDiffusionSamplingParams
 from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS, DiffusionRunner, check_batchable, read_model_index
-from vllm_omni.diffusion.steppers import SPLIT, STEP_MODE, SUPPORTED_PIPELINES, Latents, StepState, make_stepper
+from vllm_omni.diffusion.steppers import (
+    SPLIT,
+    STEP_MODE,
+    SUPPORTED_PIPELINES,
+    Latents,
+    Stepper,
+    StepState,
+    make_stepper,
+    stepper_class,
+)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request's sampling parameters with the model's defaults filled in, and the batch key they give."""
+
+    params: OmniDiffusionSamplingParams
+    key: Hashable
 
 
 class StageRole:
@@ -39,28 +58,32 @@ class StageRole:
         self.on_oom_split = on_oom_split
         self.stepper = (
             make_stepper(runner.pipeline, runner.device, SPLIT if self.split else STEP_MODE)
-            if self.split or od_config.execution_mode == "step"
+            if self.uses_stepper(od_config.execution_mode)
             else None
         )
         """The model's `Stepper` when the stage steps or splits the pipeline, else ``None``."""
+
+    @classmethod
+    def uses_stepper(cls, execution_mode: str) -> bool:
+        """Whether the stage runs the model through its stepper: it steps, or it is part of a split pipeline."""
+        return cls.split or execution_mode == "step"
+
+    @classmethod
+    def admission(cls, execution_mode: str, card: ModelCard) -> StageAdmission:
+        """How a stage of this type admits requests for the model of ``card``."""
+        return StageAdmission(
+            cls, card, stepper_class(card.pipeline_name) if cls.uses_stepper(execution_mode) else None
+        )
 
     @property
     def final(self) -> bool:
         """Whether its outputs are images or videos (else it hands a payload to the next stage)."""
         return STAGE_TYPES[self.stage_type].final
 
-    def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
-        """``params`` with the model's defaults filled in where this stage holds them, checked against what the
-        stage can run (raises `SamplingParamsError`)."""
-        if self.completes_params:
-            params = self.runner.complete_params(params)
-        if self.stepper is not None:
-            self.stepper.check_params(params)
-        return params
-
-    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+    @classmethod
+    def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
         """What must match for complete ``params`` to share a batch (or, stepping, a forward)."""
-        return self.stepper.key(params)
+        return stepper.key(card, params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[Any]:
         """Request mode: one batch; one result per request (what `build_output` takes), or the exception that
@@ -106,8 +129,9 @@ class DiffusionRole(StageRole):
         if self.stepper is None:  # step mode batches forwards, not pipeline calls
             check_batchable(type(runner.pipeline), od_config.max_num_seqs)
 
-    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
-        return BatchKey.of(params) if self.stepper is None else self.stepper.key(params)
+    @classmethod
+    def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
+        return BatchKey.of(params) if stepper is None else stepper.key(card, params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
         return self.runner.run(batch)
@@ -125,8 +149,9 @@ class EncodeRole(StageRole):
     stage_type = "encode"
     skips = DENOISERS + ("vae",)
 
-    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
-        return self.stepper.encode_key(params)
+    @classmethod
+    def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
+        return stepper.encode_key(card, params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[Any]:
         return self.stepper.encode([r.prompt for r in batch], [r.params for r in batch])
@@ -156,8 +181,9 @@ class DecodeRole(StageRole):
     stage_type = "decode"
     skips = TEXT_ENCODERS + DENOISERS
 
-    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
-        return self.stepper.decode_key(params)
+    @classmethod
+    def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
+        return stepper.decode_key(card, params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
         # The denoise stage may run on another device or in another dtype; on the same ones nothing is copied.
@@ -169,6 +195,30 @@ ROLES: dict[str, type[StageRole]] = {
     role.stage_type: role for role in (DiffusionRole, EncodeRole, DenoiseRole, DecodeRole)
 }
 """The role of each stage type this release serves."""
+
+
+@dataclass(frozen=True)
+class StageAdmission:
+    """How a stage admits a request, from its model's card alone: the stage that holds the denoiser fills in the
+    model's defaults, a stage that steps checks what its stepper can run, and every stage gives the batch key. Plain
+    data, so it runs where the request arrives: a Ray stage admits on the driver, with no call to a replica."""
+
+    role: type[StageRole]
+    card: ModelCard
+    stepper: type[Stepper] | None
+    """The model's stepper class when the stage steps or is split, else ``None``."""
+
+    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
+        """``params`` completed and checked, with their batch key (raises `SamplingParamsError`)."""
+        if self.role.completes_params:
+            params = self.card.complete_params(params)
+        if self.stepper is not None:
+            self.stepper.check_params(self.card, params)
+        return Admission(params, self.key(params))
+
+    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+        """The batch key of complete ``params``."""
+        return self.role.batch_key(self.card, self.stepper, params)
 
 
 def check_splittable(model: str, stage_configs: list[StageDeployConfig]) -> None:

@@ -12,35 +12,11 @@ from typing import Any
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
-
-DEFAULT_VIDEO_FPS = 16
-"""Frame rate a video is reported at when the request gives none (Wan models are trained at 16 fps)."""
-
-# Arguments the runner sets itself; extra_args may not carry them.
-_RESERVED_ARGS = frozenset(
-    {
-        "prompt",
-        "negative_prompt",
-        "height",
-        "width",
-        "num_inference_steps",
-        "guidance_scale",
-        "generator",
-        "output_type",
-        "num_images_per_prompt",
-        "num_videos_per_prompt",
-        "num_frames",
-        "callback_on_step_end",
-        "callback_on_step_end_tensor_inputs",
-        "return_dict",
-        "latents",
-        "prompt_embeds",
-    }
-)
 
 
 def select_device(devices: str | None) -> torch.device:
@@ -108,6 +84,9 @@ def load_pipeline(model: str, dtype: torch.dtype, device: torch.device, skips: t
     """The pipeline on ``device``, without the components named in ``skips``."""
     from diffusers import DiffusionPipeline
 
+    # transformers loads a model's weights on a pool of worker threads unless this is set: torch ops on other
+    # threads than the engine's (see EngineReplica), whose OpenMP teams slow every later forward.
+    os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
     components = read_model_index(model)
     skipped = {name: None for name in skips if name in components}
     pipeline = DiffusionPipeline.from_pretrained(model, dtype=dtype, local_files_only=True, **skipped)
@@ -124,15 +103,11 @@ class DiffusionRunner:
         self.dtype = select_dtype(od_config.dtype, self.device)
         started = time.perf_counter()
         self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips)
-        self.pipeline_name = type(self.pipeline).__name__
-        self._call_params = inspect.signature(self.pipeline.__call__).parameters
-        self._outputs_arg = next(
-            (n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in self._call_params), None
-        )
-        self.is_video = "num_frames" in self._call_params
+        self.card = ModelCard.of(self.pipeline)
+        """What admission needs of the pipeline."""
         logger.info(
             "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s)",
-            self.pipeline_name,
+            self.card.pipeline_name,
             od_config.model,
             self.device,
             self.dtype,
@@ -140,94 +115,6 @@ class DiffusionRunner:
             od_config.stage_id,
             od_config.stage_type,
         )
-
-    def _default(self, name: str) -> Any:
-        parameter = self._call_params.get(name)
-        return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
-
-    def _default_size(self) -> tuple[int, int] | None:
-        """(height, width) the pipeline uses when none is given: its call defaults, else its sample size."""
-        height, width = self._default("height"), self._default("width")
-        if isinstance(height, int) and isinstance(width, int):
-            return height, width
-        sample = getattr(self.pipeline, "default_sample_size", None)
-        if sample is None:
-            denoiser = getattr(self.pipeline, "unet", None) or getattr(self.pipeline, "transformer", None)
-            sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
-        scale = getattr(self.pipeline, "vae_scale_factor", None)
-        return (sample * scale,) * 2 if isinstance(sample, int) and isinstance(scale, int) else None
-
-    @property
-    def size_multiple(self) -> int:
-        """Height and width must be multiples of this: latents are the VAE's spatial factor times smaller and
-        packed or patched 2×2 by DiT pipelines; UNet pipelines check multiples of 8 themselves."""
-        scale = getattr(self.pipeline, "vae_scale_factor", None) or getattr(
-            self.pipeline, "vae_scale_factor_spatial", 1
-        )
-        return max(8, 2 * int(scale))
-
-    def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
-        """Fill unset fields with the pipeline's defaults; raise `SamplingParamsError` for what it cannot take."""
-        name = self.pipeline_name
-        if params.negative_prompt is not None and "negative_prompt" not in self._call_params:
-            raise SamplingParamsError("negative_prompt", f"negative_prompt is not accepted by {name}")
-        if params.guidance_scale is not None and "guidance_scale" not in self._call_params:
-            raise SamplingParamsError("guidance_scale", f"guidance_scale is not accepted by {name}")
-        if params.num_outputs_per_prompt > 1 and self._outputs_arg is None:
-            raise SamplingParamsError(
-                "num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}"
-            )
-        for arg in params.extra_args:
-            if arg in _RESERVED_ARGS:
-                raise SamplingParamsError(
-                    "extra_args", f"extra_args may not set {arg!r}: it is a sampling parameter or set by vllm-omni"
-                )
-            if arg not in self._call_params:
-                raise SamplingParamsError("extra_args", f"extra_args key {arg!r} is not an argument of {name}.__call__")
-        size = self._default_size()
-        if (params.height is None or params.width is None) and size is None:
-            raise SamplingParamsError("height", f"{name} has no default size: give height and width")
-        height, width = params.height or size[0], params.width or size[1]
-        video = self._complete_video(params)
-        for field, value in (("height", height), ("width", width)):
-            if value % self.size_multiple:
-                raise SamplingParamsError(
-                    field, f"{field}={value} is not a multiple of {self.size_multiple}, which {name} requires"
-                )
-        return params.model_copy(
-            update={
-                **video,
-                "height": height,
-                "width": width,
-                "num_inference_steps": params.num_inference_steps or self._default("num_inference_steps") or 50,
-                "guidance_scale": params.guidance_scale
-                if params.guidance_scale is not None
-                else self._default("guidance_scale"),
-            }
-        )
-
-    @property
-    def frame_multiple(self) -> int:
-        """A video's num_frames must be 1 more than a multiple of this: the VAE's temporal compression."""
-        return int(getattr(self.pipeline, "vae_scale_factor_temporal", 1) or 1)
-
-    def _complete_video(self, params: OmniDiffusionSamplingParams) -> dict[str, int]:
-        """num_frames and fps for a video pipeline (checked against its temporal VAE factor); none for images."""
-        if not self.is_video:
-            for field in ("num_frames", "fps"):
-                if getattr(params, field) is not None:
-                    raise SamplingParamsError(
-                        field, f"{field} applies to video pipelines; {self.pipeline_name} makes images"
-                    )
-            return {}
-        num_frames = params.num_frames or self._default("num_frames")
-        temporal = self.frame_multiple
-        if (num_frames - 1) % temporal:
-            raise SamplingParamsError(
-                "num_frames",
-                f"num_frames={num_frames} must be 1 more than a multiple of {temporal} for {self.pipeline_name}",
-            )
-        return {"num_frames": num_frames, "fps": params.fps or DEFAULT_VIDEO_FPS}
 
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
         """One pipeline call for the whole batch: each request's ``num_outputs_per_prompt`` images (or videos, each
@@ -251,17 +138,19 @@ class DiffusionRunner:
             kwargs["num_frames"] = params.num_frames
         if params.guidance_scale is not None:
             kwargs["guidance_scale"] = params.guidance_scale
-        if self._outputs_arg is not None:
-            kwargs[self._outputs_arg] = n
+        if self.card.outputs_arg is not None:
+            kwargs[self.card.outputs_arg] = n
         if params.negative_prompt is not None:
             kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch]
-        if "callback_on_step_end" in self._call_params:
+        if "callback_on_step_end" in self.card.call_args:
             kwargs["callback_on_step_end"] = self._on_step_end(batch)
         result = self.pipeline(**kwargs)
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
-        items = [list(video) for video in result.frames] if self.is_video else list(result.images)
+        items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
         if len(items) != len(batch) * n:
-            raise RuntimeError(f"{self.pipeline_name} returned {len(items)} outputs for {len(batch)} x {n} requested")
+            raise RuntimeError(
+                f"{self.card.pipeline_name} returned {len(items)} outputs for {len(batch)} x {n} requested"
+            )
         return [items[i * n : (i + 1) * n] for i in range(len(batch))]
 
     def release_cached_memory(self) -> None:

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.config import StageDeployConfig
+from vllm_omni.config import StageDeployConfig, engine_torch_threads
 from vllm_omni.config.stage import check_stage_graph
 from vllm_omni.diffusion.outputs import StageMetrics, across_stages
 from vllm_omni.diffusion.request import (
@@ -70,9 +70,10 @@ class OmniEngine:
         self.stage_configs = stage_configs
         self.stages: list[StageRuntime] = []
         """The stage runtimes in the order a request passes them."""
+        torch_threads = engine_torch_threads(order)
         try:
             for stage_config, next_stage in zip(order, order[1:] + [None], strict=True):
-                self.stages.append(StageRuntime(model, stage_config, next_stage))
+                self.stages.append(StageRuntime(model, stage_config, next_stage, torch_threads[stage_config.stage_id]))
         except BaseException:
             self.shutdown()
             raise
@@ -202,12 +203,12 @@ class OmniEngine:
     @property
     def frame_multiple(self) -> int:
         """A video's num_frames must be 1 more than a multiple of this (the VAE's temporal factor)."""
-        return self.stages[self._denoiser].info.frame_multiple
+        return self.stages[self._denoiser].info.card.frame_multiple
 
     @property
     def makes_videos(self) -> bool:
         """Whether the model generates videos (its outputs fill ``videos``) rather than images."""
-        return self.stages[self._denoiser].info.is_video
+        return self.stages[self._denoiser].info.card.is_video
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""

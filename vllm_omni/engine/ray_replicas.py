@@ -32,9 +32,9 @@ except ImportError as exc:  # the resolver checks this first; here for a broken 
 from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, SamplingParamsError
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
 from vllm_omni.diffusion.outputs import StageOutput
-from vllm_omni.engine.replica import Admission, EngineReplica, ReplicaInfo, ReplicaLostError
+from vllm_omni.engine.replica import EngineReplica, ReplicaInfo, ReplicaLostError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 
@@ -43,23 +43,19 @@ logger = init_logger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
 """How long the stage waits for Ray to reserve every replica's resources."""
 CALL_TIMEOUT_S = 10.0
-"""Longest wait for a short call to a replica (admit, abort, progress, metrics, health)."""
+"""Longest wait for a short call to a replica (progress, metrics, health)."""
 WATCH_INTERVAL_S = 0.5
-"""How often a replica's engine is checked inside the actor, and a restarting replica is asked whether it is back."""
+"""How often a restarting replica is asked whether it is back."""
 
 
 class _ReplicaActor:
     """The Ray actor: one `EngineReplica` in its own process. Results cross back by value; a request's own
     failure is returned, not raised, so the driver can tell it from the actor dying."""
 
-    def __init__(self, model: str, stage_config: StageDeployConfig, replica: int):
-        import torch
-
-        if not torch.cuda.is_available():  # on the CPU a replica's share of the node is its torch threads
-            torch.set_num_threads(stage_config.num_cpus)
-        od_config = OmniDiffusionConfig.from_stage(model, stage_config, replica)
+    def __init__(self, model: str, stage_config: StageDeployConfig, replica: int, torch_threads: int):
+        od_config = OmniDiffusionConfig.from_stage(model, stage_config, replica, torch_threads)
         self.replica = EngineReplica(od_config, node_id=ray.get_runtime_context().get_node_id())
-        self.stopped = False
+        self.shutting_down = False
 
     async def info(self) -> ReplicaInfo:
         if not self.replica.is_alive:
@@ -67,16 +63,10 @@ class _ReplicaActor:
         return self.replica.info
 
     async def watch(self) -> str:
-        """Answers once the engine stops (shut down, or its loop died); fails at once if the process dies."""
-        while self.replica.is_alive and not self.stopped:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-        return "shut down" if self.stopped else f"its engine loop died: {self.replica.error!r}"
-
-    async def admit(self, params: OmniDiffusionSamplingParams) -> Admission | SamplingParamsError:
-        try:
-            return self.replica.admit(params)
-        except SamplingParamsError as exc:
-            return exc
+        """Answers once the engine stops (shut down, or its loop died); fails at once if the process dies. It
+        waits on the engine's thread, so an idle replica does no work."""
+        await asyncio.wrap_future(self.replica.stopped)
+        return "shut down" if self.shutting_down else f"its engine loop died: {self.replica.error!r}"
 
     async def generate(
         self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload=None, by_reference=False
@@ -108,14 +98,11 @@ class _ReplicaActor:
     async def progress(self, request_id: str) -> tuple[str, float] | None:
         return self.replica.progress(request_id)
 
-    async def num_waiting(self) -> int:
-        return self.replica.num_waiting
-
     async def collect_metrics(self) -> list[Metric]:
         return self.replica.collect_metrics()
 
     async def shutdown(self) -> None:
-        self.stopped = True
+        self.shutting_down = True
         await asyncio.to_thread(self.replica.shutdown)
 
 
@@ -129,6 +116,9 @@ class RayReplica:
         self._stage = stage_config
         self._alive = True
         self._down_since = 0.0
+        self._lock = threading.Lock()
+        self._held = 0
+        """Requests submitted to it whose result has not come back."""
         self._stopping = threading.Event()
         self._watcher = threading.Thread(
             target=self._watch, name=f"vllm-omni-watch-{stage_config.stage_id}-{info.index}", daemon=True
@@ -188,25 +178,20 @@ class RayReplica:
     def _call(self, method: str, *args):
         return ray.get(getattr(self._actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
 
-    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
-        try:
-            result = self._call("admit", params)
-        except (RayActorError, GetTimeoutError) as exc:
-            raise ReplicaLostError(f"replica {self.info.index}: {exc}") from None
-        if isinstance(result, SamplingParamsError):
-            raise result
-        return result
-
     def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload=None) -> Future:
         """``payload`` (a split pipeline's previous stage output) travels through Ray's object store: as a
         reference the previous Ray stage left there, or put there by Ray when it is large."""
         future: Future = Future()
+        with self._lock:
+            self._held += 1
         ref = self._actor.generate.remote(request_id, prompt, params, payload, self._by_reference)
         # The callback keeps ``ref`` alive until the result is in.
         ref.future().add_done_callback(lambda done, ref=ref: self._settle(request_id, future, done))
         return future
 
     def _settle(self, request_id: str, future: Future, done: Future) -> None:
+        with self._lock:
+            self._held -= 1
         try:
             result = done.result()
         except RayActorError as exc:
@@ -230,10 +215,10 @@ class RayReplica:
 
     @property
     def num_waiting(self) -> int:
-        try:
-            return self._call("num_waiting")
-        except (RayActorError, GetTimeoutError):
-            return 0
+        """Counted here, without a call: the requests it holds beyond the ``max_num_seqs`` it runs at once (the
+        actor's own count, which also knows of a partly filled batch, is its ``num_requests_waiting`` metric)."""
+        with self._lock:
+            return max(0, self._held - self._stage.max_num_seqs)
 
     def collect_metrics(self) -> list[Metric]:
         try:
@@ -268,10 +253,11 @@ def _connect(address: str | None) -> bool:
 
 
 def start_replicas(
-    model: str, stage: StageDeployConfig, by_reference: bool = False
+    model: str, stage: StageDeployConfig, by_reference: bool, torch_threads: int
 ) -> tuple[list[RayReplica], Callable[[], None]]:
     """Place and start the stage's replicas; returns them and a function that releases what they hold.
-    ``by_reference``: the next stage runs on Ray too, so outputs stay in the object store (`_ReplicaActor.generate`)."""
+    ``by_reference``: the next stage runs on Ray too, so outputs stay in the object store (`_ReplicaActor.generate`).
+    ``torch_threads``: of each replica's engine thread (its ``num_cpus``)."""
     global _ray_users
     with _started_ray:
         started = _connect(stage.ray_address)
@@ -308,7 +294,7 @@ def start_replicas(
             max_restarts=-1,
             max_task_retries=0,  # the stage re-runs a lost request itself, on another replica
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-        ).remote(model, stage, index)
+        ).remote(model, stage, index, torch_threads)
         for index in range(stage.num_replicas)
     ]
     try:

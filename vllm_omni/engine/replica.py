@@ -10,15 +10,16 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine_core import EngineCore
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
 from vllm_omni.diffusion.request_engine import RequestEngine
 from vllm_omni.diffusion.roles import ROLES
@@ -30,23 +31,15 @@ logger = init_logger(__name__)
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """What the stage and the servers need to know of a replica: its model's kind and where it runs."""
+    """What the stage and the servers need to know of a replica: its model's card and where it runs."""
 
     index: int
-    is_video: bool
-    frame_multiple: int
+    card: ModelCard
+    """What admission needs of the model it loaded (the stage admits requests from it, without a call)."""
     device: str
     pid: int
     node_id: str | None = None
     """The Ray node it runs on; ``None`` inline."""
-
-
-@dataclass(frozen=True)
-class Admission:
-    """A request's sampling parameters with the model's defaults filled in, and the batch key they give."""
-
-    params: OmniDiffusionSamplingParams
-    key: Hashable
 
 
 def warm_up_params(is_video: bool) -> OmniDiffusionSamplingParams:
@@ -71,8 +64,8 @@ def make_engine(od_config: OmniDiffusionConfig) -> EngineCore:
 @runtime_checkable
 class Replica(Protocol):
     """One replica of a stage, in this process (`EngineReplica`) or in a Ray actor (`RayReplica`). Every method
-    means the same on both; a call that cannot reach a lost replica raises `ReplicaLostError` where it returns a
-    result the stage needs (``admit``), and answers "not here" otherwise."""
+    means the same on both; a call that cannot reach a lost replica answers "not here". Requests are admitted by
+    the stage, from the model card in ``info``, never by a replica."""
 
     info: ReplicaInfo
     """Its model's kind and where it runs (refreshed when a Ray replica restarts)."""
@@ -80,9 +73,6 @@ class Replica(Protocol):
     @property
     def is_alive(self) -> bool:
         """Whether it takes requests now."""
-
-    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
-        """``params`` completed and checked by the stage's role, and their batch key (raises `SamplingParamsError`)."""
 
     def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None) -> Future:
         """Queue an admitted request; the future resolves to its output (or fails with `RequestFailedError`, or
@@ -112,43 +102,61 @@ class Replica(Protocol):
 
 
 class EngineReplica:
-    """One engine in this process, stepped by a background thread until `shutdown`."""
+    """One engine in this process, loaded and stepped by its own thread until `shutdown`.
+
+    That thread does all of the engine's torch work: it loads the model, and runs every encode, forward, decode
+    and conversion to images. With libgomp each thread that runs torch ops gets its own OpenMP team, and once a
+    process holds more OpenMP threads than cores every forward slows down (~1.8× on a 2-core CPU;
+    docs/performance.md), so no other thread of the process may run torch ops. ``torch_threads`` of the config
+    sizes that thread's team."""
 
     def __init__(self, od_config: OmniDiffusionConfig, node_id: str | None = None):
-        self.engine = make_engine(od_config)
-        runner = self.engine.runner
-        self.info = ReplicaInfo(
-            index=od_config.replica,
-            is_video=runner.is_video,
-            frame_multiple=runner.frame_multiple,
-            device=str(runner.device),
-            pid=os.getpid(),
-            node_id=node_id,
-        )
         self._name = f"stage {od_config.stage_id} replica {od_config.replica}"
         self._stopping = threading.Event()
         self.error: BaseException | None = None
+        self.stopped: Future[None] = Future()
+        """Done once the engine's thread has ended (shut down, its loop died, or its load failed)."""
+        loaded: Future[EngineCore] = Future()
         self._thread = threading.Thread(
-            target=self._loop, name=f"vllm-omni-stage-{od_config.stage_id}-{od_config.replica}", daemon=True
+            target=self._run,
+            args=(od_config, loaded),
+            name=f"vllm-omni-stage-{od_config.stage_id}-{od_config.replica}",
+            daemon=True,
         )
         self._thread.start()
+        self.engine = loaded.result()  # raises what failed the load
+        runner = self.engine.runner
+        self.info = ReplicaInfo(
+            index=od_config.replica, card=runner.card, device=str(runner.device), pid=os.getpid(), node_id=node_id
+        )
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def _loop(self) -> None:
+    def _run(self, od_config: OmniDiffusionConfig, loaded: Future) -> None:
+        """The engine's thread: load, then step until shut down."""
         try:
-            while not self._stopping.is_set() or self.engine.has_unfinished:
-                self.engine.step()
+            self._load_and_step(od_config, loaded)
+        finally:
+            self.stopped.set_result(None)
+
+    def _load_and_step(self, od_config: OmniDiffusionConfig, loaded: Future) -> None:
+        if od_config.torch_threads is not None:
+            torch.set_num_threads(od_config.torch_threads)  # this thread's OpenMP team, before its first op
+        try:
+            engine = make_engine(od_config)
+        except BaseException as exc:  # noqa: BLE001 - raised by __init__, in the caller's thread
+            loaded.set_exception(exc)
+            return
+        loaded.set_result(engine)
+        try:
+            while not self._stopping.is_set() or engine.has_unfinished:
+                engine.step()
         except BaseException as exc:  # noqa: BLE001 - reported to every request in flight below
             self.error = exc
             logger.exception("%s: engine loop died", self._name)
-            self.engine.close(f"the engine loop of {self._name} died: {exc!r}", include_running=True)
-
-    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
-        params = self.engine.role.complete_params(params)
-        return Admission(params, self.engine.role.key(params))
+            engine.close(f"the engine loop of {self._name} died: {exc!r}", include_running=True)
 
     def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None) -> Future:
         if not self.is_alive:
@@ -159,7 +167,8 @@ class EngineReplica:
         """`Replica.warm_up`, with `warm_up_params`."""
         if self.engine.role.split:
             return
-        self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", warm_up_params(self.info.is_video)).result()
+        params = self.engine.admission.admit(warm_up_params(self.info.card.is_video)).params
+        self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", params).result()
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

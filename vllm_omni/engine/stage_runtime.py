@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, StageUnavailableError
-from vllm_omni.engine.replica import Admission, EngineReplica, Replica, ReplicaInfo, ReplicaLostError
+from vllm_omni.diffusion.roles import ROLES, Admission
+from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 
@@ -45,9 +46,16 @@ class StageRuntime:
     already holds requests with the same batch key, so they can share a batch.
     """
 
-    def __init__(self, model: str, stage_config: StageDeployConfig, next_stage: StageDeployConfig | None = None):
+    def __init__(
+        self,
+        model: str,
+        stage_config: StageDeployConfig,
+        next_stage: StageDeployConfig | None = None,
+        torch_threads: int | None = None,
+    ):
         """``next_stage``: the stage that takes this one's outputs (split pipelines); between two Ray stages
-        outputs stay in Ray's object store."""
+        outputs stay in Ray's object store. ``torch_threads``: of each replica's engine thread
+        (`engine_torch_threads`)."""
         self.stage_config = stage_config
         self.stage_id = stage_config.stage_id
         logger.info("Starting %s", stage_config.describe())
@@ -57,10 +65,12 @@ class StageRuntime:
             from vllm_omni.engine.ray_replicas import start_replicas
 
             by_reference = next_stage is not None and next_stage.distributed_executor_backend == "ray"
-            self.replicas, self._release_backend = start_replicas(model, stage_config, by_reference)
+            self.replicas, self._release_backend = start_replicas(model, stage_config, by_reference, torch_threads)
         else:
-            self.replicas = [EngineReplica(OmniDiffusionConfig.from_stage(model, stage_config))]
+            self.replicas = [EngineReplica(OmniDiffusionConfig.from_stage(model, stage_config, 0, torch_threads))]
         self.info: ReplicaInfo = self.replicas[0].info
+        self.admission = ROLES[stage_config.stage_type].admission(stage_config.execution_mode, self.info.card)
+        """How the stage admits requests: here, from its replicas' model card, without asking a replica."""
         self._lock = threading.Lock()
         self._load = [0] * len(self.replicas)
         self._keys = [Counter() for _ in self.replicas]
@@ -80,14 +90,11 @@ class StageRuntime:
         return any(replica.is_alive for replica in self.replicas)
 
     def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
-        """``params`` completed and checked by a live replica, with their batch key (raises `SamplingParamsError`)."""
-        for replica in self.replicas:
-            if replica.is_alive:
-                try:
-                    return replica.admit(params)
-                except ReplicaLostError:
-                    continue
-        raise StageUnavailableError(self.stage_id, "no replica is alive")
+        """``params`` completed and checked, with their batch key (raises `SamplingParamsError`, and
+        `StageUnavailableError` when no replica is alive to run them)."""
+        if not self.is_alive:
+            raise StageUnavailableError(self.stage_id, "no replica is alive")
+        return self.admission.admit(params)
 
     def route(self, key: Hashable, lost: int | None = None) -> int | None:
         """The replica that takes a request with batch ``key`` next (counted as its until `release`); ``None`` when

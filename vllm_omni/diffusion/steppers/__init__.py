@@ -18,6 +18,11 @@ SPLIT = "a split pipeline (encode / denoise / decode stages)"
 STEP_MODE = "execution_mode 'step'"
 
 
+def stepper_class(pipeline_name: str) -> type[Stepper] | None:
+    """The stepper of a pipeline class, or ``None`` when it has none."""
+    return next((cls for cls in STEPPERS if pipeline_name in cls.pipeline_classes), None)
+
+
 def make_stepper(pipeline, device: torch.device, purpose: str = STEP_MODE) -> Stepper:
     """The stepper for ``pipeline``, for ``purpose`` (`STEP_MODE` or `SPLIT`); ValueError naming the class and the
     supported ones when there is none."""
@@ -27,14 +32,14 @@ def make_stepper(pipeline, device: torch.device, purpose: str = STEP_MODE) -> St
         if purpose == SPLIT
         else "Serve this model with execution_mode 'request' (--execution-mode request)"
     )
-    for cls in STEPPERS:
-        if name in cls.pipeline_classes:
-            try:
-                cls.check_pipeline(pipeline)
-            except ValueError as exc:
-                raise ValueError(f"{purpose} does not support {exc}. {remedy}") from None
-            return cls(pipeline, device)
-    raise ValueError(f"{purpose} does not support {name}; it supports {', '.join(SUPPORTED_PIPELINES)}. {remedy}")
+    cls = stepper_class(name)
+    if cls is None:
+        raise ValueError(f"{purpose} does not support {name}; it supports {', '.join(SUPPORTED_PIPELINES)}. {remedy}")
+    try:
+        cls.check_pipeline(pipeline)
+    except ValueError as exc:
+        raise ValueError(f"{purpose} does not support {exc}. {remedy}") from None
+    return cls(pipeline, device)
 
 
 __all__ = [
@@ -47,4 +52,5 @@ __all__ = [
     "StepState",
     "Stepper",
     "make_stepper",
+    "stepper_class",
 ]

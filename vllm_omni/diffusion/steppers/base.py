@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
 
 
@@ -133,36 +134,46 @@ class Stepper:
         self.device = device
         self.denoiser = getattr(pipeline, "transformer", None) or getattr(pipeline, "unet", None)
         """The denoising network; ``None`` in an encode or decode stage, which does not load it."""
+        self.card = ModelCard.of(pipeline)
+        """What the admission classmethods below read of the pipeline."""
 
     @classmethod
     def check_pipeline(cls, pipeline) -> None:
         """Raise ValueError naming a configuration of a supported class that cannot be stepped (or split)."""
 
-    def check_params(self, params: OmniDiffusionSamplingParams) -> None:
+    # Admission (check and batch keys) reads only the model's card, so a stage admits requests without its
+    # pipeline, on the driver of Ray replicas (`roles.StageAdmission`).
+
+    @classmethod
+    def check_params(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> None:
         for arg in params.extra_args:
-            if arg not in self.extra_args:
-                supported = ", ".join(sorted(self.extra_args)) or "none"
+            if arg not in cls.extra_args:
+                supported = ", ".join(sorted(cls.extra_args)) or "none"
                 raise SamplingParamsError(
                     "extra_args",
-                    f"extra_args key {arg!r} is not supported by {type(self.pipeline).__name__} in execution_mode "
+                    f"extra_args key {arg!r} is not supported by {card.pipeline_name} in execution_mode "
                     f"'step' or split into stages (supported: {supported}); serve it as one diffusion stage with "
                     "execution_mode 'request' for it",
                 )
 
-    def key(self, params: OmniDiffusionSamplingParams) -> tuple:
+    @classmethod
+    def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
         """What must be equal for requests to share one forward."""
         raise NotImplementedError
 
-    def negative_rows(self, params: OmniDiffusionSamplingParams) -> bool:
+    @classmethod
+    def negative_rows(cls, params: OmniDiffusionSamplingParams) -> bool:
         """Whether the request has unconditional rows: classifier-free guidance (``guidance_scale > 1``)."""
         return params.guidance_scale > 1
 
-    def encode_key(self, params: OmniDiffusionSamplingParams) -> tuple:
+    @classmethod
+    def encode_key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
         """What must be equal for prompts to be encoded in one call: outputs per prompt, whether negative rows
         are encoded, and whether a negative prompt was given (SDXL encodes none as zeros, not as "")."""
-        return (params.num_outputs_per_prompt, self.negative_rows(params), params.negative_prompt is not None)
+        return (params.num_outputs_per_prompt, cls.negative_rows(params), params.negative_prompt is not None)
 
-    def decode_key(self, params: OmniDiffusionSamplingParams) -> tuple:
+    @classmethod
+    def decode_key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
         """What must be equal for latents to be decoded in one call."""
         return (params.height, params.width, params.num_frames, params.output_type)
 

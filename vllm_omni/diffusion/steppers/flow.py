@@ -7,13 +7,13 @@ scheduler (UniPC-flow, stochastic sampling) keeps a per-request ``scheduler.step
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.diffusion.steppers.base import (
     Conditioning,
@@ -38,17 +38,19 @@ class FlowMatchStepper(Stepper):
         self.vectorised = type(pipeline.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and not config.get(
             "stochastic_sampling", False
         )
-        self._default_text_length = inspect.signature(pipeline.__call__).parameters["max_sequence_length"].default
 
-    def max_sequence_length(self, params: OmniDiffusionSamplingParams) -> int:
+    @classmethod
+    def max_sequence_length(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> int:
         """Text length every prompt is padded to (no mask reaches the denoiser, so it is part of the key)."""
-        return int(params.extra_args.get("max_sequence_length", self._default_text_length))
+        return int(params.extra_args.get("max_sequence_length", card.call_defaults["max_sequence_length"]))
 
-    def key(self, params: OmniDiffusionSamplingParams) -> tuple:
-        return (params.height, params.width, params.num_frames, self.max_sequence_length(params))
+    @classmethod
+    def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
+        return (params.height, params.width, params.num_frames, cls.max_sequence_length(card, params))
 
-    def encode_key(self, params: OmniDiffusionSamplingParams) -> tuple:
-        return (*super().encode_key(params), self.max_sequence_length(params))
+    @classmethod
+    def encode_key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
+        return (*super().encode_key(card, params), cls.max_sequence_length(card, params))
 
     def advance(self, states: list[StepState], predictions: list[torch.Tensor]) -> None:
         if not self.vectorised:
@@ -78,11 +80,12 @@ class FluxStepper(FlowMatchStepper):
     pipeline_classes = ("FluxPipeline",)
     extra_args = frozenset({"max_sequence_length", "true_cfg_scale"})
 
-    def negative_rows(self, params: OmniDiffusionSamplingParams) -> bool:
+    @classmethod
+    def negative_rows(cls, params: OmniDiffusionSamplingParams) -> bool:
         return float(params.extra_args.get("true_cfg_scale", 1.0)) > 1 and params.negative_prompt is not None
 
     def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
-        p, n, msl = self.pipeline, params[0].num_outputs_per_prompt, self.max_sequence_length(params[0])
+        p, n, msl = self.pipeline, params[0].num_outputs_per_prompt, self.max_sequence_length(self.card, params[0])
 
         def encode(texts: list[str]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
             embeds, pooled, text_ids = p.encode_prompt(
@@ -171,7 +174,7 @@ class SD3Stepper(FlowMatchStepper):
             num_images_per_prompt=n,
             do_classifier_free_guidance=cfg,
             negative_prompt=negative,
-            max_sequence_length=self.max_sequence_length(params[0]),
+            max_sequence_length=self.max_sequence_length(self.card, params[0]),
         )
         cond = zip(split_rows(embeds, n, count), split_rows(pooled, n, count), strict=True)
         uncond = zip(split_rows(negative_embeds, n, count), split_rows(negative_pooled, n, count), strict=True)
@@ -260,7 +263,7 @@ class WanStepper(FlowMatchStepper):
             negative_prompt=negative,
             do_classifier_free_guidance=cfg,
             num_videos_per_prompt=n,
-            max_sequence_length=self.max_sequence_length(params[0]),
+            max_sequence_length=self.max_sequence_length(self.card, params[0]),
             device=self.device,
         )
         return [

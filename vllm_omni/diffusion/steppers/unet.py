@@ -13,6 +13,7 @@ import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.diffusion.steppers.base import (
     Conditioning,
@@ -42,7 +43,8 @@ class UNetStepper(Stepper):
         if pipeline.unet is not None and pipeline.unet.config.time_cond_proj_dim is not None:
             raise ValueError("UNets with a guidance embedding (time_cond_proj_dim, e.g. LCM)")
 
-    def key(self, params: OmniDiffusionSamplingParams) -> tuple:
+    @classmethod
+    def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
         return (params.height, params.width)  # CLIP pads every prompt to 77 tokens
 
     def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from vllm_omni.diffusion.request import RequestFailedError, StageUnavailableError
-from vllm_omni.diffusion.runner import DEFAULT_VIDEO_FPS
+from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
 from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (
@@ -69,6 +69,8 @@ class VideoJob:
     error: ErrorInfo | None = None
     content: bytes | None = None
     task: asyncio.Task | None = None
+    timer: metrics.PhaseTimer = field(default_factory=metrics.PhaseTimer)
+    """Its phases (creation, engine, MP4 encoding), observed when it completes."""
 
     def view(self, omni: AsyncOmni) -> VideoObject:
         status, progress = self.status, 100 if self.status == "completed" else 0
@@ -131,7 +133,10 @@ async def _run(state: ServerState, job: VideoJob) -> None:
         outputs = [output async for output in state.omni.generate(job.prompt, job.admitted, request_id=job.id)]
         if not outputs:
             raise RequestFailedError(job.id, "aborted")
-        job.content = await asyncio.to_thread(encode_mp4, outputs[0].videos[0], job.admitted.params.fps)
+        job.timer.mark_engine(outputs[0].metrics.queue_ms / 1000.0, outputs[0].metrics.exec_ms / 1000.0)
+        job.content = await asyncio.to_thread(encode_mp4, outputs[0].videos[0], job.admitted.params.fps)  # off the loop
+        job.timer.mark("encode")
+        job.timer.observe("videos")
         job.status, outcome = "completed", "completed"
     except asyncio.CancelledError:
         outcome = "cancelled"
@@ -166,6 +171,7 @@ def build_videos_router() -> APIRouter:
     async def create_video(raw_request: Request) -> VideoObject:
         # The body is read here (JSON or a form), and this route counts its own invalid requests.
         state: ServerState = raw_request.app.state.server
+        timer = metrics.PhaseTimer()
         outcome = "invalid"
         try:
             if raw_request.headers.get("content-type", "").startswith(_FORM_TYPES):
@@ -183,16 +189,21 @@ def build_videos_router() -> APIRouter:
                     data = await raw_request.json()
                 except ValueError:
                     raise APIError(400, "The request body is not valid JSON", code="invalid_json") from None
+            timer.mark("parse")
             try:
                 body = VideoGenerationRequest.model_validate(data)
             except ValidationError as exc:
                 raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+            _check(state, body)
+            timer.mark("validation")
             admitted = await asyncio.to_thread(_admit, state, body)  # may ask the replicas: off the loop
+            timer.mark("completion")
             job = VideoJob(
                 id=f"video_{secrets.token_hex(16)}",
                 model=body.model or state.serving.served_model_names[0],
                 prompt=body.prompt,
                 admitted=admitted,
+                timer=timer,
             )
             state.videos.add(job)
             job.task = asyncio.create_task(_run(state, job))
@@ -250,11 +261,15 @@ def build_videos_router() -> APIRouter:
     return router
 
 
-def _admit(state: ServerState, body: VideoGenerationRequest) -> AdmittedParams:
-    """The job's complete parameters (model defaults filled in, seed drawn), within the operator's limits."""
+def _check(state: ServerState, body: VideoGenerationRequest) -> None:
+    """The job's own checks (`check_request` reads only this process's state: it runs on the event loop)."""
     check_request(state, body, kind="video")
     if body.seconds is not None and body.num_frames is not None:
         raise APIError(400, "give seconds or num_frames, not both", param="seconds", code="invalid_value")
+
+
+def _admit(state: ServerState, body: VideoGenerationRequest) -> AdmittedParams:
+    """The job's complete parameters (model defaults filled in, seed drawn), within the operator's limits."""
     num_frames = body.num_frames
     if body.seconds is not None:
         step = state.omni.frame_multiple
