@@ -63,9 +63,9 @@ class FlowMatchStepper(Stepper):
             ]
         ).view(-1, *[1] * (v.dim() - 1))
         x = torch.cat([s.latents.float() for s in states])
-        # As the scheduler does it: the 0-d σ difference times v rounds to v's dtype, the sum is float32,
-        # the result is cast to v's dtype.
-        updated = (x + (dt.to(v.device) * v.float()).to(v.dtype)).to(v.dtype)
+        # As the scheduler does it: the 0-d σ difference is cast to v's dtype and multiplied in it (in bf16 the
+        # difference rounds first), the sum is float32, the result is cast to v's dtype.
+        updated = (x + dt.to(v.device, v.dtype) * v).to(v.dtype)
         start = 0
         for state in states:
             n = len(state.latents)
