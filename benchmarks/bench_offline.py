@@ -1,42 +1,80 @@
 """The ceiling: the diffusers pipeline called directly, batch N vs N sequential batch-1 calls.
 
     python benchmarks/bench_offline.py --model DIR [--batches 1,2,4,8] [--shapes 32x32:4,64x64:4]
-        [--reps 5] [--dtype auto] [--json out.json]
-    python benchmarks/bench_offline.py --model DIR --worker   # for batching_sweep.py
+        [--reps 5] [--dtype auto] [--thread best|main|dedicated] [--json out.json]
+    python benchmarks/bench_offline.py --model DIR --worker --thread main|dedicated   # for batching_sweep.py
 
 No server, no scheduler: one ``pipeline(prompt=[...N...], generator=[...N...])``
 call per measurement, with the same device, dtype, shape, steps and PIL output
-as the server uses. Request-level batching cannot beat it. The calls run on one
-long-lived thread, as in the server's engine: on this CPU a pipeline called from
-the main thread measured up to 20 % slower than from another thread, which would
-flatter the server.
+as the server uses. Request-level batching cannot beat it.
 
-``--worker`` loads the pipeline, prints ``ready``, then answers each stdin line
-``N WxH:STEPS COUNT`` with the seconds that COUNT batch-N calls took, so that the
-sweep can interleave ceiling calls with served requests.
+Which thread runs torch matters on the CPU: libgomp gives each thread that runs
+torch ops its own OpenMP team, and once a process holds more OpenMP threads than
+cores it throttles spin-waiting, so the first torch op on a second thread makes
+every later forward slower. A fair ceiling therefore runs all torch work (import,
+load and calls) on one thread: ``--thread main`` the main thread, ``--thread
+dedicated`` one long-lived other thread, each in its own process. ``--thread
+best`` (the default) runs both variants, each in a fresh process, and reports the
+faster of the two per row: the fastest way this machine runs the pipeline.
+
+``--worker`` loads the pipeline, prints ``ready {"vllm_omni": FILE, "threads": N}``, then
+answers each stdin line ``N WxH:STEPS COUNT`` with the seconds that COUNT
+batch-N calls took, so that the sweep can interleave ceiling calls with served
+requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
 from common import PROMPTS, Shape, emit
 
-from vllm_omni.diffusion.runner import load_pipeline, select_device, select_dtype
+# transformers loads weights on a pool of worker threads unless this is set, and torch ops on those threads would
+# give the process more OpenMP teams: the ceiling would no longer be the fastest direct call.
+os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 
-_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offline-pipeline")
+THREADS = ("main", "dedicated")
 
 
-def _call(pipeline, batch: int, width: int, height: int, steps: int) -> float:
-    return _THREAD.submit(_timed_call, pipeline, batch, width, height, steps).result()
+def _on_one_thread(thread: str, work, *args):
+    """``work(*args)`` on the main thread, or on one new thread (nothing else of torch runs on the main one)."""
+    if thread == "main":
+        return work(*args)
+    result: list = []
+
+    def target() -> None:
+        try:
+            result.append((True, work(*args)))
+        except BaseException as exc:  # re-raised on the main thread
+            result.append((False, exc))
+
+    runner = threading.Thread(target=target, name="offline-pipeline")
+    runner.start()
+    runner.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _load(model: str, dtype: str):
+    # Imported here, on the thread that runs torch: the main thread of a dedicated-thread process never touches it.
+    from vllm_omni.diffusion.runner import load_pipeline, select_device, select_dtype
+
+    device = select_device(None)
+    return load_pipeline(model, select_dtype(dtype, device), device)
 
 
 def _timed_call(pipeline, batch: int, width: int, height: int, steps: int) -> float:
+    import torch
+
     generators = [torch.Generator("cpu").manual_seed(i) for i in range(batch)]
     started = time.perf_counter()
     with torch.inference_mode():
@@ -53,18 +91,22 @@ def _timed_call(pipeline, batch: int, width: int, height: int, steps: int) -> fl
     return elapsed
 
 
-def run_offline(model: str, *, batches: list[int], shapes: list[Shape], reps: int = 5, dtype: str = "auto") -> dict:
-    device = select_device(None)
-    pipeline = load_pipeline(model, select_dtype(dtype, device), device)
+def _measure(model: str, batches: list[int], shapes: list[Shape], reps: int, dtype: str) -> dict:
+    import torch
+
+    import vllm_omni
+
+    pipeline = _load(model, dtype)
     results = []
     for shape in shapes:
         width, height, steps = shape.width, shape.height, shape.steps
-        _call(pipeline, 1, width, height, steps)  # warm-up
+        _timed_call(pipeline, 1, width, height, steps)  # warm-up
         for batch in batches:
-            _call(pipeline, batch, width, height, steps)
-            batched = statistics.median(_call(pipeline, batch, width, height, steps) for _ in range(reps))
+            _timed_call(pipeline, batch, width, height, steps)
+            batched = statistics.median(_timed_call(pipeline, batch, width, height, steps) for _ in range(reps))
             sequential = statistics.median(
-                sum(_call(pipeline, 1, width, height, steps) for _ in range(batch)) for _ in range(max(1, reps // 2))
+                sum(_timed_call(pipeline, 1, width, height, steps) for _ in range(batch))
+                for _ in range(max(1, reps // 2))
             )
             results.append(
                 {
@@ -79,25 +121,66 @@ def run_offline(model: str, *, batches: list[int], shapes: list[Shape], reps: in
     return {
         "model": model,
         "pipeline": type(pipeline).__name__,
-        "device": str(device),
+        "device": str(pipeline.device),
         "dtype": str(pipeline.dtype),
         "torch_threads": torch.get_num_threads(),
+        "vllm_omni": vllm_omni.__file__,
+        "process_threads": len(os.listdir("/proc/self/task")),
         "reps": reps,
         "results": results,
     }
 
 
-def worker(model: str, dtype: str) -> None:
-    device = select_device(None)
-    pipeline = load_pipeline(model, select_dtype(dtype, device), device)
-    print("ready", flush=True)
+def run_offline(
+    model: str, *, batches: list[int], shapes: list[Shape], reps: int = 5, dtype: str = "auto", thread: str = "main"
+) -> dict:
+    """Measure in this process, all torch work on ``thread`` (``main`` or ``dedicated``). Use it in a process where
+    torch has run on no other thread, or the numbers are those of the slow path."""
+    result = _on_one_thread(thread, _measure, model, batches, shapes, reps, dtype)
+    return result | {"thread": thread}
+
+
+def run_best(model: str, *, batches: list[int], shapes: list[Shape], reps: int = 5, dtype: str = "auto") -> dict:
+    """Each thread variant in a fresh process of this script; per row the faster variant (lower batched call)."""
+    variants = {}
+    for thread in THREADS:
+        command = [sys.executable, os.path.abspath(__file__), "--model", model, "--thread", thread]
+        command += ["--batches", ",".join(map(str, batches)), "--shapes", ",".join(map(str, shapes))]
+        command += ["--reps", str(reps), "--dtype", dtype]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        variants[thread] = json.loads(done.stdout)
+    first = variants[THREADS[0]]
+    results = []
+    for rows in zip(*(variants[t]["results"] for t in THREADS), strict=True):
+        best = min(range(len(THREADS)), key=lambda i: rows[i]["batched_call_s"])
+        row = dict(rows[best]) | {"thread": THREADS[best]}
+        row["batched_call_s_by_thread"] = {t: r["batched_call_s"] for t, r in zip(THREADS, rows, strict=True)}
+        results.append(row)
+    keep = ("model", "pipeline", "device", "dtype", "torch_threads", "vllm_omni", "reps")
+    threads = {t: variants[t]["process_threads"] for t in THREADS}
+    return {key: first[key] for key in keep} | {"thread": "best", "process_threads": threads, "results": results}
+
+
+def _serve(model: str, dtype: str) -> None:
+    import vllm_omni
+
+    pipeline = _load(model, dtype)
+    _timed_call(pipeline, 1, 32, 32, 1)
+    # The process's threads once torch has run: one OpenMP team (torch's threads) plus the Python threads.
+    print("ready", json.dumps({"vllm_omni": vllm_omni.__file__, "threads": len(os.listdir("/proc/self/task"))}))
+    sys.stdout.flush()
     for line in sys.stdin:
         batch, text, count = line.split()
         shape = Shape.parse(text)
-        print(
-            sum(_call(pipeline, int(batch), shape.width, shape.height, shape.steps) for _ in range(int(count))),
-            flush=True,
+        seconds = sum(
+            _timed_call(pipeline, int(batch), shape.width, shape.height, shape.steps) for _ in range(int(count))
         )
+        print(seconds, flush=True)
+
+
+def worker(model: str, dtype: str, thread: str = "main") -> None:
+    """Load, then answer timing requests on stdin, all torch work on ``thread``."""
+    _on_one_thread(thread, _serve, model, dtype)
 
 
 def main() -> None:
@@ -107,18 +190,27 @@ def main() -> None:
     parser.add_argument("--shapes", default="32x32:4", help="comma-separated WxH:STEPS")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--thread",
+        choices=["best", *THREADS],
+        default="best",
+        help="the thread that runs all torch work; best: each in a fresh process, the faster per row",
+    )
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--worker", action="store_true", help="serve timed calls over stdin/stdout")
     args = parser.parse_args()
     if args.worker:
-        return worker(args.model, args.dtype)
-    result = run_offline(
-        args.model,
+        return worker(args.model, args.dtype, "dedicated" if args.thread == "best" else args.thread)
+    kwargs = dict(
         batches=[int(b) for b in args.batches.split(",")],
         shapes=[Shape.parse(s) for s in args.shapes.split(",")],
         reps=args.reps,
         dtype=args.dtype,
     )
+    if args.thread == "best":
+        result = run_best(args.model, **kwargs)
+    else:
+        result = run_offline(args.model, thread=args.thread, **kwargs)
     emit(result, args.json)
 
 

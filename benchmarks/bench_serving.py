@@ -29,6 +29,7 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import aiohttp
 from common import PROMPTS, Shape, emit
@@ -82,6 +83,14 @@ def server_view(before: dict, after: dict, task: str = "image") -> dict:
     wait_s = _delta(before, after, "vllm_omni:request_queue_time_seconds_sum", **labels)
     exec_s = _delta(before, after, "vllm_omni:batch_execution_time_seconds_sum", **labels)
     p90_wait_s = histogram_quantile(0.9, before, after, "vllm_omni:request_queue_time_seconds", **labels)
+    by_replica = {
+        dict(key[1])["replica"]: 0.0
+        for key in after
+        if key[0] == "vllm_omni:batch_num_requests_sum" and "replica" in dict(key[1])
+    }
+    by_replica = {
+        r: int(_delta(before, after, "vllm_omni:batch_num_requests_sum", **labels, replica=r)) for r in by_replica
+    }
     histogram, below = {}, 0.0
     for le in ("1.0", "2.0", "4.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0"):
         cumulative = _delta(before, after, "vllm_omni:batch_num_requests_bucket", **labels, le=le)
@@ -95,15 +104,16 @@ def server_view(before: dict, after: dict, task: str = "image") -> dict:
         "mean_queue_wait_ms": round(1000 * wait_s / waits, 3) if waits else None,
         "p90_queue_wait_ms_est": round(1000 * p90_wait_s, 3) if p90_wait_s is not None else None,
         "mean_batch_exec_ms": round(1000 * exec_s / batches, 2) if batches else None,
+        "requests_by_replica": {r: n for r, n in sorted(by_replica.items(), key=lambda item: int(item[0])) if n},
     }
 
 
-async def _rss_sampler(session, base_url: str, peak: list[float], stop: asyncio.Event) -> None:
+async def _rss_sampler(session, base_url: str, peak: list[float], stop: asyncio.Event, interval_s: float) -> None:
     while not stop.is_set():
         samples = await scrape(session, base_url)
         peak[0] = max(peak[0], samples.get(("process_resident_memory_bytes", ()), 0.0))
         try:
-            await asyncio.wait_for(stop.wait(), timeout=2.0)  # a scrape costs the server ~2 ms of its event loop
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)  # a scrape costs the server ~2 ms of its loop
         except asyncio.TimeoutError:
             pass
 
@@ -122,7 +132,12 @@ async def run_benchmark(
     progress: bool = True,
     task: str = "image",
     poll_ms: float = 20.0,
+    rss_interval_s: float | None = 2.0,
+    on_window: Callable[[str], None] | None = None,
 ) -> dict:
+    """``rss_interval_s``: how often the server's RSS is sampled during the run (``None``: never, e.g. when
+    scraping would skew a CPU measurement). ``on_window("start")`` / ``on_window("end")`` are called right
+    before the first and right after the last measured request (warm-up and ``/metrics`` scrapes outside)."""
     if task not in ("image", "video"):
         raise ValueError(f"task must be 'image' or 'video', not {task!r}")
     rng = random.Random(seed)
@@ -190,8 +205,9 @@ async def run_benchmark(
                 raise RuntimeError(f"warm-up request failed: {bad[0]['status']} {bad[0].get('error')}")
 
         before = await scrape(session, base_url)
-        peak_rss, stop = [0.0], asyncio.Event()
-        sampler = asyncio.create_task(_rss_sampler(session, base_url, peak_rss, stop))
+        peak_rss, stop = [before.get(("process_resident_memory_bytes", ()), 0.0)], asyncio.Event()
+        if rss_interval_s is not None:
+            sampler = asyncio.create_task(_rss_sampler(session, base_url, peak_rss, stop, rss_interval_s))
         bar = tqdm(total=num_requests, disable=not progress, desc="requests", unit="req")
         results: list[dict] = []
 
@@ -199,6 +215,8 @@ async def run_benchmark(
             results.append(await send(i, shape))
             bar.update()
 
+        if on_window:
+            on_window("start")
         started = time.perf_counter()
         if request_rate:
             # Poisson arrivals on an absolute schedule: a late wake-up does not push back later arrivals.
@@ -218,9 +236,12 @@ async def run_benchmark(
 
             await asyncio.gather(*(client() for _ in range(concurrency)))
         duration = time.perf_counter() - started
+        if on_window:
+            on_window("end")
         bar.close()
         stop.set()
-        await sampler
+        if rss_interval_s is not None:
+            await sampler
         after = await scrape(session, base_url)
 
     ok = [r for r in results if r["status"] == 200]

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The checkout these scripts belong to: the code their servers and workers run unless ``--baseline`` names
+another one."""
 
 PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse", "a blue house", "a tree", "a small dog"]
 
@@ -50,3 +57,75 @@ def publish(result: dict, markdown: str, out_dir: str | None, name: str) -> None
     if out_dir:
         with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
             f.write(markdown)
+
+
+def in_tree(command: list[str], tree: str) -> list[str]:
+    """``command`` run so that it imports ``vllm_omni`` from the checkout ``tree``: ``PYTHONPATH`` starts with it
+    (``vllm serve`` is a console script, whose ``sys.path`` starts with its own folder, so the working directory
+    alone would not do), and the working directory is ``tree`` too, since a Ray worker puts its driver's working
+    directory first on its ``sys.path``."""
+    tree = os.path.abspath(tree)
+    pythonpath = os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return ["env", "-C", tree, f"PYTHONPATH={pythonpath}", *command]
+
+
+def check_tree(tree: str) -> str:
+    """``tree`` as an absolute path, after checking that it holds a ``vllm_omni`` package."""
+    tree = os.path.abspath(tree)
+    if not os.path.isfile(os.path.join(tree, "vllm_omni", "__init__.py")):
+        raise SystemExit(f"{tree} holds no vllm_omni package")
+    return tree
+
+
+def imported_from(pid: int) -> dict:
+    """Where the running process ``pid`` took ``vllm_omni`` from, seen from outside: the folders holding the
+    ``vllm_omni`` files on its threads' stacks (``py-spy dump``, when py-spy is installed), and its ``PYTHONPATH``
+    and working directory (``/proc``)."""
+    seen: dict = {"pid": pid}
+    try:
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        seen["pythonpath"] = next((e[11:].decode() for e in environ if e.startswith(b"PYTHONPATH=")), None)
+        seen["cwd"] = os.readlink(f"/proc/{pid}/cwd")
+    except OSError as exc:
+        seen["proc_error"] = str(exc)
+    if shutil.which("py-spy") is None:
+        seen["stack_roots"] = None
+        return seen
+    dump = subprocess.run(
+        ["py-spy", "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+    )
+    seen["stack_roots"] = sorted(set(re.findall(r"\(([^\s():]+?)/vllm_omni/[^\s():]+\.py:\d+\)", dump.stdout)))
+    if dump.returncode:
+        seen["py_spy_error"] = dump.stderr.strip()[-300:]
+    return seen
+
+
+def imports_ok(seen: dict, tree: str) -> bool | None:
+    """Whether ``imported_from``'s stacks show ``vllm_omni`` from ``tree`` only; ``None`` when they cannot tell
+    (no py-spy, or no ``vllm_omni`` frame on any stack at that moment)."""
+    roots = seen.get("stack_roots")
+    if not roots:
+        return None
+    return {os.path.realpath(r) for r in roots} == {os.path.realpath(tree)}
+
+
+def cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """(CPU seconds the processes ``pids`` and their descendants have used, busy CPU seconds of the whole machine):
+    the difference of two readings says how much CPU others used meanwhile, i.e. how quiet the machine was."""
+    import psutil
+
+    ours = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for process in family:
+            try:
+                times = process.cpu_times()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            ours += times.user + times.system
+    machine = psutil.cpu_times()
+    return ours, sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)

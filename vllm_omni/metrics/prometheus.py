@@ -8,6 +8,7 @@ server's `replica_metrics` collector gathers every live replica's at scrape time
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -134,3 +135,48 @@ image_requests = Counter(
     "(requests refused for a missing or wrong API key are not counted).",
     ["outcome"],
 )
+
+_PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *_SECONDS_BUCKETS)
+request_phase_seconds = Histogram(
+    "vllm_omni:request_phase_seconds",
+    "Where a completed request's time went on the server, by API (images, videos) and phase: parse, validation, "
+    "completion, handoff, queue, execution, encode, response (see docs/serving.md).",
+    ["api", "phase"],
+    buckets=_PHASE_BUCKETS,
+)
+
+
+class PhaseTimer:
+    """One request's phases, timed back to back with ``time.perf_counter`` and observed together in
+    ``vllm_omni:request_phase_seconds`` once the request has completed (`observe`)."""
+
+    __slots__ = ("_last", "phases")
+
+    def __init__(self):
+        self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        """``phase`` ran from the previous mark (or the timer's start) until now."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def mark_engine(self, queue_s: float, execution_s: float) -> None:
+        """The request went through the engine since the previous mark: ``queue_s`` and ``execution_s`` as the
+        engine reports them (`RequestMetrics`), the rest (submitting it, handing its output back to this thread,
+        between the stages of a split pipeline) as ``handoff``."""
+        now = time.perf_counter()
+        self.phases["queue"], self.phases["execution"] = queue_s, execution_s
+        self.phases["handoff"] = max(0.0, now - self._last - queue_s - execution_s)
+        self._last = now
+
+    def observe(self, api: str) -> None:
+        for phase, seconds in self.phases.items():
+            child = _phase_children.get((api, phase))
+            if child is None:  # once per (api, phase): labels() takes a lock and builds the key every time
+                child = _phase_children[api, phase] = request_phase_seconds.labels(api, phase)
+            child.observe(seconds)
+
+
+_phase_children: dict[tuple[str, str], Histogram] = {}

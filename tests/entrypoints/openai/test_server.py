@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.testing.server import RemoteOmniServer
 
@@ -35,6 +36,20 @@ def metric(server: RemoteOmniServer, name: str, **labels) -> float:
             if got == want:
                 return float(match[3])
     return 0.0
+
+
+def phase_samples(server: RemoteOmniServer, api: str) -> dict[str, tuple[float, float]]:
+    """``{phase: (count, sum)}`` of the server's ``vllm_omni:request_phase_seconds`` for ``api``."""
+    samples: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(httpx.get(server.url_for("metrics"), timeout=60).text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm_omni:request_phase_seconds_") and sample.labels["api"] == api:
+                entry = samples.setdefault(sample.labels["phase"], [0.0, 0.0])
+                if sample.name.endswith("_count"):
+                    entry[0] = sample.value
+                elif sample.name.endswith("_sum"):
+                    entry[1] = sample.value
+    return {phase: (count, total) for phase, (count, total) in samples.items()}
 
 
 def wait_for(predicate, timeout=60.0):
@@ -139,6 +154,27 @@ def test_seed_makes_the_request_reproducible(client):
         )
 
     assert once() == once()
+
+
+IMAGE_PHASES = {"parse", "validation", "completion", "handoff", "queue", "execution", "encode", "response"}
+
+
+def test_a_completed_request_observes_each_of_its_phases_once(server, client):
+    before = phase_samples(server, "images")
+    response = client.images.generate(prompt="a cat", n=2, size="32x32", response_format="b64_json", extra_body=FAST)
+    assert len(response.data) == 2  # encoded in parallel, one worker thread each
+    after = phase_samples(server, "images")  # observed before the answer was sent: nothing to wait for
+    assert set(after) == IMAGE_PHASES
+    for phase in IMAGE_PHASES:
+        count, total = before.get(phase, (0.0, 0.0))
+        assert after[phase][0] == count + 1 and after[phase][1] >= total, phase
+    assert after["execution"][1] > before.get("execution", (0.0, 0.0))[1]
+    # Refused requests observe nothing: one at validation (unknown model), one at completion (over the limits).
+    with pytest.raises(openai.NotFoundError):
+        client.images.generate(prompt="x", model="nope")
+    with pytest.raises(openai.BadRequestError):
+        client.images.generate(prompt="x", size="128x128")
+    assert phase_samples(server, "images") == after
 
 
 def test_url_responses_download_with_the_api_key_from_an_unguessable_address(server, client):

@@ -8,6 +8,7 @@ import av
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.testing.server import RemoteOmniServer
 
@@ -66,6 +67,27 @@ def test_a_video_job_runs_to_an_mp4(server):
         frames = list(container.decode(stream))
         assert len(frames) == 9 and (frames[0].width, frames[0].height) == (32, 32)
         assert stream.average_rate == 8
+
+
+def _phase_counts(server) -> dict[str, float]:
+    """How many video jobs ``vllm_omni:request_phase_seconds`` observed, per phase."""
+    text = httpx.get(server.url_for("metrics"), timeout=60).text
+    return {
+        sample.labels["phase"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm_omni:request_phase_seconds_count" and sample.labels["api"] == "videos"
+    }
+
+
+def test_a_completed_job_observes_each_of_its_phases_once(server):
+    phases = {"parse", "validation", "completion", "handoff", "queue", "execution", "encode"}
+    before = _phase_counts(server)
+    created = _create(server, seed=4)
+    assert created.status_code == 200 and _wait(server, created.json()["id"])["status"] == "completed"
+    after = _phase_counts(server)  # observed before the job was marked completed: nothing more to wait for
+    assert set(after) == phases
+    assert all(after[phase] == before.get(phase, 0.0) + 1 for phase in phases), (before, after)
 
 
 def test_the_openai_client_and_seconds(server):

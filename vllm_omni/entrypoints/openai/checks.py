@@ -84,7 +84,8 @@ def check_request(state: ServerState, body, *, kind: str) -> None:
 def admit(state: ServerState, **fields) -> AdmittedParams:
     """The request's parameters completed once (the model's defaults filled in: ``size: auto``, default steps...,
     and a seed drawn), within the operator's limits; every problem is a 400 naming the API field, and a full queue
-    a 429. It may ask the replicas (Ray calls): run it off the event loop."""
+    a 429. It is local work (each stage admits from its model card; no replica is asked), so it runs on the event
+    loop."""
     try:
         admitted = state.omni.admit(OmniDiffusionSamplingParams(**fields))
     except ValidationError as exc:  # beyond what any model accepts, e.g. a side over 16384 px

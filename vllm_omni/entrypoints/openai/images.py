@@ -11,9 +11,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.request import RequestFailedError, StageUnavailableError
 from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
@@ -69,40 +70,71 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-class _CountsInvalidImageRequests(APIRoute):
-    """A body that does not fit `ImageGenerationRequest` counts as an invalid image request; the app's handler
+class _ImagesRoute(APIRoute):
+    """Times each request's phases (`PhaseTimer`, observed in ``vllm_omni:request_phase_seconds`` once it is answered
+    200), and counts a body that does not fit `ImageGenerationRequest` as an invalid image request; the app's handler
     answers it. (Other APIs' invalid requests are theirs to count.)"""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
-        async def counted(request: Request) -> Response:
+        async def timed(request: Request) -> Response:
+            timer = request.scope[_TIMER] = metrics.PhaseTimer()
+            await _receive_json(request)
+            timer.mark("parse")
             try:
-                return await handler(request)
+                response = await handler(request)
             except RequestValidationError:
                 metrics.image_requests.labels("invalid").inc()
                 raise
+            if response.status_code == 200:
+                timer.mark("response")
+                timer.observe("images")
+            return response
 
-        return counted
+        return timed
 
 
-def _encode(image, output_format: str, compression: int | None) -> bytes:
+_TIMER = "vllm_omni.phase_timer"
+"""The request's `PhaseTimer`, in its ASGI scope."""
+
+
+async def _receive_json(request: Request) -> None:
+    """Receive the body and decode its JSON, which FastAPI then takes from the request as they are (Starlette keeps
+    both), so that the time they take is the ``parse`` phase. Failures are answered as FastAPI answers them."""
+    try:
+        body = await request.body()
+    except StarletteHTTPException:  # the body limit
+        raise
+    except Exception as exc:  # noqa: BLE001 - what FastAPI answers when it cannot read a body
+        raise HTTPException(400, "There was an error parsing the body") from exc
+    if body and request.headers.get("content-type", "").startswith("application/json"):
+        with contextlib.suppress(Exception):  # FastAPI decodes it again and answers the error
+            await request.json()
+
+
+def _encode(image, output_format: str, compression: int | None, b64: bool) -> bytes | str:
+    """One image in its file format (as base64 text for ``b64_json``); runs in a worker thread."""
     buffer = io.BytesIO()
     if output_format == "png":
         image.save(buffer, format="PNG")
     else:
         quality = 100 if compression is None else compression
         image.convert("RGB").save(buffer, format=output_format.upper(), quality=quality)
-    return buffer.getvalue()
+    return base64.b64encode(buffer.getbuffer()).decode("ascii") if b64 else buffer.getvalue()
 
 
-def _admit(body: ImageGenerationRequest, state: ServerState) -> AdmittedParams:
-    """The request's complete parameters (model defaults filled in, seed drawn), within the operator's limits."""
+def _check(body: ImageGenerationRequest, state: ServerState) -> None:
+    """The request's own checks (`check_request` reads only this process's state: it runs on the event loop)."""
     check_request(state, body, kind="image")
     if body.output_compression is not None and body.output_format == "png":
         raise APIError(
             400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
         )
+
+
+def _admit(body: ImageGenerationRequest, state: ServerState) -> AdmittedParams:
+    """The request's complete parameters (model defaults filled in, seed drawn), within the operator's limits."""
     width, height = body.dimensions() or (None, None)
     return admit(
         state,
@@ -118,14 +150,17 @@ def _admit(body: ImageGenerationRequest, state: ServerState) -> AdmittedParams:
 
 async def create_image(body: ImageGenerationRequest, raw_request: Request) -> ImageGenerationResponse | Response:
     state: ServerState = raw_request.app.state.server
+    timer: metrics.PhaseTimer = raw_request.scope[_TIMER]
     outcome = "failed"
     try:
         try:
-            # Admission may ask the replicas (Ray calls): off the event loop.
-            admitted = await asyncio.to_thread(_admit, body, state)
+            _check(body, state)
+            timer.mark("validation")  # FastAPI's schema validation of the body, the API key, and these checks
+            admitted = _admit(body, state)  # on the loop: admission is local work of ~0.1 ms, with no Ray call
         except APIError as exc:
             outcome = refusal_outcome(exc)
             raise
+        timer.mark("completion")
         generation = state.omni.generate(body.prompt, admitted, request_id=f"img-{uuid.uuid4().hex}")
         try:
             output = await until_disconnect(raw_request, anext(generation, None))
@@ -146,20 +181,28 @@ async def create_image(body: ImageGenerationRequest, raw_request: Request) -> Im
         if output is None:
             outcome = "aborted"
             raise APIError(503, "The request was aborted", code="aborted")
+        timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
 
-        encoded = await asyncio.to_thread(
-            lambda: [_encode(image, body.output_format, body.output_compression) for image in output.images]
+        # Off the event loop, one worker thread per image (Pillow's encoders release the GIL).
+        b64 = body.response_format == "b64_json"
+        loop = asyncio.get_running_loop()
+        encoded = await asyncio.gather(
+            *(
+                loop.run_in_executor(None, _encode, image, body.output_format, body.output_compression, b64)
+                for image in output.images
+            )
         )
-        data = []
-        for payload in encoded:
-            if body.response_format == "b64_json":
-                data.append(ImageData(b64_json=base64.b64encode(payload).decode(), revised_prompt=body.prompt))
-                continue
-            image_id = state.store.put(payload, _MEDIA_TYPES[body.output_format])
-            if image_id is None:
-                raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
-            url = str(raw_request.url_for("get_image", image_id=image_id))
-            data.append(ImageData(url=url, revised_prompt=body.prompt))
+        timer.mark("encode")
+        if b64:
+            data = [ImageData(b64_json=text, revised_prompt=body.prompt) for text in encoded]
+        else:
+            data = []
+            for payload in encoded:
+                image_id = state.store.put(payload, _MEDIA_TYPES[body.output_format])
+                if image_id is None:
+                    raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
+                url = str(raw_request.url_for("get_image", image_id=image_id))
+                data.append(ImageData(url=url, revised_prompt=body.prompt))
         outcome = "completed"
         first_image = output.images[0]
         return ImageGenerationResponse(
@@ -188,6 +231,6 @@ def build_images_router() -> APIRouter:
         response_model=ImageGenerationResponse,
         response_model_exclude_none=True,
         responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)},
-        route_class_override=_CountsInvalidImageRequests,
+        route_class_override=_ImagesRoute,
     )
     return router

@@ -196,7 +196,7 @@ def build_videos_router() -> APIRouter:
                 raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
             _check(state, body)
             timer.mark("validation")
-            admitted = await asyncio.to_thread(_admit, state, body)  # may ask the replicas: off the loop
+            admitted = _admit(state, body)  # on the loop, as in images.py
             timer.mark("completion")
             job = VideoJob(
                 id=f"video_{secrets.token_hex(16)}",

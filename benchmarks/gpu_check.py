@@ -1,0 +1,751 @@
+"""The prepared check for a lent GPU machine: step mode's correctness in each dtype, and step vs request mode
+under Poisson load on the flux-bench model. One command; writes JSON and markdown.
+
+    python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
+        [--families flux,sd3,wan,sd,sdxl] [--engine-families flux,wan] [--skip-engine] [--skip-poisson] [--quick]
+
+1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
+   (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it
+   (`runner.load_pipeline`: ``from_pretrained(dtype=...)`` then ``.to(device)``). A script of requests with
+   different steps, guidance, negative prompts (Flux: true-CFG negative rows) and outputs per prompt joins
+   one running batch at different engine steps, one forward per step over all running requests, as the step
+   engine runs them (`make_stepper` → ``prepare`` / ``predict`` / ``advance`` / ``decode``). Each request's
+   output is compared with the stock diffusers pipeline called for it alone with the same seed and params
+   (what request mode does for a batch of one). Reported: the worst pixel difference (0-255 levels, both sides
+   rounded) and the mean absolute difference. For reference the same is measured for the stock pipeline
+   itself, batched with three other prompts against alone: what request-mode batching already changes in that
+   dtype on that device.
+2. **Engine** (``--engine-families``, default flux and wan): the same comparison end to end through
+   ``Omni(model, execution_mode="step", max_num_seqs=3, dtype=...)`` with more requests than slots, so later
+   ones join while others run. On CUDA this covers the engine's arrangement there (text encoding and VAE decoding
+   on worker threads beside the denoising loop), which the CPU tests only force.
+3. **Poisson** (unless ``--skip-poisson``): ``benchmarks/step_batching.py`` on the ``flux-bench`` family
+   (request vs step mode, ``--max-num-seqs 4``, loads 50/80/95 %), run as a subprocess with a time limit; its
+   own results go to ``results/<name>-poisson.{json,md,png}`` and its targets are copied here (reported, never an
+   exit code). The servers use the default dtype (bfloat16 on CUDA).
+
+Pass bars (worst pixel difference against the stock pipeline alone):
+
+- float32: ≤ 2/255. Batching changes only the order of floating-point sums (other GEMM / convolution tilings),
+  a relative error of ~1e-7 per op, far below one 8-bit level after the steps and the VAE; 2 leaves room for a
+  value that sits on a rounding edge (the CPU measures 0–1). TF32 is switched off for the float32 checks (cuDNN
+  convolutions default to it), so float32 means float32.
+- bfloat16 / float16: ≤ max(16/255, the stock pipeline's own batched-vs-alone worst). bfloat16 keeps 8
+  significant bits: one rounding moves a value by up to 2^-9 of itself, an output of the VAE's last layer near 1
+  by ~0.5/255. A different batch changes which of the hundreds of roundings (layers × steps) go up or down; as a
+  random walk that is √(layers × steps) ≈ 10–20 ulps, 2–4 % of full scale or 5–10/255, and random weights
+  amplify some of it. 16 is that with a margin (in bfloat16 the 2-core CPU measures 0–6 for step mode and 0–4
+  for the stock pipeline batched). A worse result still passes when the stock pipeline batched moves pixels as
+  far: step mode cannot be held closer to the stock pipeline than request-mode batching is. A flow-matching
+  update that rounds differently from the scheduler's ``step`` is far outside it (42–48 levels on tiny Wan).
+
+Exit code 1 when a stepper or engine check fails (or raises), 2 on bad arguments (e.g. ``--device cuda`` without
+CUDA); the Poisson part never changes it. ``--quick``: the Poisson part with step_batching's smoke settings
+(32x32, 4 steps, 6 requests, one load); the correctness checks are the same, so
+``--device cpu --dtypes float32 --quick`` is the CPU smoke test (tests/benchmarks/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # this checkout's vllm_omni, installed or not
+    sys.path.insert(0, ROOT)
+FAMILIES = ("flux", "sd3", "wan", "sd", "sdxl")
+DTYPES = ("float32", "bfloat16", "float16")
+BARS = {"float32": 2, "bfloat16": 16, "float16": 16}
+"""Worst pixel difference (0-255) allowed per dtype; half dtypes allow at least the stock pipeline's own."""
+
+
+@dataclass
+class Request:
+    join: int
+    """Engine step at which it joins the running batch."""
+    name: str
+    prompt: str
+    params: dict[str, Any]
+    seed: int
+
+
+@dataclass
+class Script:
+    requests: list[Request]
+    reference_fillers: list[str] = field(default_factory=lambda: ["a green tree", "a small dog", "the moon sky"])
+    """Prompts batched with each request in the stock reference call."""
+
+
+def _image(**kwargs) -> dict[str, Any]:
+    return {"height": 64, "width": 64, **kwargs}
+
+
+def _video(**kwargs) -> dict[str, Any]:
+    return {"height": 32, "width": 32, "num_frames": 5, **kwargs}
+
+
+SCRIPTS: dict[str, Script] = {
+    # As tests/diffusion/test_steppers.py: different steps, joins at different steps, true-CFG negative rows (Flux),
+    # requests with and without classifier-free guidance in one forward, two outputs for one prompt.
+    "flux": Script(
+        [
+            Request(0, "A", "a photo of a cat", _image(num_inference_steps=8, guidance_scale=3.5), 1),
+            Request(3, "B", "a red car", _image(num_inference_steps=6, guidance_scale=3.5), 2),
+            Request(
+                3,
+                "C",
+                "a blue house",
+                _image(
+                    num_inference_steps=8,
+                    guidance_scale=3.5,
+                    negative_prompt="a dog",
+                    extra_args={"true_cfg_scale": 2.0},
+                ),
+                3,
+            ),
+            Request(
+                5, "D", "a small tree", _image(num_inference_steps=4, guidance_scale=3.5, num_outputs_per_prompt=2), 4
+            ),
+        ]
+    ),
+    "sd3": Script(
+        [
+            Request(0, "A", "a photo of a cat", _image(num_inference_steps=6, guidance_scale=5.0), 1),
+            Request(2, "B", "a red car", _image(num_inference_steps=5, guidance_scale=1.0), 2),
+            Request(
+                3,
+                "C",
+                "a blue house",
+                _image(num_inference_steps=4, guidance_scale=3.0, negative_prompt="a dog"),
+                3,
+            ),
+        ]
+    ),
+    "wan": Script(
+        [
+            Request(0, "A", "a photo of a cat", _video(num_inference_steps=6, guidance_scale=5.0), 1),
+            Request(2, "B", "a red car", _video(num_inference_steps=4, guidance_scale=1.0), 2),
+            Request(
+                2,
+                "C",
+                "a blue house",
+                _video(num_inference_steps=6, guidance_scale=3.0, negative_prompt="a dog"),
+                3,
+            ),
+        ]
+    ),
+    "sd": Script(
+        [
+            Request(
+                0,
+                "A",
+                "a photo of a cat",
+                _image(num_inference_steps=6, guidance_scale=7.5, negative_prompt="a dog"),
+                1,
+            ),
+            Request(2, "B", "a red car", _image(num_inference_steps=5, guidance_scale=1.0), 2),
+            Request(3, "C", "a blue house", _image(num_inference_steps=6, guidance_scale=4.0), 3),
+        ]
+    ),
+}
+SCRIPTS["sdxl"] = SCRIPTS["sd3"]
+
+# Through the engine: more requests than slots (max_num_seqs 3), so the later ones join while others run.
+ENGINE_SLOTS = 3
+ENGINE_SCRIPTS: dict[str, list[Request]] = {
+    "flux": [
+        Request(0, "A", "a photo of a cat", _image(num_inference_steps=8, guidance_scale=3.5), 1),
+        Request(0, "B", "a red car", _image(num_inference_steps=3, guidance_scale=3.5), 2),
+        Request(
+            0,
+            "C",
+            "a blue house",
+            _image(
+                num_inference_steps=6, guidance_scale=3.5, negative_prompt="a dog", extra_args={"true_cfg_scale": 2.0}
+            ),
+            3,
+        ),
+        Request(0, "D", "a small tree", _image(num_inference_steps=5, guidance_scale=3.5, num_outputs_per_prompt=2), 4),
+        Request(0, "E", "an astronaut riding a horse", _image(num_inference_steps=4, guidance_scale=3.5), 5),
+    ],
+    "wan": [
+        Request(0, "A", "a photo of a cat", _video(num_inference_steps=6, guidance_scale=5.0), 1),
+        Request(0, "B", "a red car", _video(num_inference_steps=3, guidance_scale=1.0), 2),
+        Request(0, "C", "a blue house", _video(num_inference_steps=5, guidance_scale=3.0, negative_prompt="a dog"), 3),
+        Request(0, "D", "a small tree", _video(num_inference_steps=4, guidance_scale=5.0), 4),
+    ],
+    "sd": [
+        Request(0, "A", "a photo of a cat", _image(num_inference_steps=6, guidance_scale=7.5), 1),
+        Request(0, "B", "a red car", _image(num_inference_steps=3, guidance_scale=1.0), 2),
+        Request(0, "C", "a blue house", _image(num_inference_steps=5, guidance_scale=4.0, negative_prompt="a dog"), 3),
+        Request(0, "D", "a small tree", _image(num_inference_steps=4, guidance_scale=7.5), 4),
+    ],
+}
+ENGINE_SCRIPTS["sdxl"] = ENGINE_SCRIPTS["sd"]
+ENGINE_SCRIPTS["sd3"] = ENGINE_SCRIPTS["sd"]
+
+POISSON_FULL = [  # sized for an H200: the whole check (correctness + this) in about 8 minutes
+    "--size",
+    "256x256",
+    "--steps",
+    "20",
+    "--num-requests",
+    "64",
+    "--loads",
+    "0.5,0.8,0.95",
+    "--reps",
+    "2",
+    "--capacity-reps",
+    "2",
+    "--max-num-seqs",
+    "4",
+]
+
+
+# ------------------------------------------------------------------------------------------------ comparison
+
+
+def pixel_diff(got, want) -> tuple[float, float]:
+    """(worst, mean) absolute difference in 0-255 levels: worst of both sides rounded to 8 bits, mean unrounded."""
+    import numpy as np
+
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        raise ValueError(f"output shape {got.shape} differs from the stock pipeline's {want.shape}")
+    worst = float(np.abs(np.round(got * 255) - np.round(want * 255)).max())
+    mean = float(np.abs(got - want).mean() * 255)
+    return worst, mean
+
+
+def bar_for(dtype: str, reference_worst: float | None) -> float:
+    if dtype == "float32":  # batching must not move float32 pixels, whatever the stock pipeline does
+        return BARS[dtype]
+    return max(BARS[dtype], reference_worst or 0.0)
+
+
+def sampling_params(params: dict[str, Any]):
+    from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+
+    return OmniDiffusionSamplingParams(output_type="np", **params)
+
+
+def stock(pipeline, prompts: list[str], params, seeds: list[int]):
+    """The stock pipeline for ``prompts`` in one call, as the request-mode runner calls it: one CPU generator per
+    request, repeated for its outputs. Returns ``[len(prompts) * n, ...]`` floats in [0, 1]."""
+    import numpy as np
+    import torch
+
+    n = params.num_outputs_per_prompt
+    generators = []
+    for seed in seeds:
+        generators += [torch.Generator("cpu").manual_seed(seed)] * n
+    kwargs = dict(
+        prompt=prompts if len(prompts) > 1 else prompts[0],
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        output_type="np",
+        generator=generators,
+        **params.extra_args,
+    )
+    if params.negative_prompt is not None:
+        kwargs["negative_prompt"] = (
+            [params.negative_prompt] * len(prompts) if len(prompts) > 1 else params.negative_prompt
+        )
+    with torch.inference_mode():
+        if params.num_frames is not None:
+            return np.asarray(pipeline(**kwargs, num_frames=params.num_frames, num_videos_per_prompt=n).frames)
+        return np.asarray(pipeline(**kwargs, num_images_per_prompt=n).images)
+
+
+def run_joined(stepper, requests: list[Request]) -> tuple[dict[str, Any], int]:
+    """One forward per engine step over all running requests, each joining at its step, as the step engine does.
+    Returns each request's outputs and the most requests in one forward."""
+    import torch
+
+    pending = sorted(requests, key=lambda r: r.join)
+    running, outputs, largest, step = [], {}, 0, 0
+    with torch.inference_mode():
+        while pending or running:
+            while pending and pending[0].join <= step:
+                r = pending.pop(0)
+                running.append((r.name, stepper.prepare(r.prompt, sampling_params(r.params), r.seed)))
+            states = [state for _, state in running]
+            if states:
+                largest = max(largest, len(states))
+                stepper.advance(states, stepper.predict(states))
+                finished = [(name, state) for name, state in running if state.done]
+                if finished:
+                    decoded = stepper.decode([state for _, state in finished])
+                    outputs.update({name: items for (name, _), items in zip(finished, decoded, strict=True)})
+                running = [(name, state) for name, state in running if not state.done]
+            step += 1
+    return outputs, largest
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_steppers(family: str, model: str, dtype_name: str, device) -> dict[str, Any]:
+    """Step mode through the stepper API against the stock pipeline alone, and the stock reference."""
+    import torch
+
+    from vllm_omni.diffusion.runner import load_pipeline
+    from vllm_omni.diffusion.steppers import make_stepper
+
+    script = SCRIPTS[family]
+    pipeline = load_pipeline(model, getattr(torch, dtype_name), device)
+    stepper = make_stepper(pipeline, device)
+    started = time.perf_counter()
+    outputs, largest = run_joined(stepper, script.requests)
+    _synchronize(device)
+    step_s = time.perf_counter() - started
+    requests, worst, mean, ref_worst, ref_mean = [], 0.0, 0.0, 0.0, 0.0
+    for r in script.requests:
+        params = sampling_params(r.params)
+        n = params.num_outputs_per_prompt
+        alone = stock(pipeline, [r.prompt], params, [r.seed])
+        w, m = pixel_diff(outputs[r.name], alone)
+        fillers = script.reference_fillers
+        batched = stock(pipeline, [r.prompt, *fillers], params, [r.seed] + [100 + i for i in range(len(fillers))])
+        rw, rm = pixel_diff(batched[:n], alone)
+        requests.append({"name": r.name, "worst": w, "mean": round(m, 6), "reference_worst": rw})
+        worst, mean, ref_worst, ref_mean = max(worst, w), max(mean, m), max(ref_worst, rw), max(ref_mean, rm)
+    del stepper, pipeline
+    return {
+        "largest_forward": largest,
+        "worst": worst,
+        "mean": round(mean, 6),
+        "reference_worst": ref_worst,
+        "reference_mean": round(ref_mean, 6),
+        "requests": requests,
+        "step_mode_s": round(step_s, 3),
+    }
+
+
+def check_engine(family: str, model: str, dtype_name: str, device) -> dict[str, Any]:
+    """The same comparison end to end through ``Omni`` in step mode."""
+    import torch
+
+    from vllm_omni import Omni
+    from vllm_omni.diffusion.runner import load_pipeline
+
+    requests = ENGINE_SCRIPTS[family]
+    devices = str(device.index) if device.type == "cuda" and device.index is not None else None
+    with Omni(model, execution_mode="step", max_num_seqs=ENGINE_SLOTS, dtype=dtype_name, devices=devices) as omni:
+        params = [sampling_params(r.params | {"seed": r.seed}) for r in requests]
+        started = time.perf_counter()
+        outputs = omni.generate([r.prompt for r in requests], params)
+        engine_s = time.perf_counter() - started
+    if errors := [f"{r.name}: {o.error}" for r, o in zip(requests, outputs, strict=True) if o.error]:
+        raise RuntimeError("; ".join(errors))
+    pipeline = load_pipeline(model, getattr(torch, dtype_name), device)
+    rows, worst, mean = [], 0.0, 0.0
+    for r, output in zip(requests, outputs, strict=True):
+        got = output.videos if output.videos else output.images
+        w, m = pixel_diff(got, stock(pipeline, [r.prompt], sampling_params(r.params), [r.seed]))
+        rows.append({"name": r.name, "worst": w, "mean": round(m, 6), "mean_batch": output.metrics["batch_size"]})
+        worst, mean = max(worst, w), max(mean, m)
+    del pipeline
+    return {
+        "largest_forward": max(o.metrics["batch_size"] for o in outputs),
+        "largest_is_mean": True,
+        "worst": worst,
+        "mean": round(mean, 6),
+        "requests": rows,
+        "engine_s": round(engine_s, 3),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ environment
+
+
+def environment(device, args) -> dict[str, Any]:
+    import diffusers
+    import torch
+    import transformers
+
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "cpu_count": os.cpu_count(),
+        "dtypes": args.dtypes,
+    }
+    for name in ("vllm", "vllm_omni"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001 - reported, not needed
+            env[name] = f"unavailable ({type(exc).__name__})"
+    try:
+        env["git_commit"] = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except Exception:  # noqa: BLE001
+        env["git_commit"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env |= {
+            "device_name": torch.cuda.get_device_name(device),
+            "device_memory_gib": round(props.total_memory / 2**30, 1),
+            "compute_capability": f"{props.major}.{props.minor}",
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            "bf16_supported": torch.cuda.is_bf16_supported(),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        }
+    else:
+        env["device_name"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        env["torch_threads"] = torch.get_num_threads()
+    return env
+
+
+# ------------------------------------------------------------------------------------------------ poisson
+
+
+def _shown_path(path: str) -> str:
+    """``path`` relative to the repository when it is inside it."""
+    relative = os.path.relpath(path, ROOT)
+    return path if relative.startswith("..") else relative
+
+
+def _shown_command(command: list[str]) -> str:
+    return " ".join(["python"] + [_shown_path(a) if a.endswith(".py") else a for a in command[1:]])
+
+
+def _interrupt(process: subprocess.Popen) -> int:
+    """Stop step_batching.py and the servers it started (each in its own session, so not in its process group)."""
+    import psutil
+
+    def children() -> list:
+        try:
+            return psutil.Process(process.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    servers = children()
+    process.send_signal(signal.SIGINT)  # KeyboardInterrupt: it stops the servers it holds
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        servers += children()
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    for server in servers:  # one it was still starting is not held yet
+        try:
+            server.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(servers, timeout=30)
+    for server in alive:
+        try:
+            server.kill()
+        except psutil.Error:
+            pass
+    return process.returncode
+
+
+def run_poisson(args, out_dir: str) -> dict[str, Any]:
+    """step_batching.py on flux-bench as a subprocess with a time limit; its targets and table."""
+    name = f"{args.name}-poisson"
+    command = [sys.executable, os.path.join(HERE, "step_batching.py"), "--families", "flux-bench", "--name", name]
+    command += ["--out-dir", out_dir] + (["--quick"] if args.quick else POISSON_FULL) + args.poisson_args
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    if args.device.type == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the servers pick CUDA whenever they see one
+    print(f"[poisson] {_shown_command(command)}", flush=True)
+    started = time.perf_counter()
+    result: dict[str, Any] = {"command": _shown_command(command), "name": name}
+    # Its own session, so that a timeout can interrupt it without interrupting us; SIGINT handled even where it
+    # was started ignored (a background job of a shell without job control), so that it stops its servers.
+    launcher = [
+        sys.executable,
+        "-c",
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "here, sys.argv = sys.argv[1], sys.argv[2:]; sys.path.insert(0, here); "
+        "runpy.run_path(sys.argv[0], run_name='__main__')",
+        HERE,
+        *command[1:],
+    ]
+    process = subprocess.Popen(launcher, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        returncode = process.wait(timeout=args.poisson_timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        print(f"[poisson] still running after {args.poisson_timeout} s: interrupting it", flush=True)
+        returncode = _interrupt(process)
+    result |= {"returncode": returncode, "timed_out": timed_out, "wall_s": round(time.perf_counter() - started, 1)}
+    path = os.path.join(out_dir, name + ".json")
+    if returncode == 0 and os.path.isfile(path):
+        with open(path) as f:
+            found = json.load(f)
+        result |= {
+            "ok": True,
+            "device": found.get("device"),
+            "config": found.get("config"),
+            "families": found.get("families"),
+            "ratios": found.get("ratios"),
+            "targets": found.get("targets"),
+            "json": _shown_path(path),
+        }
+        with open(os.path.join(out_dir, name + ".md")) as f:
+            result["table_md"] = f.read()
+    else:
+        result["ok"] = False
+        result["error"] = "timed out" if timed_out else f"step_batching.py exited with {returncode}"
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _row_line(row: dict[str, Any]) -> str:
+    if row.get("error"):
+        return (
+            f"| {row['check']} | {row['family']} | {row['dtype']} | – | – | – | – | ≤ {row.get('bar', '–')} | "
+            f"**ERROR** {row['error'].splitlines()[-1][:150]} |"
+        )
+    ref = row.get("reference_worst")
+    largest = row["largest_forward"]
+    largest = f"{largest:.2f} (mean)" if row.get("largest_is_mean") else str(largest)
+    return (
+        f"| {row['check']} | {row['family']} | {row['dtype']} | {largest} | {row['worst']:.0f} | {row['mean']:.4f} "
+        f"| {'–' if ref is None else f'{ref:.0f}'} | ≤ {row['bar']:.0f} | {'PASS' if row['pass'] else '**FAIL**'} |"
+    )
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    env = summary["environment"]
+    lines = [
+        f"# GPU check `{summary['name']}`: {'PASS' if summary['pass'] else 'FAIL'}",
+        "",
+        f"{env.get('device_name')} ({env['device']}); torch {env['torch']}, diffusers {env['diffusers']}, "
+        f"transformers {env['transformers']}, vllm {env['vllm']}, vllm-omni {env['vllm_omni']} "
+        f"(commit {env.get('git_commit')}); dtypes {', '.join(env['dtypes'])}; took {summary['wall_s']} s.",
+    ]
+    if "tf32_cudnn" in env:
+        lines.append(
+            f"TF32 during float32 checks: off (defaults: matmul {env['tf32_matmul']}, cuDNN {env['tf32_cudnn']})."
+        )
+    lines += [
+        "",
+        "## Correctness: step mode against the stock pipeline alone",
+        "",
+        "Worst pixel difference over the check's requests (0-255 levels, both rounded to 8 bits) and the largest "
+        "mean absolute difference of one request; *stock batched* is the stock pipeline's own worst difference "
+        "between one request batched with three others and the request alone (request mode's batching). Largest "
+        "forward: most requests in one denoiser forward (engine: the highest of the requests' mean batch).",
+        "",
+        "| check | family | dtype | largest forward | worst | mean | stock batched worst | bar | result |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_row_line(row) for row in summary["correctness"]]
+    poisson = summary.get("poisson")
+    lines += ["", "## Poisson load: request vs step mode (flux-bench)", ""]
+    if poisson is None:
+        lines.append("Skipped (--skip-poisson).")
+    elif not poisson.get("ok"):
+        lines.append(f"Did not finish: {poisson.get('error')} after {poisson['wall_s']} s (`{poisson['command']}`).")
+    else:
+        lines.append(
+            f"`{poisson['command']}` ({poisson['wall_s']} s on {poisson['device']}); full results in "
+            f"`{poisson['json']}` and its `.md` and `.png`. Targets at 80 % load (reported, never the exit code):"
+        )
+        lines.append("")
+        for t in poisson["targets"] or []:
+            verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["pass"]]
+            load = "–" if t["load"] is None else f"{t['load']:.0%}"
+            lines.append(
+                f"- {t['family']} @ {load}: {t['description']} = {t['value']} (target {t['op']} {t['threshold']}): "
+                f"{verdict}"
+            )
+        lines += ["", poisson["table_md"].strip()]
+    return "\n".join(lines) + "\n"
+
+
+def write(summary: dict[str, Any], out_dir: str) -> str:
+    base = os.path.join(out_dir, summary["name"])
+    with open(base + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(summary))
+    return base
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def _csv(value: str) -> list[str]:
+    return [v for v in value.split(",") if v]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--name", default="gpu-check", help="results/<name>.{json,md} (Poisson: <name>-poisson.*)")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:K or cpu")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="stepper checks, of " + ", ".join(FAMILIES))
+    parser.add_argument("--engine-families", default="flux,wan", help="end-to-end Omni checks ('' for none)")
+    parser.add_argument("--skip-engine", action="store_true", help="no end-to-end Omni checks")
+    parser.add_argument("--skip-poisson", action="store_true", help="no Poisson comparison")
+    parser.add_argument(
+        "--quick", action="store_true", help="the Poisson part with step_batching.py --quick (CPU smoke)"
+    )
+    parser.add_argument(
+        "--poisson-timeout", type=float, default=300.0, help="seconds before the Poisson run is stopped"
+    )
+    parser.add_argument(
+        "--poisson-args", default="", help="further step_batching.py arguments, e.g. '--reps 3' (later ones win)"
+    )
+    parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    args.dtypes, args.families, args.engine_families = (
+        _csv(args.dtypes),
+        _csv(args.families),
+        [] if args.skip_engine else _csv(args.engine_families),
+    )
+    args.poisson_args = args.poisson_args.split()
+    if unknown := [d for d in args.dtypes if d not in DTYPES]:
+        parser.error(f"unknown dtypes {unknown}; choose from {', '.join(DTYPES)}")
+    for option, chosen in (("--families", args.families), ("--engine-families", args.engine_families)):
+        if unknown := [f for f in chosen if f not in FAMILIES]:
+            parser.error(f"unknown {option} {unknown}; choose from {', '.join(FAMILIES)}")
+
+    import torch
+
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device {args.device!r}: {exc}")
+    if args.device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(
+                "--device cuda, but CUDA is not available here (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda}); on a machine without a GPU run "
+                "--device cpu --dtypes float32 --quick (the smoke test)"
+            )
+        if (args.device.index or 0) >= torch.cuda.device_count():
+            parser.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA devices here")
+        if "bfloat16" in args.dtypes and not torch.cuda.is_bf16_supported():
+            parser.error("bfloat16 is not supported by this GPU; use --dtypes float32,float16")
+    elif args.device.type != "cpu":
+        parser.error(f"--device {args.device}: use cuda, cuda:K or cpu")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from vllm_omni.testing.tiny_models import make_tiny_model
+
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    started = time.perf_counter()
+    os.makedirs(args.out_dir, exist_ok=True)
+    device = args.device
+    if device.type == "cuda":
+        device = args.device = torch.device("cuda", device.index if device.index is not None else 0)
+        torch.cuda.set_device(device)
+    summary: dict[str, Any] = {
+        "name": args.name,
+        "environment": environment(device, args),
+        "bars": {d: BARS[d] for d in args.dtypes},
+        "correctness": [],
+        "poisson": None,
+        "pass": True,
+        "wall_s": None,
+    }
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    engine_families = args.engine_families
+    if engine_families and device.type == "cpu" and torch.cuda.is_available():
+        print("[engine] skipped: Omni picks CUDA whenever it is present, and --device is cpu", flush=True)
+        engine_families = []
+    checks = [("steppers", f) for f in args.families] + [("engine", f) for f in engine_families]
+    with tempfile.TemporaryDirectory(prefix="gpu-check-models-") as model_dir:
+        models: dict[str, str] = {}
+        for dtype_name in args.dtypes:
+            full = dtype_name == "float32"  # float32 means float32: no TF32 in cuBLAS or cuDNN
+            torch.backends.cuda.matmul.allow_tf32 = tf32[0] and not full
+            torch.backends.cudnn.allow_tf32 = tf32[1] and not full
+            for check, family in checks:
+                row: dict[str, Any] = {"check": check, "family": family, "dtype": dtype_name}
+                t0 = time.perf_counter()
+                try:
+                    if family not in models:
+                        models[family] = make_tiny_model(os.path.join(model_dir, family), family)
+                    run = check_steppers if check == "steppers" else check_engine
+                    row |= run(family, models[family], dtype_name, device)
+                    if check == "engine":
+                        mine = [
+                            r
+                            for r in summary["correctness"]
+                            if (r["check"], r["family"], r["dtype"]) == ("steppers", family, dtype_name)
+                        ]
+                        row["reference_worst"] = mine[0].get("reference_worst") if mine else None
+                    row["bar"] = bar_for(dtype_name, row.get("reference_worst"))
+                    row["pass"] = row["worst"] <= row["bar"]
+                except Exception:  # noqa: BLE001 - a check that raises fails, the others still run
+                    row |= {"pass": False, "error": traceback.format_exc(limit=8)}
+                    print(row["error"], file=sys.stderr, flush=True)
+                row["wall_s"] = round(time.perf_counter() - t0, 1)
+                summary["correctness"].append(row)
+                summary["pass"] = summary["pass"] and row["pass"]
+                print(
+                    f"[{check}] {family} {dtype_name}: "
+                    + (
+                        "ERROR"
+                        if row.get("error")
+                        else f"worst {row['worst']:.0f}/255 (mean {row['mean']:.4f}, stock batched worst "
+                        f"{row.get('reference_worst')}), bar {row['bar']:.0f}: {'PASS' if row['pass'] else 'FAIL'}"
+                    )
+                    + f" ({row['wall_s']} s)",
+                    flush=True,
+                )
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    write(summary, args.out_dir)  # the correctness results survive whatever happens to the Poisson run
+    if not args.skip_poisson:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            summary["poisson"] = run_poisson(args, args.out_dir)
+        except Exception:  # noqa: BLE001 - reported, never the exit code
+            summary["poisson"] = {"ok": False, "error": traceback.format_exc(limit=5), "wall_s": None, "command": ""}
+        poisson = summary["poisson"]
+        print(f"[poisson] {'done' if poisson['ok'] else poisson['error']} ({poisson['wall_s']} s)", flush=True)
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    base = write(summary, args.out_dir)
+    print(markdown(summary))
+    print(f"{'PASS' if summary['pass'] else 'FAIL'}; took {summary['wall_s']} s; wrote {base}.json and {base}.md")
+    return 0 if summary["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

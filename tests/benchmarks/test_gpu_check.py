@@ -1,0 +1,45 @@
+"""The prepared GPU check (benchmarks/gpu_check.py) smoke-run on the CPU: every stepper and the engine in float32
+against the stock pipeline. Its Poisson part is step_batching.py, whose quick run has its own test
+(test_scripts.py), so it is skipped here. Nothing here depends on timing."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(1800)
+def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--dtypes", "float32"]
+    command += ["--quick", "--skip-poisson", "--name", "smoke", "--out-dir", str(tmp_path)]
+    # No CUDA even on a GPU machine: the engine rows (Omni picks CUDA whenever it sees it) then run on the CPU too.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["pass"] is True
+    assert result["environment"]["device"] == "cpu" and result["environment"]["torch"]
+    rows = result["correctness"]
+    assert sorted((r["check"], r["family"], r["dtype"]) for r in rows) == sorted(
+        [("steppers", f, "float32") for f in ("flux", "sd3", "wan", "sd", "sdxl")]
+        + [("engine", f, "float32") for f in ("flux", "wan")]
+    )
+    for row in rows:
+        assert row["pass"] is True and "error" not in row, row
+        assert 0 <= row["worst"] <= row["bar"] == 2
+    for row in (r for r in rows if r["check"] == "steppers"):
+        assert row["largest_forward"] >= 3, "the requests should share forwards"
+        assert row["reference_worst"] is not None
+
+    assert result["poisson"] is None
+    markdown = (tmp_path / "smoke.md").read_text()
+    assert markdown.startswith("# GPU check `smoke`: PASS")
+    assert "| steppers | flux | float32 |" in markdown
