@@ -28,6 +28,7 @@ def _scheduler(max_num_seqs=4, wait_ms=0.0) -> BatchScheduler:
             execution_mode="request",
             dtype="auto",
             devices=None,
+            torch_threads=None,
         )
     )
 

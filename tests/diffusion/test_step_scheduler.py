@@ -25,6 +25,7 @@ def _scheduler(max_num_seqs=2) -> StepBatchScheduler:
             execution_mode="step",
             dtype="auto",
             devices=None,
+            torch_threads=None,
         )
     )
 
