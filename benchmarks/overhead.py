@@ -17,7 +17,7 @@ each block (sum over count is the mean), observed once per completed request:
     handoff      to the engine and back: submitting, and the output's way back to the event loop
     queue        arrival in the engine → the engine starts on it (``RequestMetrics.queue_ms``)
     execution    the engine's work on it (``RequestMetrics.exec_ms``: the pipeline call, VAE decode included)
-    encode       image file encoding (and base64), in worker threads
+    encoding     image file encoding (and base64), in worker threads
     response     the response object: ``url`` entries, FastAPI's serialisation
 
 ``outside the route`` is the client's latency minus the sum of the phases: the client, loopback TCP, uvicorn's HTTP
@@ -50,7 +50,7 @@ from vllm_omni.testing.server import RemoteOmniServer, free_port
 from vllm_omni.testing.tiny_models import FAMILIES, make_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PHASES = ("parse", "validation", "completion", "handoff", "queue", "execution", "encode", "response")
+PHASES = ("parse", "validation", "completion", "handoff", "queue", "execution", "encoding", "response")
 METRIC = "vllm_omni:request_phase_seconds"
 TARGET_MS = 3.0
 
@@ -243,7 +243,7 @@ def summarize(latencies: list[float], phases: dict[str, list[float]]) -> dict:
         "e2e_p50_ms": round(1000 * ordered[len(ordered) // 2], 3),
         "e2e_p90_ms": round(1000 * ordered[int(0.9 * (len(ordered) - 1))], 3),
         "e2e_minus_execution_ms": round(e2e - ms["execution"], 3),
-        "e2e_minus_execution_and_encode_ms": round(e2e - ms["execution"] - ms["encode"], 3),
+        "e2e_minus_execution_and_encode_ms": round(e2e - ms["execution"] - ms["encoding"], 3),
     }
 
 

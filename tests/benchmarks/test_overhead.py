@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
-PHASES = {"parse", "validation", "completion", "handoff", "queue", "execution", "encode", "response"}
+PHASES = {"parse", "validation", "completion", "handoff", "queue", "execution", "encoding", "response"}
 
 
 def _run(tmp_path, *args: str) -> dict:

@@ -140,7 +140,7 @@ _PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *_SECONDS_BUCKETS)
 request_phase_seconds = Histogram(
     "vllm_omni:request_phase_seconds",
     "Where a completed request's time went on the server, by API (images, videos) and phase: parse, validation, "
-    "completion, handoff, queue, execution, encode, response (see docs/serving.md).",
+    "completion, handoff, queue, execution, encoding, response (see docs/serving.md).",
     ["api", "phase"],
     buckets=_PHASE_BUCKETS,
 )

@@ -156,7 +156,7 @@ def test_seed_makes_the_request_reproducible(client):
     assert once() == once()
 
 
-IMAGE_PHASES = {"parse", "validation", "completion", "handoff", "queue", "execution", "encode", "response"}
+IMAGE_PHASES = {"parse", "validation", "completion", "handoff", "queue", "execution", "encoding", "response"}
 
 
 def test_a_completed_request_observes_each_of_its_phases_once(server, client):

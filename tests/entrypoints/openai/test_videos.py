@@ -81,7 +81,7 @@ def _phase_counts(server) -> dict[str, float]:
 
 
 def test_a_completed_job_observes_each_of_its_phases_once(server):
-    phases = {"parse", "validation", "completion", "handoff", "queue", "execution", "encode"}
+    phases = {"parse", "validation", "completion", "handoff", "queue", "execution", "encoding"}
     before = _phase_counts(server)
     created = _create(server, seed=4)
     assert created.status_code == 200 and _wait(server, created.json()["id"])["status"] == "completed"

@@ -192,7 +192,7 @@ async def create_image(body: ImageGenerationRequest, raw_request: Request) -> Im
                 for image in output.images
             )
         )
-        timer.mark("encode")
+        timer.mark("encoding")
         if b64:
             data = [ImageData(b64_json=text, revised_prompt=body.prompt) for text in encoded]
         else:

@@ -135,7 +135,7 @@ async def _run(state: ServerState, job: VideoJob) -> None:
             raise RequestFailedError(job.id, "aborted")
         job.timer.mark_engine(outputs[0].metrics.queue_ms / 1000.0, outputs[0].metrics.exec_ms / 1000.0)
         job.content = await asyncio.to_thread(encode_mp4, outputs[0].videos[0], job.admitted.params.fps)  # off the loop
-        job.timer.mark("encode")
+        job.timer.mark("encoding")
         job.timer.observe("videos")
         job.status, outcome = "completed", "completed"
     except asyncio.CancelledError:
