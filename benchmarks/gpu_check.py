@@ -270,31 +270,6 @@ def stock(pipeline, prompts: list[str], params, seeds: list[int]):
         return np.asarray(pipeline(**kwargs, num_images_per_prompt=n).images)
 
 
-def run_joined(stepper, requests: list[Request]) -> tuple[dict[str, Any], int]:
-    """One forward per engine step over all running requests, each joining at its step, as the step engine does.
-    Returns each request's outputs and the most requests in one forward."""
-    import torch
-
-    pending = sorted(requests, key=lambda r: r.join)
-    running, outputs, largest, step = [], {}, 0, 0
-    with torch.inference_mode():
-        while pending or running:
-            while pending and pending[0].join <= step:
-                r = pending.pop(0)
-                running.append((r.name, stepper.prepare(r.prompt, sampling_params(r.params), r.seed)))
-            states = [state for _, state in running]
-            if states:
-                largest = max(largest, len(states))
-                stepper.advance(states, stepper.predict(states))
-                finished = [(name, state) for name, state in running if state.done]
-                if finished:
-                    decoded = stepper.decode([state for _, state in finished])
-                    outputs.update({name: items for (name, _), items in zip(finished, decoded, strict=True)})
-                running = [(name, state) for name, state in running if not state.done]
-            step += 1
-    return outputs, largest
-
-
 def _synchronize(device) -> None:
     import torch
 
@@ -308,12 +283,14 @@ def check_steppers(family: str, model: str, dtype_name: str, device) -> dict[str
 
     from vllm_omni.diffusion.runner import load_pipeline
     from vllm_omni.diffusion.steppers import make_stepper
+    from vllm_omni.testing.steppers import run_joined
 
     script = SCRIPTS[family]
     pipeline = load_pipeline(model, getattr(torch, dtype_name), device)
     stepper = make_stepper(pipeline, device)
     started = time.perf_counter()
-    outputs, largest = run_joined(stepper, script.requests)
+    joins = [(r.join, r.name, r.prompt, sampling_params(r.params), r.seed) for r in script.requests]
+    outputs, largest = run_joined(stepper, joins)
     _synchronize(device)
     step_s = time.perf_counter() - started
     requests, worst, mean, ref_worst, ref_mean = [], 0.0, 0.0, 0.0, 0.0

@@ -11,6 +11,7 @@ from diffusers import DiffusionPipeline
 
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.diffusion.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper
+from vllm_omni.testing.steppers import run_joined
 
 pytestmark = pytest.mark.slow
 
@@ -27,28 +28,6 @@ def _load(path: str, scheduler: str | None = None):
 
 def _params(**kwargs) -> OmniDiffusionSamplingParams:
     return OmniDiffusionSamplingParams(output_type="np", **kwargs)
-
-
-def _run_joined(stepper, script):
-    """``script``: (engine step to join at, name, prompt, params, seed). One forward per engine step over all
-    running requests, as the step engine does. Returns each request's outputs and the largest forward."""
-    pending = sorted(script, key=lambda entry: entry[0])
-    running, outputs, largest, step = [], {}, 0, 0
-    with torch.inference_mode():
-        while pending or running:
-            while pending and pending[0][0] <= step:
-                _, name, prompt, params, seed = pending.pop(0)
-                running.append((name, stepper.prepare(prompt, params, seed)))
-            states = [state for _, state in running]
-            largest = max(largest, len(states))
-            stepper.advance(states, stepper.predict(states))
-            finished = [(name, state) for name, state in running if state.done]
-            if finished:
-                decoded = stepper.decode([state for _, state in finished])
-                outputs.update({name: items for (name, _), items in zip(finished, decoded, strict=True)})
-            running = [(name, state) for name, state in running if not state.done]
-            step += 1
-    return outputs, largest
 
 
 def _stock(pipeline, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> np.ndarray:
@@ -73,7 +52,7 @@ def _stock(pipeline, prompt: str, params: OmniDiffusionSamplingParams, seed: int
 
 def _check(pipeline, script) -> None:
     stepper = make_stepper(pipeline, CPU)
-    outputs, largest = _run_joined(stepper, script)
+    outputs, largest = run_joined(stepper, script)
     assert largest >= 3, "the script should make requests share forwards"
     for _, name, prompt, params, seed in script:
         got = np.asarray(outputs[name], dtype=np.float64)

@@ -1,0 +1,38 @@
+"""Step mode scripted for checks against the stock pipeline: requests join a running batch at given engine steps,
+as they do in the step engine (tests/diffusion/test_steppers.py, benchmarks/gpu_check.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.diffusion.steppers import Stepper
+
+
+def run_joined(
+    stepper: Stepper, script: Iterable[tuple[int, str, str, OmniDiffusionSamplingParams, int]]
+) -> tuple[dict[str, list[Any]], int]:
+    """``script``: per request (engine step it joins at, name, prompt, complete params, seed). One forward per
+    engine step over all running requests, each on its own schedule; a request is decoded when its last step is
+    done. Returns each request's outputs by name, and the most requests one forward held."""
+    pending = sorted(script, key=lambda entry: entry[0])
+    running, outputs, largest, step = [], {}, 0, 0
+    with torch.inference_mode():
+        while pending or running:
+            while pending and pending[0][0] <= step:
+                _, name, prompt, params, seed = pending.pop(0)
+                running.append((name, stepper.prepare(prompt, params, seed)))
+            states = [state for _, state in running]
+            if states:
+                largest = max(largest, len(states))
+                stepper.advance(states, stepper.predict(states))
+                finished = [(name, state) for name, state in running if state.done]
+                if finished:
+                    decoded = stepper.decode([state for _, state in finished])
+                    outputs.update({name: items for (name, _), items in zip(finished, decoded, strict=True)})
+                running = [(name, state) for name, state in running if not state.done]
+            step += 1
+    return outputs, largest
