@@ -2,11 +2,19 @@
 
     python benchmarks/bench_offline.py --model DIR [--batches 1,2,4,8] [--shapes 32x32:4,64x64:4]
         [--reps 5] [--dtype auto] [--thread best|main|dedicated] [--json out.json]
+    python benchmarks/bench_offline.py --model DIR --task edit [--strength 0.75] [--mask] --batches 4 --shapes 64x64:4
     python benchmarks/bench_offline.py --model DIR --worker --thread main|dedicated   # for batching_sweep.py
 
 No server, no scheduler: one ``pipeline(prompt=[...N...], generator=[...N...])``
 call per measurement, with the same device, dtype, shape, steps and PIL output
 as the server uses. Request-level batching cannot beat it.
+
+``--task edit``: the same for image-to-image edits (what ``bench_serving.py --task
+edit`` posts): the stock variant built on the loaded pipeline's components
+(``AutoPipelineForImage2Image.from_pipe``; with ``--mask``,
+``AutoPipelineForInpainting.from_pipe``), one call with lists of N: the fixed
+noise image of the shape's size (``common.edit_image``, and ``common.edit_mask``),
+one generator each, at ``--strength``.
 
 Which thread runs torch matters on the CPU: libgomp gives each thread that runs
 torch ops its own OpenMP team, and once a process holds more OpenMP threads than
@@ -26,6 +34,7 @@ requests.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -34,7 +43,7 @@ import sys
 import threading
 import time
 
-from common import PROMPTS, Shape, emit
+from common import EDIT_STRENGTH, PROMPTS, Shape, edit_image, edit_mask, emit
 
 # transformers loads weights on a pool of worker threads unless this is set, and torch ops on those threads would
 # give the process more OpenMP teams: the ceiling would no longer be the fastest direct call.
@@ -64,49 +73,77 @@ def _on_one_thread(thread: str, work, *args):
     return value
 
 
-def _load(model: str, dtype: str):
+def _load(model: str, dtype: str, edit: Edit | None = None):
     # Imported here, on the thread that runs torch: the main thread of a dedicated-thread process never touches it.
     from vllm_omni.diffusion.runner import load_pipeline, select_device, select_dtype
 
     device = select_device(None)
-    return load_pipeline(model, select_dtype(dtype, device), device)
+    pipeline = load_pipeline(model, select_dtype(dtype, device), device)
+    if edit is None:
+        return pipeline
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+
+    # The stock variant on the same components (no weight copied), as the server builds its own.
+    variant = (AutoPipelineForInpainting if edit.mask else AutoPipelineForImage2Image).from_pipe(pipeline)
+    variant.set_progress_bar_config(disable=True)
+    return variant
 
 
-def _timed_call(pipeline, batch: int, width: int, height: int, steps: int) -> float:
+class Edit:
+    """``--task edit``: each row's input image (and mask) and the strength; the inputs are made once per size."""
+
+    def __init__(self, strength: float = EDIT_STRENGTH, mask: bool = False):
+        self.strength, self.mask = strength, mask
+        self._inputs: dict[tuple[int, int], tuple] = {}
+
+    def call_args(self, pipeline, batch: int, width: int, height: int) -> dict:
+        if (width, height) not in self._inputs:
+            self._inputs[width, height] = (edit_image(width, height), edit_mask(width, height) if self.mask else None)
+        image, mask = self._inputs[width, height]
+        args = {"image": [image] * batch, "strength": self.strength}
+        if mask is not None:
+            args["mask_image"] = [mask] * batch
+        if "height" in inspect.signature(pipeline.__call__).parameters:  # SD's image-to-image keeps its input's size
+            args.update(height=height, width=width)
+        return args
+
+
+def _timed_call(pipeline, batch: int, width: int, height: int, steps: int, edit: Edit | None = None) -> float:
     import torch
 
+    size = edit.call_args(pipeline, batch, width, height) if edit else {"height": height, "width": width}
     generators = [torch.Generator("cpu").manual_seed(i) for i in range(batch)]
     started = time.perf_counter()
     with torch.inference_mode():
         images = pipeline(
             prompt=(PROMPTS * batch)[:batch],
-            height=height,
-            width=width,
             num_inference_steps=steps,
             generator=generators,
             output_type="pil",
+            **size,
         ).images
     elapsed = time.perf_counter() - started
     assert len(images) == batch and images[0].size == (width, height)
     return elapsed
 
 
-def _measure(model: str, batches: list[int], shapes: list[Shape], reps: int, dtype: str) -> dict:
+def _measure(
+    model: str, batches: list[int], shapes: list[Shape], reps: int, dtype: str, edit: Edit | None = None
+) -> dict:
     import torch
 
     import vllm_omni
 
-    pipeline = _load(model, dtype)
+    pipeline = _load(model, dtype, edit)
     results = []
     for shape in shapes:
-        width, height, steps = shape.width, shape.height, shape.steps
-        _timed_call(pipeline, 1, width, height, steps)  # warm-up
+        call = (shape.width, shape.height, shape.steps, edit)
+        _timed_call(pipeline, 1, *call)  # warm-up
         for batch in batches:
-            _timed_call(pipeline, batch, width, height, steps)
-            batched = statistics.median(_timed_call(pipeline, batch, width, height, steps) for _ in range(reps))
+            _timed_call(pipeline, batch, *call)
+            batched = statistics.median(_timed_call(pipeline, batch, *call) for _ in range(reps))
             sequential = statistics.median(
-                sum(_timed_call(pipeline, 1, width, height, steps) for _ in range(batch))
-                for _ in range(max(1, reps // 2))
+                sum(_timed_call(pipeline, 1, *call) for _ in range(batch)) for _ in range(max(1, reps // 2))
             )
             results.append(
                 {
@@ -118,8 +155,10 @@ def _measure(model: str, batches: list[int], shapes: list[Shape], reps: int, dty
                     "speedup_vs_sequential": round(sequential / batched, 3),
                 }
             )
+    task = {"task": "image"} if edit is None else {"task": "edit", "strength": edit.strength, "mask": edit.mask}
     return {
         "model": model,
+        **task,
         "pipeline": type(pipeline).__name__,
         "device": str(pipeline.device),
         "dtype": str(pipeline.dtype),
@@ -132,21 +171,39 @@ def _measure(model: str, batches: list[int], shapes: list[Shape], reps: int, dty
 
 
 def run_offline(
-    model: str, *, batches: list[int], shapes: list[Shape], reps: int = 5, dtype: str = "auto", thread: str = "main"
+    model: str,
+    *,
+    batches: list[int],
+    shapes: list[Shape],
+    reps: int = 5,
+    dtype: str = "auto",
+    thread: str = "main",
+    edit: Edit | None = None,
 ) -> dict:
     """Measure in this process, all torch work on ``thread`` (``main`` or ``dedicated``). Use it in a process where
-    torch has run on no other thread, or the numbers are those of the slow path."""
-    result = _on_one_thread(thread, _measure, model, batches, shapes, reps, dtype)
+    torch has run on no other thread, or the numbers are those of the slow path. ``edit``: image-to-image edits
+    (``--task edit``) instead of generation."""
+    result = _on_one_thread(thread, _measure, model, batches, shapes, reps, dtype, edit)
     return result | {"thread": thread}
 
 
-def run_best(model: str, *, batches: list[int], shapes: list[Shape], reps: int = 5, dtype: str = "auto") -> dict:
+def run_best(
+    model: str,
+    *,
+    batches: list[int],
+    shapes: list[Shape],
+    reps: int = 5,
+    dtype: str = "auto",
+    edit: Edit | None = None,
+) -> dict:
     """Each thread variant in a fresh process of this script; per row the faster variant (lower batched call)."""
     variants = {}
     for thread in THREADS:
         command = [sys.executable, os.path.abspath(__file__), "--model", model, "--thread", thread]
         command += ["--batches", ",".join(map(str, batches)), "--shapes", ",".join(map(str, shapes))]
         command += ["--reps", str(reps), "--dtype", dtype]
+        if edit is not None:
+            command += ["--task", "edit", "--strength", str(edit.strength), *(["--mask"] if edit.mask else [])]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         variants[thread] = json.loads(done.stdout)
     first = variants[THREADS[0]]
@@ -156,7 +213,8 @@ def run_best(model: str, *, batches: list[int], shapes: list[Shape], reps: int =
         row = dict(rows[best]) | {"thread": THREADS[best]}
         row["batched_call_s_by_thread"] = {t: r["batched_call_s"] for t, r in zip(THREADS, rows, strict=True)}
         results.append(row)
-    keep = ("model", "pipeline", "device", "dtype", "torch_threads", "vllm_omni", "reps")
+    keep = ("model", "task", "strength", "mask", "pipeline", "device", "dtype", "torch_threads", "vllm_omni", "reps")
+    keep = tuple(key for key in keep if key in first)
     threads = {t: variants[t]["process_threads"] for t in THREADS}
     return {key: first[key] for key in keep} | {"thread": "best", "process_threads": threads, "results": results}
 
@@ -196,16 +254,24 @@ def main() -> None:
         default="best",
         help="the thread that runs all torch work; best: each in a fresh process, the faster per row",
     )
+    parser.add_argument(
+        "--task", choices=["image", "edit"], default="image", help="generation, or image-to-image edits (img2img)"
+    )
+    parser.add_argument("--strength", type=float, default=EDIT_STRENGTH, help="edit: how far the image is noised")
+    parser.add_argument("--mask", action="store_true", help="edit: inpainting with common.edit_mask")
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--worker", action="store_true", help="serve timed calls over stdin/stdout")
     args = parser.parse_args()
     if args.worker:
+        if args.task != "image":
+            parser.error("--worker times generation only")
         return worker(args.model, args.dtype, "dedicated" if args.thread == "best" else args.thread)
     kwargs = dict(
         batches=[int(b) for b in args.batches.split(",")],
         shapes=[Shape.parse(s) for s in args.shapes.split(",")],
         reps=args.reps,
         dtype=args.dtype,
+        edit=Edit(args.strength, args.mask) if args.task == "edit" else None,
     )
     if args.thread == "best":
         result = run_best(args.model, **kwargs)

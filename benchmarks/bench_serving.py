@@ -2,7 +2,9 @@
 
     python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 \
         [--concurrency 4 | --request-rate 10] [--num-requests 64] \
-        [--shapes 32x32:4,64x64:4:0.5] [--warmup 4] [--json out.json] [--task image|video]
+        [--shapes 32x32:4,64x64:4:0.5] [--warmup 4] [--json out.json] [--task image|video|edit]
+    python benchmarks/bench_serving.py --task edit --concurrency 4 --shapes 64x64:4 [--strength 0.75] [--mask] \
+        --offline-model DIR   # served edits against the offline batch-4 ceiling: efficiency
 
 Closed loop (``--concurrency C``: C clients, each sends its next request when
 the previous one is answered) or open loop (``--request-rate R``: Poisson
@@ -13,7 +15,20 @@ weighted mix of ``WxH:STEPS[:WEIGHT]``.
 HTTP round trip. ``--task video`` creates jobs with ``POST /v1/videos`` (shapes
 ``WxHxFRAMES:STEPS``, e.g. ``32x32x5:20``; without ``xFRAMES`` the model's
 default frame count) and polls ``GET /v1/videos/{id}`` every ``--poll-ms``;
-latency is submit → seen completed (the MP4 is not downloaded).
+latency is submit → seen completed (the MP4 is not downloaded). ``--task edit``
+posts image-to-image edits to ``/v1/images/edits`` (multipart, as OpenAI's
+clients send them): a fixed noise image of the shape's size
+(``common.edit_image``, a PNG encoded once), ``--strength`` (default 0.75), and
+with ``--mask`` OpenAI's mask of the centre square (inpainting); latency is the
+HTTP round trip.
+
+``--offline-model DIR`` (closed loop, one shape) then measures the ceiling of the
+same work with ``bench_offline.py --thread best`` (the stock pipeline called
+in-process with batches of C = ``--concurrency``; for edits its stock
+image-to-image or inpainting variant, ``from_pipe``, with lists of C images and
+generators) while the server idles, and reports ``efficiency`` = served images/s
+÷ ceiling images/s. ``--offline-model`` is the served model's folder (``--model``
+stays the requests' model field).
 
 Besides client-side numbers, the server's own queue wait (mean, and a p90
 estimated from the histogram buckets like Prometheus' histogram_quantile) and
@@ -26,13 +41,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import aiohttp
-from common import PROMPTS, Shape, emit
+from common import EDIT_STRENGTH, PROMPTS, Shape, edit_image, edit_mask, emit, openai_mask_png, png_bytes
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
@@ -134,12 +153,23 @@ async def run_benchmark(
     poll_ms: float = 20.0,
     rss_interval_s: float | None = 2.0,
     on_window: Callable[[str], None] | None = None,
+    strength: float = EDIT_STRENGTH,
+    mask: bool = False,
 ) -> dict:
     """``rss_interval_s``: how often the server's RSS is sampled during the run (``None``: never, e.g. when
     scraping would skew a CPU measurement). ``on_window("start")`` / ``on_window("end")`` are called right
-    before the first and right after the last measured request (warm-up and ``/metrics`` scrapes outside)."""
-    if task not in ("image", "video"):
-        raise ValueError(f"task must be 'image' or 'video', not {task!r}")
+    before the first and right after the last measured request (warm-up and ``/metrics`` scrapes outside).
+    ``strength`` and ``mask``: the edits' (``task="edit"``)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, not {task!r}")
+    # The edits' files, encoded before the run: one input image (and mask) per size.
+    uploads = {
+        (s.width, s.height): (
+            png_bytes(edit_image(s.width, s.height)),
+            openai_mask_png(edit_mask(s.width, s.height)) if mask else None,
+        )
+        for s in (shapes if task == "edit" else ())
+    }
     rng = random.Random(seed)
     plan = rng.choices(shapes, weights=[s.weight for s in shapes], k=num_requests)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -158,6 +188,32 @@ async def run_benchmark(
                 body["model"] = model
             started = time.perf_counter()
             async with session.post(f"{base_url}/v1/images/generations", json=body) as response:
+                payload = await response.json()
+            latency = time.perf_counter() - started
+            images = len(payload.get("data", [])) if response.status == 200 else 0
+            result = {"status": response.status, "latency_s": latency, "images": images, "shape": str(shape)}
+            if response.status != 200:
+                result["error"] = payload.get("error")
+            return result
+
+        async def send_edit(i: int, shape: Shape) -> dict:
+            form = aiohttp.FormData()
+            for name, value in (
+                ("prompt", PROMPTS[i % len(PROMPTS)]),
+                ("size", f"{shape.width}x{shape.height}"),
+                ("num_inference_steps", shape.steps),
+                ("strength", strength),
+                ("seed", seed + i),
+                ("response_format", "b64_json"),
+                *((("model", model),) if model else ()),
+            ):
+                form.add_field(name, str(value))
+            image, mask_png = uploads[shape.width, shape.height]
+            form.add_field("image", image, filename="image.png", content_type="image/png")
+            if mask_png is not None:
+                form.add_field("mask", mask_png, filename="mask.png", content_type="image/png")
+            started = time.perf_counter()
+            async with session.post(f"{base_url}/v1/images/edits", data=form) as response:
                 payload = await response.json()
             latency = time.perf_counter() - started
             images = len(payload.get("data", [])) if response.status == 200 else 0
@@ -195,7 +251,7 @@ async def run_benchmark(
                 result["error"] = job.get("error")
             return result
 
-        send = send_image if task == "image" else send_video
+        send = {"image": send_image, "edit": send_edit, "video": send_video}[task]
 
         # Warm-up requests get indices (so seeds) after the measured ones: seeds must be >= 0.
         for i, shape in enumerate(shapes * warmup):
@@ -250,10 +306,12 @@ async def run_benchmark(
     def pct(q: float) -> float | None:
         return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 4) if latencies else None
 
-    outputs = "images" if task == "image" else "videos"
+    outputs = "videos" if task == "video" else "images"
+    edit = {"strength": strength, "mask": mask} if task == "edit" else {}
     return {
         "base_url": base_url,
         "task": task,
+        **edit,
         "mode": f"rate={request_rate}/s" if request_rate else f"concurrency={concurrency}",
         "shapes": [str(s) for s in shapes],
         "completed": len(ok),
@@ -268,7 +326,50 @@ async def run_benchmark(
         "latency_p90_s": pct(0.90),
         "latency_p99_s": pct(0.99),
         "latencies_s": [round(x, 5) for x in latencies],
-        "server": server_view(before, after, task) | {"peak_rss_mb": round(peak_rss[0] / 2**20, 1)},
+        # Edits run on the image engine: its metrics carry task="image".
+        "server": server_view(before, after, "video" if task == "video" else "image")
+        | {"peak_rss_mb": round(peak_rss[0] / 2**20, 1)},
+    }
+
+
+TASKS = ("image", "video", "edit")
+
+
+def offline_ceiling(
+    model: str,
+    *,
+    task: str,
+    shape: Shape,
+    batch: int,
+    reps: int = 5,
+    dtype: str = "auto",
+    strength: float = EDIT_STRENGTH,
+    mask: bool = False,
+) -> dict:
+    """The ceiling of the same work: ``bench_offline.py --thread best`` (each thread variant in a fresh process, the
+    faster kept) for ``shape`` at batch ``batch``; its row for that batch, with the pipeline it ran."""
+    if task not in ("image", "edit"):
+        raise ValueError(f"no offline ceiling for task {task!r}")
+    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_offline.py")]
+    command += ["--model", model, "--batches", str(batch), "--shapes", str(shape), "--reps", str(reps)]
+    command += ["--dtype", dtype, "--thread", "best", "--task", task]
+    if task == "edit":
+        command += ["--strength", str(strength), *(["--mask"] if mask else [])]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"bench_offline.py failed ({done.returncode}): {done.stderr[-3000:]}")
+    offline = json.loads(done.stdout)
+    [row] = offline["results"]
+    keep = ("model", "task", "strength", "mask", "pipeline", "device", "dtype", "torch_threads", "reps")
+    return {key: offline[key] for key in keep if key in offline} | row
+
+
+def with_efficiency(result: dict, ceiling: dict) -> dict:
+    """``result`` with the ceiling and the batching efficiency: served images/s ÷ ceiling images/s."""
+    return result | {
+        "ceiling_images_per_s": ceiling["images_per_s"],
+        "efficiency": round(result["images_per_s"] / ceiling["images_per_s"], 3),
+        "ceiling": ceiling,
     }
 
 
@@ -282,7 +383,18 @@ def main() -> None:
     parser.add_argument(
         "--shapes", default="32x32:4", help="comma-separated WxH:STEPS[:WEIGHT] (video: WxH[xFRAMES]:STEPS[:WEIGHT])"
     )
-    parser.add_argument("--task", choices=["image", "video"], default="image", help="Images API or Videos API")
+    parser.add_argument(
+        "--task", choices=TASKS, default="image", help="Images API (generations or edits) or Videos API"
+    )
+    parser.add_argument("--strength", type=float, default=EDIT_STRENGTH, help="edit: how far the image is noised")
+    parser.add_argument("--mask", action="store_true", help="edit: inpainting (OpenAI's mask of the centre square)")
+    parser.add_argument(
+        "--offline-model", help="then the offline ceiling of the same work with this model folder: efficiency"
+    )
+    parser.add_argument("--offline-reps", type=int, default=5, help="ceiling: timed batch calls (median)")
+    parser.add_argument(
+        "--offline-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="as the server's"
+    )
     parser.add_argument("--poll-ms", type=float, default=20.0, help="video: how often a job is polled")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds per shape (not measured)")
     parser.add_argument("--api-key")
@@ -290,10 +402,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
+    shapes = [Shape.parse(s) for s in args.shapes.split(",")]
+    if args.offline_model and (args.request_rate or len(shapes) != 1 or args.task == "video"):
+        parser.error("--offline-model: a closed loop (--concurrency) with one shape, task image or edit")
+    if args.mask and args.task != "edit":
+        parser.error("--mask: for --task edit")
     result = asyncio.run(
         run_benchmark(
             args.base_url.rstrip("/"),
-            shapes=[Shape.parse(s) for s in args.shapes.split(",")],
+            shapes=shapes,
             num_requests=args.num_requests,
             concurrency=None if args.request_rate else (args.concurrency or 1),
             request_rate=args.request_rate,
@@ -303,8 +420,22 @@ def main() -> None:
             seed=args.seed,
             task=args.task,
             poll_ms=args.poll_ms,
+            strength=args.strength,
+            mask=args.mask,
         )
     )
+    if args.offline_model:
+        ceiling = offline_ceiling(
+            args.offline_model,
+            task=args.task,
+            shape=shapes[0],
+            batch=args.concurrency or 1,
+            reps=args.offline_reps,
+            dtype=args.offline_dtype,
+            strength=args.strength,
+            mask=args.mask,
+        )
+        result = with_efficiency(result, ceiling)
     emit(result, args.json)
 
 

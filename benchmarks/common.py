@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the request shapes, the prompts and the JSON output."""
+"""What the benchmark scripts share: the request shapes, the prompts, the edit inputs and the JSON output."""
 
 from __future__ import annotations
 
@@ -38,6 +38,52 @@ class Shape:
     def __str__(self) -> str:
         frames = f"x{self.frames}" if self.frames is not None else ""
         return f"{self.width}x{self.height}{frames}:{self.steps}"
+
+
+EDIT_STRENGTH = 0.75
+"""The default strength of the edit benchmarks (``--task edit``): how far the input image is noised."""
+
+
+def edit_image(width: int, height: int):
+    """The fixed input of the edit benchmarks at a shape's size: an RGB image of uniform noise (the same pixels in
+    bench_serving.py, which uploads it as a PNG, and bench_offline.py, which hands it to the pipeline)."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.RandomState(0).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def edit_mask(width: int, height: int):
+    """The inpainting mask of the edit benchmarks, as diffusers takes it (mode ``L``, white: repaint): the centre
+    half of each side."""
+    from PIL import Image
+
+    mask = Image.new("L", (width, height), 0)
+    mask.paste(255, (width // 4, height // 4, width - width // 4, height - height // 4))
+    return mask
+
+
+def openai_mask_png(mask) -> bytes:
+    """``mask`` (diffusers: white repaints) as OpenAI's mask takes it: a PNG whose fully transparent pixels mark
+    what to edit."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    rgba = Image.new("RGBA", mask.size, (0, 0, 0, 255))
+    rgba.putalpha(ImageOps.invert(mask.convert("L")))
+    buffer = io.BytesIO()
+    rgba.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def png_bytes(image) -> bytes:
+    """``image`` encoded as PNG."""
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
 
 
 def emit(result: dict, path: str | None) -> None:

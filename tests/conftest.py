@@ -42,6 +42,30 @@ def tiny_sdxl(tmp_path_factory) -> str:
     return _tiny_model(tmp_path_factory, "sdxl")
 
 
+@pytest.fixture(scope="session")
+def tiny_kontext(tmp_path_factory) -> str:
+    """A tiny random-weight FluxKontextPipeline (image editing) folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "kontext")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_edit(tmp_path_factory) -> str:
+    """A tiny random-weight QwenImageEditPipeline folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "qwen-image-edit")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_edit_plus(tmp_path_factory) -> str:
+    """A tiny random-weight QwenImageEditPlusPipeline (several input images) folder, built once per session."""
+    return _tiny_model(tmp_path_factory, "qwen-image-edit-plus")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v(tmp_path_factory) -> str:
+    """A tiny random-weight WanImageToVideoPipeline (Wan 2.1 I2V) folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "wan-i2v")
+
+
 @pytest.fixture
 def poison_t5():
     """``poison_t5(pipeline, word)``: a fault injected into a Flux pipeline's real T5 encoder, so that any

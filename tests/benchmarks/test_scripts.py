@@ -126,6 +126,43 @@ def test_bench_serving_open_loop_with_a_shape_mix(tiny_flux, tmp_path):
     assert result["latency_p50_s"] <= result["latency_p99_s"]
 
 
+def test_bench_serving_edits_against_the_offline_ceiling(tiny_flux, tmp_path):
+    """``--task edit``: multipart image-to-image edits, then the stock img2img variant's ceiling at batch C."""
+    from vllm_omni.testing.server import RemoteOmniServer
+
+    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "2"]) as server:
+        out = tmp_path / "edit.json"
+        _run(
+            "bench_serving.py",
+            "--base-url",
+            server.base_url,
+            "--task",
+            "edit",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "2",
+            "--shapes",
+            "32x32:2",
+            "--warmup",
+            "1",
+            "--offline-model",
+            tiny_flux,
+            "--offline-reps",
+            "1",
+            "--json",
+            str(out),
+        )
+    result = json.loads(out.read_text())
+    assert (result["task"], result["strength"], result["mask"]) == ("edit", 0.75, False)
+    assert (result["completed"], result["failed"]) == (2, 0) and result["images_per_s"] > 0
+    assert result["server"]["executed_batches"] >= 1
+    ceiling = result["ceiling"]
+    assert (ceiling["task"], ceiling["pipeline"], ceiling["batch"]) == ("edit", "FluxImg2ImgPipeline", 2)
+    assert ceiling["strength"] == 0.75 and set(ceiling["batched_call_s_by_thread"]) == {"main", "dedicated"}
+    assert result["ceiling_images_per_s"] == ceiling["images_per_s"] > 0 and result["efficiency"] > 0
+
+
 def test_bench_offline_and_bench_omni(tiny_flux):
     offline = json.loads(
         _run("bench_offline.py", "--model", tiny_flux, "--batches", "1,2", "--shapes", "32x32:2", "--reps", "1").stdout

@@ -21,7 +21,7 @@ def test_the_role_that_completes_parameters_is_the_one_that_denoises(stage_type)
 
 def test_each_split_role_loads_only_what_it_runs():
     assert ROLES["diffusion"].skips == ()
-    assert set(ROLES["encode"].skips) == set(DENOISERS) | {"vae"}
+    assert set(ROLES["encode"].skips) == set(DENOISERS)  # the VAE encodes input images
     assert set(ROLES["denoise"].skips) == set(TEXT_ENCODERS)  # the VAE's config sizes the latents
     assert set(ROLES["decode"].skips) == set(TEXT_ENCODERS) | set(DENOISERS)
     assert [t for t, role in ROLES.items() if not role.split] == ["diffusion"]

@@ -60,6 +60,12 @@ class ServingConfig(BaseModel):
     max_image_pixels: int = Field(default=2048 * 2048, ge=1)
     """Largest ``width × height`` a request may ask for."""
 
+    max_input_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
+    """Largest input image file (``/v1/images/edits``, a video's ``input_reference``), in bytes."""
+
+    max_input_image_pixels: int = Field(default=4096 * 4096, ge=1)
+    """Largest ``width × height`` of an input image, read from its header before it is decoded."""
+
     max_inference_steps: int = Field(default=200, ge=1, le=1000)
     """Most ``num_inference_steps`` a request may ask for."""
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.request import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams, SamplingParamsError
 
 DEFAULT_VIDEO_FPS = 16
 """Frame rate a video is reported at when the request gives none (Wan models are trained at 16 fps)."""
@@ -35,11 +35,25 @@ RESERVED_ARGS = frozenset(
         "return_dict",
         "latents",
         "prompt_embeds",
+        "image",
+        "mask_image",
+        "strength",
     }
 )
 """Arguments the runner sets itself; ``extra_args`` may not carry them."""
 
 _PLAIN = (int, float, str, bool)
+
+DEFAULT_STRENGTH: dict[ImageTask, float] = {"image": 0.6, "inpaint": 1.0}
+"""``strength`` of a request that gives none: keep much of the image when transforming it, repaint the masked
+area from scratch when inpainting."""
+
+_IMAGE_REQUIRED = frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"})
+"""Instruction-edit pipelines whose ``image`` defaults to ``None`` but that cannot run without one."""
+_SEVERAL_IMAGES = frozenset({"QwenImageEditPlusPipeline"})
+"""Pipelines that take several input images for one prompt."""
+_ONE_IMAGE_PER_CALL = frozenset({"QwenImageEditPlusPipeline", "WanImageToVideoPipeline"})
+"""Pipelines whose call takes the input images of one request only (one prompt's list; one image for all rows)."""
 
 
 @dataclass(frozen=True)
@@ -60,16 +74,48 @@ class ModelCard:
     """A video's num_frames must be 1 more than a multiple of this: the VAE's temporal compression."""
     outputs_arg: str | None
     """Its argument for outputs per prompt (``num_images_per_prompt`` or ``num_videos_per_prompt``), if any."""
+    image_required: bool = False
+    """Whether it needs an input image (instruction-edit and image-to-video pipelines)."""
+    max_images: int = 1
+    """How many input images one request may give (when it takes ``image``)."""
+    batches_images: bool = True
+    """Whether one call takes a different input image per prompt; else a request with images runs alone."""
+    variants: Mapping[str, ModelCard] = field(default_factory=dict)
+    """Cards of the pipelines it serves image tasks with (``image``: image-to-image, ``inpaint``), built on its
+    components with ``from_pipe``; empty for a pipeline that takes ``image`` itself or has no such variant."""
 
     @property
     def is_video(self) -> bool:
         """Whether it generates videos (it takes ``num_frames``)."""
         return "num_frames" in self.call_args
 
+    @property
+    def tasks(self) -> frozenset[ImageTask]:
+        """What requests it serves: ``text`` (no input image), ``image``, ``inpaint`` (`OmniDiffusionSamplingParams.task`)."""
+        own = {"image"} if "image" in self.call_args else set()
+        if not self.image_required:
+            own.add("text")
+        return frozenset(own | set(self.variants))
+
+    def for_task(self, task: ImageTask) -> ModelCard:
+        """The card of the pipeline that serves ``task``; `SamplingParamsError` naming the field when none does."""
+        name = self.pipeline_name
+        if task == "text" and self.image_required:
+            raise SamplingParamsError("image", f"{name} edits images: give an input image")
+        if task in self.variants:
+            return self.variants[task]
+        if task == "inpaint":
+            raise SamplingParamsError("mask_image", f"{name} cannot inpaint: it takes no mask_image")
+        if task == "image" and "image" not in self.call_args:
+            raise SamplingParamsError("image", f"{name} takes no input image")
+        return self
+
     @classmethod
-    def of(cls, pipeline) -> ModelCard:
-        """The card of a loaded pipeline."""
-        parameters = inspect.signature(pipeline.__call__).parameters
+    def of(cls, pipeline, pipeline_class: type | None = None) -> ModelCard:
+        """The card of a loaded pipeline (or of ``pipeline_class`` built on its components by ``from_pipe``)."""
+        pipeline_class = pipeline_class or type(pipeline)
+        name = pipeline_class.__name__
+        parameters = inspect.signature(pipeline_class.__call__).parameters
         defaults = {
             name: p.default
             for name, p in parameters.items()
@@ -78,18 +124,34 @@ class ModelCard:
         # Latents are the VAE's spatial factor times smaller and packed or patched 2×2 by DiT pipelines; UNet
         # pipelines check multiples of 8 themselves.
         scale = getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 1)
+        image = parameters.get("image")
         return cls(
-            pipeline_name=type(pipeline).__name__,
+            pipeline_name=name,
             call_args=frozenset(parameters),
             call_defaults=defaults,
             default_size=_default_size(pipeline, defaults),
             size_multiple=max(8, 2 * int(scale)),
             frame_multiple=int(getattr(pipeline, "vae_scale_factor_temporal", 1) or 1),
             outputs_arg=next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters), None),
+            image_required=image is not None and (image.default is inspect.Parameter.empty or name in _IMAGE_REQUIRED),
+            max_images=MAX_INPUT_IMAGES if name in _SEVERAL_IMAGES else 1,
+            batches_images=name not in _ONE_IMAGE_PER_CALL,
+            variants={}
+            if image is not None or pipeline_class is not type(pipeline)
+            else {task: cls.of(pipeline, variant) for task, variant in image_variants(name).items()},
         )
 
     def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
-        """Fill unset fields with the pipeline's defaults; raise `SamplingParamsError` for what it cannot take."""
+        """Fill unset fields with the defaults of the pipeline that serves the request's task; raise
+        `SamplingParamsError` for what it cannot take."""
+        card = self.for_task(params.task)
+        if params.image is not None and len(params.image) > card.max_images:
+            raise SamplingParamsError(
+                "image", f"{card.pipeline_name} takes {card.max_images} input image(s), got {len(params.image)}"
+            )
+        return card._complete(params)
+
+    def _complete(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
         name = self.pipeline_name
         if params.negative_prompt is not None and "negative_prompt" not in self.call_args:
             raise SamplingParamsError("negative_prompt", f"negative_prompt is not accepted by {name}")
@@ -102,33 +164,58 @@ class ModelCard:
         for arg in params.extra_args:
             if arg in RESERVED_ARGS:
                 raise SamplingParamsError(
-                    "extra_args", f"extra_args may not set {arg!r}: it is a sampling parameter or set by vllm-omni"
+                    f"extra_args.{arg}",
+                    f"extra_args may not set {arg!r}: it is a sampling parameter or set by vllm-omni",
                 )
             if arg not in self.call_args:
-                raise SamplingParamsError("extra_args", f"extra_args key {arg!r} is not an argument of {name}.__call__")
+                raise SamplingParamsError(
+                    f"extra_args.{arg}", f"extra_args key {arg!r} is not an argument of {name}.__call__"
+                )
         size = self.default_size
+        if params.image is not None and not self.is_video:  # an edit keeps the first image's size by default
+            width, height = params.image[0].size
+            size = (height - height % self.size_multiple, width - width % self.size_multiple)
+            if min(size) == 0:
+                raise SamplingParamsError(
+                    "image", f"the image is {width}x{height}; {name} needs sides of at least {self.size_multiple}"
+                )
         if (params.height is None or params.width is None) and size is None:
             raise SamplingParamsError("height", f"{name} has no default size: give height and width")
         height, width = params.height or size[0], params.width or size[1]
         video = self._complete_video(params)
-        for field, value in (("height", height), ("width", width)):
+        for side, value in (("height", height), ("width", width)):
             if value % self.size_multiple:
                 raise SamplingParamsError(
-                    field, f"{field}={value} is not a multiple of {self.size_multiple}, which {name} requires"
+                    side, f"{side}={value} is not a multiple of {self.size_multiple}, which {name} requires"
                 )
+        steps = params.num_inference_steps or self.call_defaults.get("num_inference_steps") or 50
         return params.model_copy(
             update={
                 **video,
+                **self._complete_strength(params, steps),
                 "height": height,
                 "width": width,
-                "num_inference_steps": params.num_inference_steps
-                or self.call_defaults.get("num_inference_steps")
-                or 50,
+                "num_inference_steps": steps,
                 "guidance_scale": params.guidance_scale
                 if params.guidance_scale is not None
                 else self.call_defaults.get("guidance_scale"),
             }
         )
+
+    def _complete_strength(self, params: OmniDiffusionSamplingParams, steps: int) -> dict[str, float]:
+        """``strength`` for a pipeline that noises its input image (checked: it leaves at least one step)."""
+        if "strength" not in self.call_args:
+            if params.strength is not None:
+                raise SamplingParamsError("strength", f"strength is not accepted by {self.pipeline_name}")
+            return {}
+        strength = params.strength if params.strength is not None else DEFAULT_STRENGTH[params.task]
+        if int(steps * strength) < 1:
+            raise SamplingParamsError(
+                "strength",
+                f"strength={strength} with num_inference_steps={steps} leaves no denoising step "
+                f"(it runs int(num_inference_steps * strength) of them): raise either",
+            )
+        return {"strength": strength}
 
     def _complete_video(self, params: OmniDiffusionSamplingParams) -> dict[str, int]:
         """num_frames and fps for a video pipeline (checked against its temporal VAE factor); none for images."""
@@ -159,3 +246,20 @@ def _default_size(pipeline, defaults: Mapping[str, Any]) -> tuple[int, int] | No
         sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
     scale = getattr(pipeline, "vae_scale_factor", None)
     return (sample * scale,) * 2 if isinstance(sample, int) and isinstance(scale, int) else None
+
+
+def image_variants(pipeline_name: str) -> dict[ImageTask, type]:
+    """The image-to-image and inpainting pipeline classes of a text-to-image class (diffusers' AutoPipeline
+    tables), which ``from_pipe`` builds on its components."""
+    from diffusers.pipelines.auto_pipeline import (
+        AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
+        AUTO_INPAINT_PIPELINES_MAPPING,
+        AUTO_TEXT2IMAGE_PIPELINES_MAPPING,
+    )
+
+    family = next((k for k, v in AUTO_TEXT2IMAGE_PIPELINES_MAPPING.items() if v.__name__ == pipeline_name), None)
+    tables: dict[ImageTask, Mapping[str, type]] = {
+        "image": AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
+        "inpaint": AUTO_INPAINT_PIPELINES_MAPPING,
+    }
+    return {task: table[family] for task, table in tables.items() if family in table}

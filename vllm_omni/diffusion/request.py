@@ -10,15 +10,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_SEED = 2**63 - 1
+
+MAX_INPUT_IMAGES = 16
+"""Most input images one request may carry (``image``)."""
 
 
 class OmniDiffusionSamplingParams(BaseModel):
     """How to generate; ``None`` means the pipeline's own default."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, arbitrary_types_allowed=True)
 
     height: int | None = Field(default=None, ge=1, le=16384)
     """Output height in pixels."""
@@ -47,11 +51,53 @@ class OmniDiffusionSamplingParams(BaseModel):
     negative_prompt: str | None = None
     """What to steer away from (pipelines that accept ``negative_prompt``)."""
 
+    image: list[Image.Image] | None = Field(default=None, min_length=1, max_length=MAX_INPUT_IMAGES)
+    """Input images (a single image is taken as a list of one): image-to-image, instruction edits or
+    image-to-video, as the served model does (docs/serving.md); several only for models that take several."""
+
+    mask_image: Image.Image | None = None
+    """Inpainting mask in diffusers' convention (white: repaint, black: keep), the size of the first image."""
+
+    strength: float | None = Field(default=None, gt=0.0, le=1.0)
+    """How far the input image is noised before denoising (image-to-image and inpainting; ``None``: 0.6 for
+    image-to-image, 1.0 for inpainting); the request runs ``int(num_inference_steps * strength)`` steps."""
+
     output_type: Literal["pil", "np"] = "pil"
     """``pil``: PIL images; ``np``: float arrays in [0, 1] of shape (H, W, 3)."""
 
     extra_args: dict[str, Any] = Field(default_factory=dict)
     """Further keyword arguments of the pipeline call (e.g. ``max_sequence_length``); batched requests must agree."""
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _one_image_is_a_list(cls, image: Any) -> Any:
+        return [image] if isinstance(image, Image.Image) else image
+
+    @field_validator("mask_image")
+    @classmethod
+    def _mask_fits_the_image(cls, mask: Image.Image | None, info: ValidationInfo) -> Image.Image | None:
+        images = info.data.get("image")
+        if mask is not None:
+            if not images:
+                raise ValueError("mask_image needs an image to inpaint")
+            if mask.size != images[0].size:
+                raise ValueError(
+                    f"mask_image is {mask.width}x{mask.height} and the image {images[0].width}x{images[0].height}: "
+                    "they must be the same size"
+                )
+        return mask
+
+    @property
+    def task(self) -> ImageTask:
+        """What the request asks of the model: ``text`` (no input image), ``image`` (an input image, no mask) or
+        ``inpaint`` (an image and a mask)."""
+        if self.image is None:
+            return "text"
+        return "inpaint" if self.mask_image is not None else "image"
+
+
+ImageTask = Literal["text", "image", "inpaint"]
+"""What a request asks of the model (`OmniDiffusionSamplingParams.task`)."""
 
 
 class SamplingParamsError(ValueError):
@@ -78,6 +124,9 @@ class BatchKey(NamedTuple):
     output_type: str
     has_negative_prompt: bool
     extra_args: tuple[tuple[str, str], ...]
+    task: str
+    strength: float | None
+    image_sizes: tuple[tuple[int, int], ...]
 
     @classmethod
     def of(cls, params: OmniDiffusionSamplingParams) -> BatchKey:
@@ -93,6 +142,9 @@ class BatchKey(NamedTuple):
             output_type=params.output_type,
             has_negative_prompt=params.negative_prompt is not None,
             extra_args=tuple(sorted((k, repr(v)) for k, v in params.extra_args.items())),
+            task=params.task,
+            strength=params.strength,
+            image_sizes=tuple(image.size for image in params.image or ()),
         )
 
 

@@ -10,6 +10,7 @@ stage type (what it takes as input, whether it is final, whether it denoises) li
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -131,7 +132,11 @@ class DiffusionRole(StageRole):
 
     @classmethod
     def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
-        return BatchKey.of(params) if stepper is None else stepper.key(card, params)
+        if stepper is not None:
+            return stepper.key(card, params)
+        if params.image is not None and not card.for_task(params.task).batches_images:
+            return (BatchKey.of(params), secrets.token_hex(8))  # a key no other request has: it runs alone
+        return BatchKey.of(params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
         return self.runner.run(batch)
@@ -144,10 +149,11 @@ class DiffusionRole(StageRole):
 
 
 class EncodeRole(StageRole):
-    """``encode``: the text encoders, once for a whole batch of prompts (a text-shaped key)."""
+    """``encode``: the text encoders, once for a whole batch of prompts (a text-shaped key), and the VAE's encoder
+    for each image task's input image."""
 
     stage_type = "encode"
-    skips = DENOISERS + ("vae",)
+    skips = DENOISERS
 
     @classmethod
     def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:

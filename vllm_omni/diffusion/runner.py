@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.logger import init_logger
@@ -105,6 +106,9 @@ class DiffusionRunner:
         self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips)
         self.card = ModelCard.of(self.pipeline)
         """What admission needs of the pipeline."""
+        self._pipelines = {self.card.pipeline_name: self.pipeline}
+        """The pipelines run so far by class name: the loaded one, and its image variants (`ModelCard.variants`)
+        built on its components when a request first needs one."""
         logger.info(
             "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s)",
             self.card.pipeline_name,
@@ -120,31 +124,39 @@ class DiffusionRunner:
         """One pipeline call for the whole batch: each request's ``num_outputs_per_prompt`` images (or videos, each
         a list of frames); raises if the call raises."""
         params = batch[0].params  # the batch key makes these equal across the batch
+        card = self.card.for_task(params.task)
         n = params.num_outputs_per_prompt
+        # An instruction-edit or image-to-video model takes its image itself: it gets one row per output (prompt,
+        # image, generator), as it pairs images with rows by tiling and cannot repeat image embeddings per prompt.
+        rows = n if params.image is not None and card is self.card and card.max_images == 1 else 1
         # One CPU generator per request, the same object for each of its n images: diffusers
         # draws each row's noise from its own generator, so a request's noise does not
         # depend on the batch it lands in (nor on the device).
         generators = [torch.Generator("cpu").manual_seed(r.seed) for r in batch]
         kwargs: dict[str, Any] = dict(
-            prompt=[r.prompt for r in batch],
-            height=params.height,
-            width=params.width,
+            prompt=[r.prompt for r in batch for _ in range(rows)],
             num_inference_steps=params.num_inference_steps,
             output_type=params.output_type,
             generator=[g for g in generators for _ in range(n)],
             **params.extra_args,
         )
+        if "height" in card.call_args:  # SD's image-to-image keeps its input's size, which is the request's
+            kwargs.update(height=params.height, width=params.width)
+        if "max_area" in card.call_args:  # Kontext sizes its output by area (at the requested aspect ratio)
+            kwargs["max_area"] = params.height * params.width
+        if params.image is not None:
+            kwargs.update(self._image_args(card, batch))
         if params.num_frames is not None:
             kwargs["num_frames"] = params.num_frames
         if params.guidance_scale is not None:
             kwargs["guidance_scale"] = params.guidance_scale
-        if self.card.outputs_arg is not None:
-            kwargs[self.card.outputs_arg] = n
+        if card.outputs_arg is not None:
+            kwargs[card.outputs_arg] = n // rows
         if params.negative_prompt is not None:
-            kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch]
-        if "callback_on_step_end" in self.card.call_args:
+            kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch for _ in range(rows)]
+        if "callback_on_step_end" in card.call_args:
             kwargs["callback_on_step_end"] = self._on_step_end(batch)
-        result = self.pipeline(**kwargs)
+        result = self._pipeline(card)(**kwargs)
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
         items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
         if len(items) != len(batch) * n:
@@ -152,6 +164,34 @@ class DiffusionRunner:
                 f"{self.card.pipeline_name} returned {len(items)} outputs for {len(batch)} x {n} requested"
             )
         return [items[i * n : (i + 1) * n] for i in range(len(batch))]
+
+    def _pipeline(self, card: ModelCard):
+        """The pipeline of ``card``: the loaded one, or an image variant sharing its components (no weight copied)."""
+        if card.pipeline_name not in self._pipelines:
+            import diffusers
+
+            variant = getattr(diffusers, card.pipeline_name).from_pipe(self.pipeline)
+            variant.set_progress_bar_config(disable=True)
+            self._pipelines[card.pipeline_name] = variant
+        return self._pipelines[card.pipeline_name]
+
+    @staticmethod
+    def _image_args(card: ModelCard, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        """The input images of a batch: one per output row, or those of the request alone in its call."""
+        params, n = batch[0].params, batch[0].params.num_outputs_per_prompt
+        if "strength" in card.call_args:  # the image is the canvas: at the output size, as step mode takes it
+            inputs = [fitted_inputs(r.params) for r in batch]
+            args: dict[str, Any] = {"image": [images[0] for images, _ in inputs for _ in range(n)]}
+            if params.mask_image is not None:
+                args["mask_image"] = [mask for _, mask in inputs for _ in range(n)]
+            for request in batch:
+                request.total_steps = int(params.num_inference_steps * params.strength)
+            return args | {"strength": params.strength}
+        if not card.batches_images:  # the batch key keeps such a request alone
+            images = [image.convert("RGB") for image in params.image]
+            return {"image": images if card.max_images > 1 else images[0]}
+        # An instruction-edit model sizes its input itself.
+        return {"image": [r.params.image[0].convert("RGB") for r in batch for _ in range(n)]}
 
     def release_cached_memory(self) -> None:
         """Give the allocator's cached blocks back after an out-of-memory error, before a retry."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm_omni.config import StageDeployConfig, engine_torch_threads
 from vllm_omni.config.stage import check_stage_graph
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.outputs import StageMetrics, across_stages
 from vllm_omni.diffusion.request import (
     MAX_SEED,
@@ -201,14 +202,19 @@ class OmniEngine:
         return self.stages[stage].replicas[replica].progress(request_id)
 
     @property
+    def model_card(self) -> ModelCard:
+        """The model's card, as the stage that holds the denoiser read it."""
+        return self.stages[self._denoiser].info.card
+
+    @property
     def frame_multiple(self) -> int:
         """A video's num_frames must be 1 more than a multiple of this (the VAE's temporal factor)."""
-        return self.stages[self._denoiser].info.card.frame_multiple
+        return self.model_card.frame_multiple
 
     @property
     def makes_videos(self) -> bool:
         """Whether the model generates videos (its outputs fill ``videos``) rather than images."""
-        return self.stages[self._denoiser].info.card.is_video
+        return self.model_card.is_video
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""

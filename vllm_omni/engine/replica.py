@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from PIL import Image
 from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig
@@ -42,10 +43,16 @@ class ReplicaInfo:
     """The Ray node it runs on; ``None`` inline."""
 
 
-def warm_up_params(is_video: bool) -> OmniDiffusionSamplingParams:
-    """One step at the model's default size (a single frame for video models): it initialises every component, so
-    the first real request does not pay for that."""
-    return OmniDiffusionSamplingParams(num_inference_steps=1, seed=0, num_frames=1 if is_video else None)
+def warm_up_params(card: ModelCard) -> OmniDiffusionSamplingParams:
+    """One step at the model's default size (a single frame for video models, a grey input image for a model that
+    needs one): it initialises every component, so the first real request does not pay for that."""
+    image = None
+    if "text" not in card.tasks:
+        height, width = card.default_size or (8 * card.size_multiple,) * 2
+        image = Image.new("RGB", (width, height), (128, 128, 128))
+    return OmniDiffusionSamplingParams(
+        num_inference_steps=1, seed=0, num_frames=1 if card.is_video else None, image=image
+    )
 
 
 class ReplicaLostError(RuntimeError):
@@ -167,7 +174,7 @@ class EngineReplica:
         """`Replica.warm_up`, with `warm_up_params`."""
         if self.engine.role.split:
             return
-        params = self.engine.admission.admit(warm_up_params(self.info.card.is_video)).params
+        params = self.engine.admission.admit(warm_up_params(self.info.card)).params
         self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", params).result()
 
     def abort(self, request_id: str) -> bool:

@@ -50,7 +50,7 @@ class AsyncOmni(OmniBase):
             async for _ in self.generate("warm-up", params, request_id=f"warmup-{uuid.uuid4().hex}"):
                 pass
 
-        params = warm_up_params(self.makes_videos)
+        params = warm_up_params(self.model_card)
         await asyncio.gather(*(one() for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
 
     async def abort(self, request_id: str) -> bool:

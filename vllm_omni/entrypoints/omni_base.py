@@ -18,6 +18,7 @@ from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
 
 if TYPE_CHECKING:
+    from vllm_omni.diffusion.model_card import ModelCard
     from vllm_omni.engine.stage_runtime import StageHealth
 
 
@@ -96,6 +97,11 @@ class OmniBase:
         """``(state, fraction of denoising steps done)`` of a request in flight (state: waiting or running), or
         ``None`` if it is not in flight."""
         return self.engine.progress(request_id)
+
+    @property
+    def model_card(self) -> ModelCard:
+        """What the served model takes (its tasks, sizes, defaults), as the stage that holds the denoiser read it."""
+        return self.engine.model_card
 
     @property
     def makes_videos(self) -> bool:

@@ -5,11 +5,13 @@ vocabulary, then saved with ``save_pretrained`` so that it loads through the
 real ``DiffusionPipeline.from_pretrained`` path. Nothing is downloaded.
 
     vllm-omni make-tiny-model DIR --family sd|sdxl|sd3|flux|flux-bench|wan
+                                           |kontext|qwen-image-edit|qwen-image-edit-plus|wan-i2v  (tiny_edit_models)
 """
 
 from __future__ import annotations
 
 import os
+from importlib import import_module
 
 import torch
 
@@ -381,6 +383,11 @@ FAMILIES = {
     "flux": build_tiny_flux,
     "flux-bench": lambda: build_tiny_flux(bench=True),
     "wan": build_tiny_wan,
+    # The image-conditioned families live in tiny_edit_models, imported on use: it imports this module.
+    "kontext": lambda: import_module(".tiny_edit_models", __package__).build_tiny_kontext(),
+    "qwen-image-edit": lambda: import_module(".tiny_edit_models", __package__).build_tiny_qwen_image_edit(),
+    "qwen-image-edit-plus": lambda: import_module(".tiny_edit_models", __package__).build_tiny_qwen_image_edit_plus(),
+    "wan-i2v": lambda: import_module(".tiny_edit_models", __package__).build_tiny_wan_i2v(),
 }
 
 

@@ -2,8 +2,8 @@
 denoising step for many requests at once.
 
 The same adapters split a pipeline into stages (docs/stages.md): `Stepper.encode` is the ``encode`` stage (a
-batch of prompts → one `Conditioning` per request), `Stepper.start` plus the denoising steps the ``denoise``
-stage (→ `Latents`), and `Stepper.decode` the ``decode`` stage.
+batch of prompts, and each image task's input image → one `Conditioning` per request), `Stepper.start` plus the
+denoising steps the ``denoise`` stage (→ `Latents`), and `Stepper.decode` the ``decode`` stage.
 
 The engine never calls the pipeline's ``__call__`` in step mode: it keeps state on the pipeline object
 (``_guidance_scale``, ``_interrupt``, the shared scheduler) that requests at different steps cannot share.
@@ -21,7 +21,8 @@ import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.request import ImageTask, OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.steppers.images import ImageTasks, Inpainting, encode_image
 
 
 def _compact(value: Any) -> Any:
@@ -52,6 +53,10 @@ class Conditioning(_Payload):
     """The same for its unconditional (negative) rows, ``None`` without classifier-free guidance."""
     shared: dict[str, torch.Tensor]
     """Text inputs shared by every row (Flux's ``txt_ids``)."""
+    image: dict[str, torch.Tensor] | None = None
+    """An image task's input image, VAE-encoded (`images.encode_image`): ``moments``, ``[1, 2C, h, w]``, the mean
+    and log-variance of its latent distribution, from which `Stepper.start` draws each output's sample, and for
+    inpainting ``mask``, ``[1, 1, h, w]`` at latent size (1: repaint). ``None`` for a text request."""
 
 
 @dataclass(eq=False)
@@ -76,7 +81,8 @@ class StepState:
     noise_scheduler: Any
     """Its own diffusers noise scheduler instance: timesteps, sigmas, multistep history."""
     timesteps: torch.Tensor
-    """Its schedule; one engine step is one entry (second-order schedulers list ``2N - 1``)."""
+    """The steps it runs; one engine step is one entry (second-order schedulers list ``2N - 1``). An image task
+    runs the tail its strength leaves of its scheduler's schedule."""
     cond: dict[str, torch.Tensor]
     """Per-row denoiser inputs of its conditional rows, each ``[n, ...]``."""
     uncond: dict[str, torch.Tensor] | None
@@ -91,6 +97,10 @@ class StepState:
     """Further arguments of its scheduler's ``step`` (``generator``, ``eta``)."""
     step: int = 0
     """Index of its next timestep."""
+    offset: int = 0
+    """Index of ``timesteps[0]`` in its scheduler's schedule (and ``sigmas``)."""
+    inpaint: Inpainting | None = None
+    """An inpainting request's image, noise and mask, blended into its latents after each step."""
     forwards: int = 0
     """Engine steps it took part in."""
     batch_total: int = 0
@@ -118,16 +128,23 @@ def generators_for(seed: int, n: int) -> list[torch.Generator]:
 
 def fresh_noise_scheduler(pipeline) -> Any:
     """A noise scheduler of the pipeline's class and config that belongs to one request only."""
-    return type(pipeline.scheduler).from_config(pipeline.scheduler.config)
+    # With every value: from_config resets the keys the config lists as defaulted (_use_default_values), which
+    # would undo what a pipeline's __init__ set on them (SD's clip_sample fix of a DDIM config).
+    config = {k: v for k, v in pipeline.scheduler.config.items() if k != "_use_default_values"}
+    return type(pipeline.scheduler).from_config(config)
 
 
-class Stepper:
+class Stepper(ImageTasks):
     """Per-family adapter; `predict` (one forward for many requests) is shared by all families."""
 
     pipeline_classes: ClassVar[tuple[str, ...]] = ()
-    """Pipeline class names this stepper serves (exact names: variants such as img2img are not covered)."""
+    """Pipeline class names this stepper serves (exact names: an img2img or inpaint pipeline class is not one; the
+    image tasks of these classes are in `tasks`)."""
     extra_args: ClassVar[frozenset[str]] = frozenset()
     """``extra_args`` keys it honours; any other key is refused in step mode."""
+    tasks: ClassVar[frozenset[ImageTask]] = frozenset({"text"})
+    """The tasks it steps (`OmniDiffusionSamplingParams.task`): image tasks as its class's image-to-image and
+    inpainting pipelines (``from_pipe``) run them."""
 
     def __init__(self, pipeline, device: torch.device):
         self.pipeline = pipeline
@@ -146,6 +163,13 @@ class Stepper:
 
     @classmethod
     def check_params(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> None:
+        if params.task not in cls.tasks:
+            field = "mask_image" if params.task == "inpaint" else "image"
+            raise SamplingParamsError(
+                field,
+                f"{field} is not supported by {card.pipeline_name} in execution_mode 'step' or split into stages "
+                f"(it steps {', '.join(sorted(cls.tasks))} requests)",
+            )
         for arg in params.extra_args:
             if arg not in cls.extra_args:
                 supported = ", ".join(sorted(cls.extra_args)) or "none"
@@ -178,7 +202,17 @@ class Stepper:
         return (params.height, params.width, params.num_frames, params.output_type)
 
     def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
-        """Encode a batch of prompts whose params share an `encode_key`, in one call per text encoder."""
+        """Encode a batch of prompts whose params share an `encode_key`, in one call per text encoder, and the input
+        image of each image task, in one VAE call per request (the stock pipelines encode it alone)."""
+        conditionings = self.encode_prompts(prompts, params)
+        for conditioning, request in zip(conditionings, params, strict=True):
+            if request.task != "text":
+                dtype = conditioning.cond["encoder_hidden_states"].dtype
+                conditioning.image = encode_image(self.pipeline, request, dtype, self.device)
+        return conditionings
+
+    def encode_prompts(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+        """`encode` of the prompts alone."""
         raise NotImplementedError
 
     def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
@@ -245,6 +279,8 @@ class Stepper:
                 prediction, state.timestep, state.latents, **(state.step_kwargs or {}), return_dict=False
             )[0]
             state.step += 1
+            if state.inpaint is not None:
+                self.blend(state)
 
     def postprocess_images(self, images: torch.Tensor, states: list[StepState], **kwargs) -> list[list[Any]]:
         """Split a decoded batch per request and convert each to its ``output_type``."""

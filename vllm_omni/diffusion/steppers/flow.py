@@ -30,6 +30,7 @@ class FlowMatchStepper(Stepper):
     """What Flux, SD3 and Wan share: the denoiser is ``pipeline.transformer``, the update is flow-matching Euler."""
 
     extra_args = frozenset({"max_sequence_length"})
+    strength_floors_steps = False
 
     def __init__(self, pipeline, device: torch.device):
         super().__init__(pipeline, device)
@@ -56,12 +57,9 @@ class FlowMatchStepper(Stepper):
         if not self.vectorised:
             return super().advance(states, predictions)
         v = torch.cat(predictions)
-        dt = torch.cat(
-            [
-                (s.noise_scheduler.sigmas[s.step + 1] - s.noise_scheduler.sigmas[s.step]).expand(len(s.latents))
-                for s in states
-            ]
-        ).view(-1, *[1] * (v.dim() - 1))
+        dt = torch.cat([(self.sigma(s, 1) - self.sigma(s)).expand(len(s.latents)) for s in states]).view(
+            -1, *[1] * (v.dim() - 1)
+        )
         x = torch.cat([s.latents.float() for s in states])
         # As the scheduler does it: the 0-d σ difference is cast to v's dtype and multiplied in it (in bf16 the
         # difference rounds first), the sum is float32, the result is cast to v's dtype.
@@ -71,7 +69,24 @@ class FlowMatchStepper(Stepper):
             n = len(state.latents)
             state.latents = updated[start : start + n]
             state.step += 1
+            if state.inpaint is not None:
+                self.blend(state)
             start += n
+
+    @staticmethod
+    def sigma(state: StepState, ahead: int = 0) -> torch.Tensor:
+        """The σ of the request's current timestep, or of the one ``ahead`` of it."""
+        return state.noise_scheduler.sigmas[state.offset + state.step + ahead]
+
+    def latent_space(self, sample: torch.Tensor, params: OmniDiffusionSamplingParams) -> torch.Tensor:
+        config = self.pipeline.vae.config
+        return (sample - config.shift_factor) * config.scaling_factor
+
+    def noised(self, state: StepState, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        # The scheduler's scale_noise, at the request's own step: the vectorised advance leaves its scheduler's
+        # step index unset.
+        sigma = self.sigma(state).to(image_latents.device, image_latents.dtype)
+        return sigma * noise + (1.0 - sigma) * image_latents
 
 
 class FluxStepper(FlowMatchStepper):
@@ -79,12 +94,14 @@ class FluxStepper(FlowMatchStepper):
 
     pipeline_classes = ("FluxPipeline",)
     extra_args = frozenset({"max_sequence_length", "true_cfg_scale"})
+    tasks = frozenset({"text", "image", "inpaint"})
+    full_strength_inpaints_noise = False
 
     @classmethod
     def negative_rows(cls, params: OmniDiffusionSamplingParams) -> bool:
         return float(params.extra_args.get("true_cfg_scale", 1.0)) > 1 and params.negative_prompt is not None
 
-    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+    def encode_prompts(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
         p, n, msl = self.pipeline, params[0].num_outputs_per_prompt, self.max_sequence_length(self.card, params[0])
 
         def encode(texts: list[str]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
@@ -105,14 +122,16 @@ class FluxStepper(FlowMatchStepper):
             guidance = torch.full([n], params.guidance_scale, device=self.device, dtype=torch.float32)
             cond = cond | {"guidance": guidance}
             uncond = None if uncond is None else uncond | {"guidance": guidance}
+        generators, dtype = generators_for(seed, n), cond["encoder_hidden_states"].dtype
+        image_latents = self.draw_image_latents(conditioning, params, generators, dtype)
         latents, image_ids = p.prepare_latents(
             n,
             self.transformer.config.in_channels // 4,
             params.height,
             params.width,
-            cond["encoder_hidden_states"].dtype,
+            dtype,
             self.device,
-            generators_for(seed, n),
+            generators,
         )
         scheduler = fresh_noise_scheduler(p)
         config = scheduler.config
@@ -126,7 +145,7 @@ class FluxStepper(FlowMatchStepper):
         )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
-        return StepState(
+        state = StepState(
             params=params,
             latents=latents,
             noise_scheduler=scheduler,
@@ -136,6 +155,12 @@ class FluxStepper(FlowMatchStepper):
             shared={"txt_ids": self.on_device(conditioning.shared)["txt_ids"], "img_ids": image_ids},
             guidance=float(params.extra_args.get("true_cfg_scale", 1.0)),
         )
+        if image_latents is not None:
+            self.start_image(state, conditioning, image_latents, latents, generators)
+        return state
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.pipeline._pack_latents(latents, *latents.shape)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
         return self.transformer(
@@ -162,8 +187,9 @@ class SD3Stepper(FlowMatchStepper):
     """Stable Diffusion 3 / 3.5: CFG rows in the stock ``[uncond, cond]`` order."""
 
     pipeline_classes = ("StableDiffusion3Pipeline",)
+    tasks = frozenset({"text", "image", "inpaint"})
 
-    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+    def encode_prompts(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
         p, n, cfg, count = self.pipeline, params[0].num_outputs_per_prompt, self.negative_rows(params[0]), len(prompts)
         negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
         embeds, negative_embeds, pooled, negative_pooled = p.encode_prompt(
@@ -190,14 +216,10 @@ class SD3Stepper(FlowMatchStepper):
     def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         p, n = self.pipeline, params.num_outputs_per_prompt
         cond, uncond = self.on_device(conditioning.cond), self.on_device(conditioning.uncond)
+        generators, dtype = generators_for(seed, n), cond["encoder_hidden_states"].dtype
+        image_latents = self.draw_image_latents(conditioning, params, generators, dtype)
         latents = p.prepare_latents(
-            n,
-            self.transformer.config.in_channels,
-            params.height,
-            params.width,
-            cond["encoder_hidden_states"].dtype,
-            self.device,
-            generators_for(seed, n),
+            n, self.transformer.config.in_channels, params.height, params.width, dtype, self.device, generators
         )
         scheduler = fresh_noise_scheduler(p)
         config, kwargs = scheduler.config, {}
@@ -212,7 +234,7 @@ class SD3Stepper(FlowMatchStepper):
                 config.get("max_shift", 1.16),
             )
         timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
-        return StepState(
+        state = StepState(
             params=params,
             latents=latents,
             noise_scheduler=scheduler,
@@ -222,6 +244,9 @@ class SD3Stepper(FlowMatchStepper):
             shared={},
             guidance=params.guidance_scale,
         )
+        if image_latents is not None:
+            self.start_image(state, conditioning, image_latents, latents, generators)
+        return state
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, rows: dict[str, torch.Tensor], shared: dict) -> torch.Tensor:
         return self.transformer(
@@ -234,8 +259,16 @@ class SD3Stepper(FlowMatchStepper):
 
     def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
         vae = self.pipeline.vae
-        latents = torch.cat([s.latents for s in states])
-        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        # diffusers' SD3 inpaint pipeline decodes without the VAE's shift_factor; its requests here too, so that
+        # step mode and request mode give the same image.
+        latents = torch.cat(
+            [
+                s.latents / vae.config.scaling_factor
+                if s.params.task == "inpaint"
+                else (s.latents / vae.config.scaling_factor) + vae.config.shift_factor
+                for s in states
+            ]
+        )
         return self.postprocess_images(vae.decode(latents, return_dict=False)[0], states)
 
 
@@ -255,7 +288,7 @@ class WanStepper(FlowMatchStepper):
         if pipeline.config.get("expand_timesteps"):
             raise ValueError("Wan pipelines with expand_timesteps (per-token timesteps)")
 
-    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+    def encode_prompts(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
         p, n, cfg, count = self.pipeline, params[0].num_outputs_per_prompt, self.negative_rows(params[0]), len(prompts)
         negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
         embeds, negative_embeds = p.encode_prompt(

@@ -29,6 +29,7 @@ from vllm_omni.diffusion.steppers.base import (
 class UNetStepper(Stepper):
     pipeline_classes = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
     extra_args = frozenset({"eta", "guidance_rescale"})
+    tasks = frozenset({"text", "image", "inpaint"})
 
     def __init__(self, pipeline, device: torch.device):
         super().__init__(pipeline, device)
@@ -40,14 +41,21 @@ class UNetStepper(Stepper):
 
     @classmethod
     def check_pipeline(cls, pipeline) -> None:
-        if pipeline.unet is not None and pipeline.unet.config.time_cond_proj_dim is not None:
+        if pipeline.unet is None:
+            return
+        if pipeline.unet.config.time_cond_proj_dim is not None:
             raise ValueError("UNets with a guidance embedding (time_cond_proj_dim, e.g. LCM)")
+        if pipeline.unet.config.in_channels != pipeline.unet.config.out_channels:
+            raise ValueError(
+                f"inpainting UNets ({pipeline.unet.config.in_channels} input channels: the mask and the masked image "
+                "are inputs of every forward)"
+            )
 
     @classmethod
     def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
         return (params.height, params.width)  # CLIP pads every prompt to 77 tokens
 
-    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+    def encode_prompts(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
         p, n, count = self.pipeline, params[0].num_outputs_per_prompt, len(prompts)
         cfg = self.negative_rows(params[0])
         negative = None if params[0].negative_prompt is None else [q.negative_prompt for q in params]
@@ -92,18 +100,18 @@ class UNetStepper(Stepper):
         if self.xl and hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
         generators = generators_for(seed, n)
+        image_latents = self.draw_image_latents(conditioning, params, generators, dtype)
         shape = (
             n,
             self.unet.config.in_channels,
             params.height // p.vae_scale_factor,
             params.width // p.vae_scale_factor,
         )
-        # The request's own init_noise_sigma: the pipeline's prepare_latents reads the shared scheduler's.
-        latents = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
-        latents = latents * scheduler.init_noise_sigma
-        return StepState(
+        noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
+        state = StepState(
             params=params,
-            latents=latents,
+            # The request's own init_noise_sigma: the pipeline's prepare_latents reads the shared scheduler's.
+            latents=noise * scheduler.init_noise_sigma,
             noise_scheduler=scheduler,
             timesteps=timesteps,
             cond=cond,
@@ -113,6 +121,23 @@ class UNetStepper(Stepper):
             guidance_rescale=float(params.extra_args.get("guidance_rescale", 0.0)),
             step_kwargs=p.prepare_extra_step_kwargs(generators, float(params.extra_args.get("eta", 0.0))),
         )
+        if image_latents is not None:
+            self.start_image(state, conditioning, image_latents, noise, generators)
+        return state
+
+    def latent_space(self, sample: torch.Tensor, params: OmniDiffusionSamplingParams) -> torch.Tensor:
+        config = self.pipeline.vae.config
+        mean, std = config.get("latents_mean"), config.get("latents_std")
+        # SDXL's image-to-image pipeline normalises with the VAE's latent statistics; its inpaint pipeline does not.
+        if self.xl and params.task == "image" and mean is not None and std is not None:
+            channels = sample.shape[1]
+            mean = torch.tensor(mean).view(1, channels, 1, 1).to(sample.device, sample.dtype)
+            std = torch.tensor(std).view(1, channels, 1, 1).to(sample.device, sample.dtype)
+            return (sample - mean) * config.scaling_factor / std
+        return config.scaling_factor * sample
+
+    def noised(self, state: StepState, image_latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return state.noise_scheduler.add_noise(image_latents, noise, torch.tensor([state.timestep]))
 
     def model_input(self, state: StepState) -> torch.Tensor:
         return state.noise_scheduler.scale_model_input(state.latents, state.timestep)

@@ -58,6 +58,8 @@ _OMNI_SERVING_FLAGS = (
     "max_waiting_requests",
     "max_request_body_bytes",
     "max_image_pixels",
+    "max_input_image_bytes",
+    "max_input_image_pixels",
     "max_inference_steps",
     "max_prompt_length",
     "max_video_frames",

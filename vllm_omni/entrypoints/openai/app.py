@@ -16,41 +16,45 @@ from vllm_omni.entrypoints.openai.basic import build_basic_router
 from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
 from vllm_omni.entrypoints.openai.images import build_images_router
 from vllm_omni.entrypoints.openai.server_state import ServerState, load_and_warm_up
+from vllm_omni.entrypoints.openai.uploads import UPLOAD_PATHS, upload_body_limit
 from vllm_omni.entrypoints.openai.videos import build_videos_router
 
 
 class BodyLimitMiddleware:
-    """Answer 413 as soon as a request body is larger than the limit, declared or streamed."""
+    """Answer 413 as soon as a request body is larger than the limit, declared or streamed; routes that take image
+    files (`UPLOAD_PATHS`) have a larger one."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, upload_max_bytes: int):
+        self.app, self.max_bytes, self.upload_max_bytes = app, max_bytes, upload_max_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        limit = self.upload_max_bytes if path in UPLOAD_PATHS else self.max_bytes
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await self._reject(send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await self._reject(send, limit)
         received = 0
 
         async def limited_receive():
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_bytes:  # a chunked body: FastAPI passes this on to the 413 handler
-                raise StarletteHTTPException(413, self.message)
+            if received > limit:  # a chunked body: FastAPI passes this on to the 413 handler
+                raise StarletteHTTPException(413, _too_large(limit))
             return message
 
         await self.app(scope, limited_receive, send)
 
-    @property
-    def message(self) -> str:
-        return f"The request body is larger than {self.max_bytes} bytes"
-
-    async def _reject(self, send) -> None:
-        response = error_response(413, self.message, code="request_too_large")
+    async def _reject(self, send, limit: int) -> None:
+        response = error_response(413, _too_large(limit), code="request_too_large")
         await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body})
+
+
+def _too_large(limit: int) -> str:
+    return f"The request body is larger than {limit} bytes"
 
 
 def build_app(
@@ -74,7 +78,9 @@ def build_app(
 
     app = FastAPI(title="vllm-omni", lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(BodyLimitMiddleware, max_bytes=serving.max_request_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=serving.max_request_body_bytes, upload_max_bytes=upload_body_limit(serving)
+    )
     if serving.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -9,7 +9,12 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError, StageUnavailableError
+from vllm_omni.diffusion.request import (
+    ImageTask,
+    OmniDiffusionSamplingParams,
+    SamplingParamsError,
+    StageUnavailableError,
+)
 from vllm_omni.entrypoints.openai.errors import APIError
 
 if TYPE_CHECKING:
@@ -17,7 +22,7 @@ if TYPE_CHECKING:
     from vllm_omni.entrypoints.openai.server_state import ServerState
 
 # Sampling-parameter names as the OpenAI APIs call them.
-API_PARAM = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
+API_PARAM = {"height": "size", "width": "size", "num_outputs_per_prompt": "n", "mask_image": "mask"}
 
 
 async def check_api_key(request: Request) -> None:
@@ -50,9 +55,10 @@ def check_limits(params: OmniDiffusionSamplingParams, serving: ServingConfig) ->
         )
 
 
-def check_request(state: ServerState, body, *, kind: str) -> None:
+def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "text") -> None:
     """What every generation request must pass before its parameters are built: a served model name,
-    prompts within the length limit, a ready engine, and a model of the right ``kind`` (image or video)."""
+    prompts within the length limit, a ready engine, and a model of the right ``kind`` (image or video) that serves
+    ``task`` (``text``: no input image; ``image``: one or more)."""
     serving = state.serving
     if body.model is not None and body.model not in serving.served_model_names:
         raise APIError(
@@ -79,6 +85,22 @@ def check_request(state: ServerState, body, *, kind: str) -> None:
             param="model",
             code="model_not_supported",
         )
+    tasks = state.omni.model_card.tasks
+    if task == "image" and "image" not in tasks:
+        raise APIError(
+            400,
+            f"{serving.served_model_names[0]} takes no input image ({state.omni.model_card.pipeline_name})",
+            param="model",
+            code="model_not_supported",
+        )
+    if task == "text" and "text" not in tasks:
+        needs = "/v1/images/edits" if kind == "image" else "input_reference"
+        raise APIError(
+            400,
+            f"{serving.served_model_names[0]} needs an input image ({state.omni.model_card.pipeline_name}): use {needs}",
+            param="model",
+            code="model_not_supported",
+        )
 
 
 def admit(state: ServerState, **fields) -> AdmittedParams:
@@ -93,7 +115,8 @@ def admit(state: ServerState, **fields) -> AdmittedParams:
         param = API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
         raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
     except SamplingParamsError as exc:
-        raise APIError(400, str(exc), param=API_PARAM.get(exc.param, exc.param), code="invalid_value") from None
+        param = exc.param.removeprefix("extra_args.")  # the API's extensions that travel in extra_args
+        raise APIError(400, str(exc), param=API_PARAM.get(param, param), code="invalid_value") from None
     except StageUnavailableError as exc:
         raise APIError(503, f"Service unavailable: {exc}", code="service_unavailable") from None
     check_limits(admitted.params, state.serving)

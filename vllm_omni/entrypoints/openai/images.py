@@ -1,4 +1,5 @@
-"""OpenAI's Images API: ``POST /v1/images/generations`` and the ``url`` images it hands out."""
+"""OpenAI's Images API: ``POST /v1/images/generations``, ``POST /v1/images/edits`` and the ``url`` images they hand
+out."""
 
 from __future__ import annotations
 
@@ -14,18 +15,22 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.diffusion.request import RequestFailedError, StageUnavailableError
+from vllm_omni.diffusion.request import MAX_INPUT_IMAGES, ImageTask, RequestFailedError, StageUnavailableError
 from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageData,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
 )
 from vllm_omni.entrypoints.openai.server_state import ServerState
+from vllm_omni.entrypoints.openai.uploads import form_files, openai_mask, read_images
 from vllm_omni.metrics import prometheus as metrics
 
 if TYPE_CHECKING:
@@ -124,17 +129,18 @@ def _encode(image, output_format: str, compression: int | None, b64: bool) -> by
     return base64.b64encode(buffer.getbuffer()).decode("ascii") if b64 else buffer.getvalue()
 
 
-def _check(body: ImageGenerationRequest, state: ServerState) -> None:
+def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "text") -> None:
     """The request's own checks (`check_request` reads only this process's state: it runs on the event loop)."""
-    check_request(state, body, kind="image")
+    check_request(state, body, kind="image", task=task)
     if body.output_compression is not None and body.output_format == "png":
         raise APIError(
             400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
         )
 
 
-def _admit(body: ImageGenerationRequest, state: ServerState) -> AdmittedParams:
-    """The request's complete parameters (model defaults filled in, seed drawn), within the operator's limits."""
+def _admit(body: ImageGenerationRequest, state: ServerState, **inputs) -> AdmittedParams:
+    """The request's complete parameters (model defaults filled in, seed drawn), within the operator's limits;
+    ``inputs``: an edit's images, mask, strength and extra arguments."""
     width, height = body.dimensions() or (None, None)
     return admit(
         state,
@@ -145,18 +151,89 @@ def _admit(body: ImageGenerationRequest, state: ServerState) -> AdmittedParams:
         num_outputs_per_prompt=body.n,
         seed=body.seed,
         negative_prompt=body.negative_prompt,
+        **inputs,
     )
 
 
 async def create_image(body: ImageGenerationRequest, raw_request: Request) -> ImageGenerationResponse | Response:
+    async def prepare(state: ServerState) -> AdmittedParams:
+        _check(body, state)
+        raw_request.scope[_TIMER].mark("validation")  # FastAPI's schema validation, the API key, these checks
+        return _admit(body, state)  # on the loop: admission is local work of ~0.1 ms, with no Ray call
+
+    return await _respond(raw_request, body, prepare)
+
+
+async def edit_image(raw_request: Request) -> ImageGenerationResponse | Response:
+    """``POST /v1/images/edits``: multipart/form-data as OpenAI's (``image`` or ``image[]``, ``mask``, fields)."""
+    try:
+        form = await _read_edit_form(raw_request)
+    except APIError:
+        metrics.image_requests.labels("invalid").inc()
+        raise
+    fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
+    try:
+        body = ImageEditRequest.model_validate(fields)
+    except ValidationError as exc:  # counted and answered as a JSON body's schema errors are
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+    async def prepare(state: ServerState) -> AdmittedParams:
+        files = form_files(form, "image", "image[]")
+        masks = form_files(form, "mask")
+        if not files:
+            raise APIError(
+                400, "image is required: one file as image, or up to 16 as image[]", param="image", code="invalid_value"
+            )
+        if len(files) > MAX_INPUT_IMAGES or len(masks) > 1:
+            param, most = ("image", MAX_INPUT_IMAGES) if len(files) > MAX_INPUT_IMAGES else ("mask", 1)
+            raise APIError(400, f"at most {most} {param} file(s)", param=param, code="invalid_value")
+        _check(body, state, task="image")
+        images = await read_images(files, "image", state.serving)
+        mask = openai_mask((await read_images(masks, "mask", state.serving))[0], images[0]) if masks else None
+        raw_request.scope[_TIMER].mark("validation")
+        extra = {} if body.true_cfg_scale is None else {"true_cfg_scale": body.true_cfg_scale}
+        return _admit(body, state, image=images, mask_image=mask, strength=body.strength, extra_args=extra)
+
+    return await _respond(raw_request, body, prepare)
+
+
+_FILE_FIELDS = ("image", "image[]", "mask")
+"""The edit form's file fields (`form_files`)."""
+
+
+async def _read_edit_form(raw_request: Request) -> FormData:
+    """The edit's form, with files only where the form takes files."""
+    media_type = raw_request.headers.get("content-type", "").lower()
+    if not media_type.startswith(("multipart/form-data", "application/x-www-form")):
+        raise APIError(400, "send the edit as multipart/form-data (image files and fields)", code="invalid_form")
+    try:
+        form = await raw_request.form(max_files=MAX_INPUT_IMAGES + 1, max_fields=64)
+    except StarletteHTTPException as exc:  # a malformed body, or too many files or fields
+        raise APIError(400, f"The form could not be read: {exc.detail}", code="invalid_form") from None
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile) and name not in _FILE_FIELDS:
+            known = name in ImageEditRequest.model_fields
+            raise APIError(
+                400,
+                f"{name} must be a text field, not a file" if known else f"Unrecognized file field: {name}",
+                param=name,
+                code="invalid_value" if known else "unknown_parameter",
+            )
+    return form
+
+
+async def _respond(
+    raw_request: Request,
+    body: ImageGenerationRequest,
+    prepare: Callable[[ServerState], Awaitable[AdmittedParams]],
+) -> ImageGenerationResponse | Response:
+    """Admit the request (``prepare``: its checks and complete parameters), run it and answer with its images."""
     state: ServerState = raw_request.app.state.server
     timer: metrics.PhaseTimer = raw_request.scope[_TIMER]
     outcome = "failed"
     try:
         try:
-            _check(body, state)
-            timer.mark("validation")  # FastAPI's schema validation of the body, the API key, and these checks
-            admitted = _admit(body, state)  # on the loop: admission is local work of ~0.1 ms, with no Ray call
+            admitted = await prepare(state)
         except APIError as exc:
             outcome = refusal_outcome(exc)
             raise
@@ -224,13 +301,31 @@ def build_images_router() -> APIRouter:
     """The /v1/images routes; the server's state holds the image store (``state.store``)."""
     router = APIRouter(prefix="/v1/images", dependencies=[Depends(check_api_key)])
     router.add_api_route("/files/{image_id}", get_image, methods=["GET"], name="get_image")
-    router.add_api_route(
-        "/generations",
-        create_image,
-        methods=["POST"],
-        response_model=ImageGenerationResponse,
-        response_model_exclude_none=True,
-        responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)},
-        route_class_override=_ImagesRoute,
-    )
+    for path, endpoint, extra in (
+        ("/generations", create_image, None),
+        ("/edits", edit_image, {"requestBody": _edit_form_schema()}),
+    ):
+        router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            response_model=ImageGenerationResponse,
+            response_model_exclude_none=True,
+            responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)},
+            route_class_override=_ImagesRoute,
+            openapi_extra=extra,
+        )
     return router
+
+
+def _edit_form_schema() -> dict[str, Any]:
+    """The OpenAPI description of the edit form (the route reads the form itself, so FastAPI cannot infer it)."""
+    schema = ImageEditRequest.model_json_schema()
+    files = {"type": "array", "items": {"type": "string", "format": "binary"}, "maxItems": MAX_INPUT_IMAGES}
+    properties = schema["properties"] | {
+        "image": {"type": "string", "format": "binary"},
+        "image[]": files,
+        "mask": {"type": "string", "format": "binary"},
+    }
+    form = {"type": "object", "properties": properties, "required": ["prompt"]}
+    return {"required": True, "content": {"multipart/form-data": {"schema": form}}}

@@ -47,6 +47,23 @@ class ImageGenerationRequest(BaseModel):
         return (int(match[1]), int(match[2])) if match else None
 
 
+class ImageEditRequest(ImageGenerationRequest):
+    """``POST /v1/images/edits``: its multipart form fields (the files, ``image`` / ``image[]`` and ``mask``, are read
+    apart). Form values arrive as text, so its integers are parsed from it."""
+
+    n: int = Field(default=1, ge=1, le=10)
+    size: str = "auto"
+    """``WIDTHxHEIGHT`` in pixels, or ``auto`` for the first image's size (rounded down to what the model needs)."""
+    output_compression: int | None = Field(default=None, ge=0, le=100)
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    # Extensions.
+    strength: float | None = Field(default=None, gt=0.0, le=1.0)
+    """How far the input image is noised (image-to-image, inpainting); the model's variant's default when unset."""
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    """True classifier-free guidance with ``negative_prompt`` (Flux and Qwen-Image families)."""
+
+
 class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None

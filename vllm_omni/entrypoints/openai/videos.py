@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from PIL import Image
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.diffusion.request import RequestFailedError, StageUnavailableError
+from vllm_omni.diffusion.request import ImageTask, RequestFailedError, StageUnavailableError
 from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
 from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.uploads import form_files, read_images
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
     VideoDeleted,
@@ -174,16 +177,14 @@ def build_videos_router() -> APIRouter:
         timer = metrics.PhaseTimer()
         outcome = "invalid"
         try:
-            if raw_request.headers.get("content-type", "").startswith(_FORM_TYPES):
-                form = await raw_request.form()
-                if "input_reference" in form:
-                    raise APIError(
-                        400,
-                        "input_reference (image-to-video) is not supported",
-                        param="input_reference",
-                        code="unsupported_parameter",
-                    )
-                data = dict(form)
+            references = []
+            if raw_request.headers.get("content-type", "").lower().startswith(_FORM_TYPES):
+                try:
+                    form = await raw_request.form(max_files=1, max_fields=64)
+                except StarletteHTTPException as exc:  # a malformed body, or more than one file
+                    raise APIError(400, f"The form could not be read: {exc.detail}", code="invalid_form") from None
+                references = form_files(form, "input_reference")
+                data = {k: v for k, v in form.items() if k != "input_reference"}
             else:
                 try:
                     data = await raw_request.json()
@@ -194,9 +195,10 @@ def build_videos_router() -> APIRouter:
                 body = VideoGenerationRequest.model_validate(data)
             except ValidationError as exc:
                 raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-            _check(state, body)
+            _check(state, body, task="image" if references else "text")
+            image = await read_images(references, "input_reference", state.serving) if references else None
             timer.mark("validation")
-            admitted = _admit(state, body)  # on the loop, as in images.py
+            admitted = _admit(state, body, image)  # on the loop, as in images.py
             timer.mark("completion")
             job = VideoJob(
                 id=f"video_{secrets.token_hex(16)}",
@@ -261,15 +263,16 @@ def build_videos_router() -> APIRouter:
     return router
 
 
-def _check(state: ServerState, body: VideoGenerationRequest) -> None:
+def _check(state: ServerState, body: VideoGenerationRequest, task: ImageTask) -> None:
     """The job's own checks (`check_request` reads only this process's state: it runs on the event loop)."""
-    check_request(state, body, kind="video")
+    check_request(state, body, kind="video", task=task)
     if body.seconds is not None and body.num_frames is not None:
         raise APIError(400, "give seconds or num_frames, not both", param="seconds", code="invalid_value")
 
 
-def _admit(state: ServerState, body: VideoGenerationRequest) -> AdmittedParams:
-    """The job's complete parameters (model defaults filled in, seed drawn), within the operator's limits."""
+def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.Image] | None) -> AdmittedParams:
+    """The job's complete parameters (model defaults filled in, seed drawn), within the operator's limits;
+    ``image``: its ``input_reference`` (image-to-video)."""
     num_frames = body.num_frames
     if body.seconds is not None:
         step = state.omni.frame_multiple
@@ -285,6 +288,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest) -> AdmittedParams:
         guidance_scale=body.guidance_scale,
         seed=body.seed,
         negative_prompt=body.negative_prompt,
+        image=image,
     )
     num_frames = admitted.params.num_frames
     if num_frames > state.serving.max_video_frames:

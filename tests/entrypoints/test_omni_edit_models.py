@@ -1,0 +1,80 @@
+"""Instruction-edit and image-to-video models served as they are, through `Omni`: a batched edit equals the stock
+pipeline called alone, row for row (their tiny random weights barely use the image, so the bar is tight), and
+what a model cannot take is refused naming the field."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
+
+from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.testing.edits import noise_image, square_mask
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PROMPTS = ["make it red", "add a hat"]
+
+
+def stock(model: str, prompt: str, image, seed: int, n: int = 1, **kwargs) -> np.ndarray:
+    pipeline = DiffusionPipeline.from_pretrained(model, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    return pipeline(
+        prompt=[prompt] * n,
+        image=[image] * n,
+        generator=[generator] * n,
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        output_type="np",
+        **kwargs,
+    ).images
+
+
+@pytest.mark.parametrize(("family", "extra"), [("kontext", {"max_area": 64 * 64}), ("qwen_edit", {})])
+def test_batched_instruction_edits_equal_the_stock_pipeline_alone(family, extra, request):
+    model = request.getfixturevalue(f"tiny_{family}")
+    images = [Image.new("RGB", (64, 64), (230, 20, 20)), Image.new("RGB", (64, 64), (20, 20, 230))]
+    with Omni(model=model, max_num_seqs=4, request_batch_max_wait_ms=500) as omni:
+        assert "image" in omni.model_card.tasks
+        outputs = omni.generate(
+            PROMPTS,
+            [
+                OmniDiffusionSamplingParams(
+                    image=images[i], num_inference_steps=2, num_outputs_per_prompt=2, seed=5 + i, output_type="np"
+                )
+                for i in range(2)
+            ],
+        )
+        with pytest.raises(SamplingParamsError) as refused:
+            omni.generate(["x"], OmniDiffusionSamplingParams(image=images[0], mask_image=square_mask()))
+        assert refused.value.param == "mask_image"
+        with pytest.raises(SamplingParamsError) as refused:
+            omni.generate(["x"], OmniDiffusionSamplingParams(image=images[0], strength=0.5))
+        assert refused.value.param == "strength"
+    for i, output in enumerate(outputs):
+        assert output.metrics["batch_size"] == 2
+        expected = stock(model, PROMPTS[i], images[i], 5 + i, n=2, **extra)
+        assert np.abs(np.asarray(output.images) - expected).max() <= 1e-5
+    other_image = stock(model, PROMPTS[0], images[1], 5, n=2, **extra)
+    assert np.abs(np.asarray(outputs[0].images) - other_image).max() > 1e-4  # so the bar above tells images apart
+
+
+def test_a_qwen_edit_model_needs_an_image_and_plus_takes_several(tiny_qwen_edit, tiny_qwen_edit_plus):
+    with Omni(model=tiny_qwen_edit, max_num_seqs=2) as omni:
+        assert omni.model_card.tasks == {"image"}
+        with pytest.raises(SamplingParamsError) as refused:
+            omni.generate(["x"], OmniDiffusionSamplingParams(height=64, width=64))
+        assert refused.value.param == "image"
+        with pytest.raises(SamplingParamsError) as refused:
+            omni.generate(["x"], OmniDiffusionSamplingParams(image=[noise_image(1), noise_image(2)]))
+        assert refused.value.param == "image"
+    with Omni(model=tiny_qwen_edit_plus, max_num_seqs=2) as omni:
+        params = OmniDiffusionSamplingParams(
+            image=[noise_image(1), noise_image(2)], num_inference_steps=2, height=64, width=64, seed=3
+        )
+        first, second = omni.generate(["combine them", "combine them"], [params, params])
+        assert first.metrics["batch_size"] == second.metrics["batch_size"] == 1  # each request's images alone
+        assert first.images[0].size == (64, 64)
+        assert np.array_equal(np.asarray(first.images[0]), np.asarray(second.images[0]))
