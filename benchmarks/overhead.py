@@ -113,6 +113,7 @@ def serve_stub(port: int, size: str, busy_ms: float) -> None:
     from PIL import Image
 
     from vllm_omni.config.serving import ServingConfig
+    from vllm_omni.diffusion.model_card import ModelCard
     from vllm_omni.diffusion.outputs import OmniRequestOutput, RequestMetrics
     from vllm_omni.engine.omni_engine import AdmittedParams
     from vllm_omni.engine.stage_runtime import StageHealth
@@ -123,7 +124,16 @@ def serve_stub(port: int, size: str, busy_ms: float) -> None:
     image, matrix = Image.fromarray(pixels), torch.randn(256, 256)
 
     class StubOmni:
-        makes_videos, num_waiting = False, 0
+        num_waiting = 0
+        model_card = ModelCard(
+            pipeline_name="StubPipeline",
+            call_args=frozenset(),
+            call_defaults={},
+            default_size=(height, width),
+            size_multiple=8,
+            frame_multiple=1,
+            outputs_arg="num_images_per_prompt",
+        )
 
         def __init__(self):
             self.requests: queue.SimpleQueue = queue.SimpleQueue()

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
+from vllm_omni.testing.edits import noise_image, square_mask
 from vllm_omni.config import DeployConfig, StageDeployConfig
 from vllm_omni.diffusion.steppers import Conditioning
 
@@ -103,6 +104,9 @@ def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tin
         ]
     )
     params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=4, seed=i) for i in range(4)]
+    # Edits too: their images travel to the actors, their encoded images through the object store.
+    params[2] = params[2].model_copy(update={"image": [noise_image(2, size=32)], "strength": 0.75})
+    params[3] = params[3].model_copy(update={"image": [noise_image(3, size=32)], "mask_image": square_mask(32)})
     prompts = [f"prompt {i}" for i in range(4)]
     with Omni(tiny_flux, max_num_seqs=1) as single:
         want = single.generate(prompts, params)

@@ -80,6 +80,9 @@ class ModelCard:
     """How many input images one request may give (when it takes ``image``)."""
     batches_images: bool = True
     """Whether one call takes a different input image per prompt; else a request with images runs alone."""
+    flow_matching: bool = False
+    """Whether its scheduler is a flow-matching one, whose image pipelines count the steps a strength keeps
+    differently (`strength_offset`)."""
     variants: Mapping[str, ModelCard] = field(default_factory=dict)
     """Cards of the pipelines it serves image tasks with (``image``: image-to-image, ``inpaint``), built on its
     components with ``from_pipe``; empty for a pipeline that takes ``image`` itself or has no such variant."""
@@ -136,6 +139,7 @@ class ModelCard:
             image_required=image is not None and (image.default is inspect.Parameter.empty or name in _IMAGE_REQUIRED),
             max_images=MAX_INPUT_IMAGES if name in _SEVERAL_IMAGES else 1,
             batches_images=name not in _ONE_IMAGE_PER_CALL,
+            flow_matching="FlowMatch" in type(getattr(pipeline, "scheduler", None)).__name__,
             variants={}
             if image is not None or pipeline_class is not type(pipeline)
             else {task: cls.of(pipeline, variant) for task, variant in image_variants(name).items()},
@@ -202,6 +206,13 @@ class ModelCard:
             }
         )
 
+    def strength_offset(self, steps: int, strength: float) -> int:
+        """The first of ``steps`` that an image task of ``strength`` runs, as its image pipeline's ``get_timesteps``
+        counts: the UNet pipelines keep ``int(steps * strength)`` steps, the flow-matching ones drop
+        ``int(steps - steps * strength)``."""
+        kept = steps * strength if self.flow_matching else int(steps * strength)
+        return int(max(steps - min(kept, steps), 0))
+
     def _complete_strength(self, params: OmniDiffusionSamplingParams, steps: int) -> dict[str, float]:
         """``strength`` for a pipeline that noises its input image (checked: it leaves at least one step)."""
         if "strength" not in self.call_args:
@@ -209,11 +220,11 @@ class ModelCard:
                 raise SamplingParamsError("strength", f"strength is not accepted by {self.pipeline_name}")
             return {}
         strength = params.strength if params.strength is not None else DEFAULT_STRENGTH[params.task]
-        if int(steps * strength) < 1:
+        if self.strength_offset(steps, strength) >= steps:
             raise SamplingParamsError(
                 "strength",
-                f"strength={strength} with num_inference_steps={steps} leaves no denoising step "
-                f"(it runs int(num_inference_steps * strength) of them): raise either",
+                f"strength={strength} with num_inference_steps={steps} leaves no denoising step for "
+                f"{self.pipeline_name}: raise either",
             )
         return {"strength": strength}
 

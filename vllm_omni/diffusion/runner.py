@@ -184,8 +184,9 @@ class DiffusionRunner:
             args: dict[str, Any] = {"image": [images[0] for images, _ in inputs for _ in range(n)]}
             if params.mask_image is not None:
                 args["mask_image"] = [mask for _, mask in inputs for _ in range(n)]
+            steps = params.num_inference_steps
             for request in batch:
-                request.total_steps = int(params.num_inference_steps * params.strength)
+                request.total_steps = steps - card.strength_offset(steps, params.strength)
             return args | {"strength": params.strength}
         if not card.batches_images:  # the batch key keeps such a request alone
             images = [image.convert("RGB") for image in params.image]

@@ -206,16 +206,6 @@ class OmniEngine:
         """The model's card, as the stage that holds the denoiser read it."""
         return self.stages[self._denoiser].info.card
 
-    @property
-    def frame_multiple(self) -> int:
-        """A video's num_frames must be 1 more than a multiple of this (the VAE's temporal factor)."""
-        return self.model_card.frame_multiple
-
-    @property
-    def makes_videos(self) -> bool:
-        """Whether the model generates videos (its outputs fill ``videos``) rather than images."""
-        return self.model_card.is_video
-
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""
         with self._lock:

@@ -103,16 +103,6 @@ class OmniBase:
         """What the served model takes (its tasks, sizes, defaults), as the stage that holds the denoiser read it."""
         return self.engine.model_card
 
-    @property
-    def makes_videos(self) -> bool:
-        """Whether the model generates videos (its outputs fill ``videos``) rather than images."""
-        return self.engine.makes_videos
-
-    @property
-    def frame_multiple(self) -> int:
-        """A video's num_frames must be 1 more than a multiple of this (the VAE's temporal factor)."""
-        return self.engine.frame_multiple
-
     def shutdown(self) -> None:
         """Stop the engine: waiting requests fail, the running batch finishes."""
         self.engine.shutdown()

@@ -33,8 +33,23 @@ def server(tiny_sd):
         yield server
 
 
+@pytest.fixture(scope="module", params=["sd", "flux"])
+def family_server(request, tiny_flux):
+    """The SD server above, and a Flux one: the stock-equality tests run on both families."""
+    if request.param == "sd":
+        yield request.getfixturevalue("server")
+        return
+    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "4", "--api-key", API_KEY]) as server:
+        server.model = tiny_flux
+        yield server
+
+
 @pytest.fixture
 def client(server):
+    return _client(server)
+
+
+def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url_for("v1"), api_key=API_KEY, max_retries=0)
 
 
@@ -59,7 +74,8 @@ def decoded(response) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))), dtype=np.float32) / 255
 
 
-def test_image_to_image_equals_the_stock_variant(server, client):
+def test_image_to_image_equals_the_stock_variant(family_server):
+    server, client = family_server, _client(family_server)
     image = noise_image(0)
     response = client.images.edit(
         image=("in.png", png(image), "image/png"),
@@ -72,7 +88,8 @@ def test_image_to_image_equals_the_stock_variant(server, client):
     assert np.abs(decoded(response) - expected).max() <= 2 / 255 + 1e-6
 
 
-def test_inpainting_with_an_openai_mask_equals_the_stock_variant(server, client):
+def test_inpainting_with_an_openai_mask_equals_the_stock_variant(family_server):
+    server, client = family_server, _client(family_server)
     image, mask = noise_image(1), square_mask()
     response = client.images.edit(
         image=("in.png", png(image), "image/png"),
@@ -85,7 +102,8 @@ def test_inpainting_with_an_openai_mask_equals_the_stock_variant(server, client)
     assert np.abs(decoded(response) - expected).max() <= 2 / 255 + 1e-6
 
 
-def test_four_concurrent_edits_each_equal_the_stock_variant(server):
+def test_four_concurrent_edits_each_equal_the_stock_variant(family_server):
+    server = family_server
     images = [noise_image(10 + i) for i in range(4)]
 
     async def four():

@@ -30,7 +30,6 @@ class FlowMatchStepper(Stepper):
     """What Flux, SD3 and Wan share: the denoiser is ``pipeline.transformer``, the update is flow-matching Euler."""
 
     extra_args = frozenset({"max_sequence_length"})
-    strength_floors_steps = False
 
     def __init__(self, pipeline, device: torch.device):
         super().__init__(pipeline, device)

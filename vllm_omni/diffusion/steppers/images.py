@@ -22,6 +22,7 @@ from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
+    from vllm_omni.diffusion.model_card import ModelCard
     from vllm_omni.diffusion.steppers.base import Conditioning, StepState
 
 
@@ -74,10 +75,8 @@ class ImageTasks:
     """What a `Stepper` does for image tasks; the hooks below are per family."""
 
     device: torch.device
+    card: ModelCard
 
-    strength_floors_steps: ClassVar[bool] = True
-    """How its image pipelines count the steps a strength keeps: ``int(steps * strength)`` (the UNet ones), or
-    ``steps - int(steps - steps * strength)`` (the flow-matching ones)."""
     full_strength_inpaints_noise: ClassVar[bool] = True
     """Whether its inpaint pipeline starts a request of strength 1 from pure noise (as a text request starts)
     rather than from its image noised to the first timestep."""
@@ -111,8 +110,7 @@ class ImageTasks:
         and for inpainting what each step blends in. ``noise`` is its initial noise, drawn after its image."""
         params, scheduler = state.params, state.noise_scheduler
         steps, strength = params.num_inference_steps, params.strength
-        kept = min(int(steps * strength) if self.strength_floors_steps else steps * strength, steps)
-        state.offset = int(max(steps - kept, 0)) * scheduler.order
+        state.offset = self.card.strength_offset(steps, strength) * scheduler.order
         state.timesteps = scheduler.timesteps[state.offset :]
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(state.offset)

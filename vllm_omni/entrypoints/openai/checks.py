@@ -76,31 +76,19 @@ def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "tex
     reason = state.unavailable_reason()
     if reason is not None:
         raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
-    model_kind = "video" if state.omni.makes_videos else "image"
+    model, card = serving.served_model_names[0], state.omni.model_card
+    model_kind = "video" if card.is_video else "image"
     if model_kind != kind:
         article = "an" if model_kind == "image" else "a"
-        raise APIError(
-            400,
-            f"{serving.served_model_names[0]} is {article} {model_kind} model; this API serves {kind} models only",
-            param="model",
-            code="model_not_supported",
-        )
-    tasks = state.omni.model_card.tasks
-    if task == "image" and "image" not in tasks:
-        raise APIError(
-            400,
-            f"{serving.served_model_names[0]} takes no input image ({state.omni.model_card.pipeline_name})",
-            param="model",
-            code="model_not_supported",
-        )
-    if task == "text" and "text" not in tasks:
+        why = f"{model} is {article} {model_kind} model; this API serves {kind} models only"
+    elif task not in card.tasks:
         needs = "/v1/images/edits" if kind == "image" else "input_reference"
-        raise APIError(
-            400,
-            f"{serving.served_model_names[0]} needs an input image ({state.omni.model_card.pipeline_name}): use {needs}",
-            param="model",
-            code="model_not_supported",
+        why = f"{model} ({card.pipeline_name}) " + (
+            "takes no input image" if task == "image" else f"needs an input image: use {needs}"
         )
+    else:
+        return
+    raise APIError(400, why, param="model", code="model_not_supported")
 
 
 def admit(state: ServerState, **fields) -> AdmittedParams:

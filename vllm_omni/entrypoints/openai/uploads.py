@@ -79,7 +79,7 @@ def decode_image(data: bytes, param: str, serving: ServingConfig) -> Image.Image
 
 def openai_mask(mask: Image.Image, image: Image.Image) -> Image.Image:
     """OpenAI's mask (a PNG whose fully transparent pixels mark what to edit) as diffusers' (white: repaint)."""
-    if mask.format != "PNG" or "A" not in mask.getbands() and "transparency" not in mask.info:
+    if mask.format != "PNG" or ("A" not in mask.getbands() and "transparency" not in mask.info):
         raise APIError(
             400,
             "mask must be a PNG with an alpha channel: its fully transparent pixels mark what to edit",

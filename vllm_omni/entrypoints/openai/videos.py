@@ -275,7 +275,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
     ``image``: its ``input_reference`` (image-to-video)."""
     num_frames = body.num_frames
     if body.seconds is not None:
-        step = state.omni.frame_multiple
+        step = state.omni.model_card.frame_multiple
         num_frames = step * max(1, round(body.seconds * (body.fps or DEFAULT_VIDEO_FPS) / step)) + 1
     width, height = body.dimensions() or (None, None)
     admitted = admit(
