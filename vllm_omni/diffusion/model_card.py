@@ -93,6 +93,12 @@ class ModelCard:
         return "num_frames" in self.call_args
 
     @property
+    def noises_its_image(self) -> bool:
+        """Whether its input image is the canvas it noises and denoises (image-to-image, inpainting: it takes
+        ``strength``), rather than a condition it sizes and encodes itself (instruction edits, image-to-video)."""
+        return "strength" in self.call_args
+
+    @property
     def tasks(self) -> frozenset[ImageTask]:
         """What requests it serves: ``text`` (no input image), ``image``, ``inpaint`` (`OmniDiffusionSamplingParams.task`)."""
         own = {"image"} if "image" in self.call_args else set()
@@ -215,7 +221,7 @@ class ModelCard:
 
     def _complete_strength(self, params: OmniDiffusionSamplingParams, steps: int) -> dict[str, float]:
         """``strength`` for a pipeline that noises its input image (checked: it leaves at least one step)."""
-        if "strength" not in self.call_args:
+        if not self.noises_its_image:
             if params.strength is not None:
                 raise SamplingParamsError("strength", f"strength is not accepted by {self.pipeline_name}")
             return {}

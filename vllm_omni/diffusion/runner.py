@@ -126,9 +126,10 @@ class DiffusionRunner:
         params = batch[0].params  # the batch key makes these equal across the batch
         card = self.card.for_task(params.task)
         n = params.num_outputs_per_prompt
-        # An instruction-edit or image-to-video model takes its image itself: it gets one row per output (prompt,
-        # image, generator), as it pairs images with rows by tiling and cannot repeat image embeddings per prompt.
-        rows = n if params.image is not None and card is self.card and card.max_images == 1 else 1
+        # An instruction-edit or image-to-video model gets one row per output (prompt, image, generator): it pairs
+        # images with rows by tiling, and cannot repeat its image embeddings per prompt.
+        conditioned = params.image is not None and not card.noises_its_image and card.max_images == 1
+        rows = n if conditioned else 1
         # One CPU generator per request, the same object for each of its n images: diffusers
         # draws each row's noise from its own generator, so a request's noise does not
         # depend on the batch it lands in (nor on the device).
@@ -179,7 +180,7 @@ class DiffusionRunner:
     def _image_args(card: ModelCard, batch: list[DiffusionRequest]) -> dict[str, Any]:
         """The input images of a batch: one per output row, or those of the request alone in its call."""
         params, n = batch[0].params, batch[0].params.num_outputs_per_prompt
-        if "strength" in card.call_args:  # the image is the canvas: at the output size, as step mode takes it
+        if card.noises_its_image:  # at the output size, as step mode takes it
             inputs = [fitted_inputs(r.params) for r in batch]
             args: dict[str, Any] = {"image": [images[0] for images, _ in inputs for _ in range(n)]}
             if params.mask_image is not None:
