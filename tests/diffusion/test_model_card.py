@@ -67,3 +67,22 @@ def test_what_a_pipeline_cannot_take_is_refused_naming_the_field(sd, tiny_wan):
         OmniDiffusionSamplingParams(image=noise_image(0), mask_image=square_mask(32))
     with pytest.raises(ValueError, match="mask_image needs an image"):
         OmniDiffusionSamplingParams(mask_image=square_mask())
+
+
+def test_an_image_to_image_or_inpainting_folder_is_served_as_it_is(tiny_sd):
+    from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
+
+    base = DiffusionPipeline.from_pretrained(tiny_sd, local_files_only=True)
+    img2img = ModelCard.of(StableDiffusionImg2ImgPipeline(**base.components))
+    inpaint = ModelCard.of(StableDiffusionInpaintPipeline(**base.components))
+    assert (img2img.tasks, inpaint.tasks) == ({"image"}, {"inpaint"})
+    assert img2img.for_task("image") is img2img and inpaint.for_task("inpaint") is inpaint
+    for card, fields, param in [
+        (img2img, {}, "image"),
+        (img2img, dict(image=noise_image(0), mask_image=square_mask()), "mask_image"),
+        (inpaint, dict(image=noise_image(0)), "mask_image"),
+        (inpaint, {}, "mask_image"),
+    ]:
+        with pytest.raises(SamplingParamsError) as refused:
+            card.complete_params(OmniDiffusionSamplingParams(**fields))
+        assert refused.value.param == param, (card.pipeline_name, fields)

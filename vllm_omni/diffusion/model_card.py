@@ -75,7 +75,7 @@ class ModelCard:
     outputs_arg: str | None
     """Its argument for outputs per prompt (``num_images_per_prompt`` or ``num_videos_per_prompt``), if any."""
     image_required: bool = False
-    """Whether it needs an input image (instruction-edit and image-to-video pipelines)."""
+    """Whether it needs an input image (image-to-image, inpainting, instruction-edit and image-to-video pipelines)."""
     max_images: int = 1
     """How many input images one request may give (when it takes ``image``)."""
     batches_images: bool = True
@@ -101,23 +101,29 @@ class ModelCard:
     @property
     def tasks(self) -> frozenset[ImageTask]:
         """What requests it serves: ``text`` (no input image), ``image``, ``inpaint`` (`OmniDiffusionSamplingParams.task`)."""
+        return self._own_tasks | frozenset(self.variants)
+
+    @property
+    def _own_tasks(self) -> frozenset[ImageTask]:
+        if "mask_image" in self.call_args:  # an inpainting pipeline served as it is
+            return frozenset({"inpaint"})
         own = {"image"} if "image" in self.call_args else set()
-        if not self.image_required:
-            own.add("text")
-        return frozenset(own | set(self.variants))
+        return frozenset(own if self.image_required else own | {"text"})
 
     def for_task(self, task: ImageTask) -> ModelCard:
         """The card of the pipeline that serves ``task``; `SamplingParamsError` naming the field when none does."""
-        name = self.pipeline_name
-        if task == "text" and self.image_required:
-            raise SamplingParamsError("image", f"{name} edits images: give an input image")
         if task in self.variants:
             return self.variants[task]
+        if task in self._own_tasks:
+            return self
+        name = self.pipeline_name
         if task == "inpaint":
             raise SamplingParamsError("mask_image", f"{name} cannot inpaint: it takes no mask_image")
-        if task == "image" and "image" not in self.call_args:
-            raise SamplingParamsError("image", f"{name} takes no input image")
-        return self
+        if "inpaint" in self._own_tasks:
+            raise SamplingParamsError("mask_image", f"{name} inpaints: give an image and a mask_image")
+        if task == "text":
+            raise SamplingParamsError("image", f"{name} edits images: give an input image")
+        raise SamplingParamsError("image", f"{name} takes no input image")
 
     @classmethod
     def of(cls, pipeline, pipeline_class: type | None = None) -> ModelCard:
@@ -142,7 +148,8 @@ class ModelCard:
             size_multiple=max(8, 2 * int(scale)),
             frame_multiple=int(getattr(pipeline, "vae_scale_factor_temporal", 1) or 1),
             outputs_arg=next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters), None),
-            image_required=image is not None and (image.default is inspect.Parameter.empty or name in _IMAGE_REQUIRED),
+            image_required=image is not None
+            and (image.default is inspect.Parameter.empty or name in _IMAGE_REQUIRED or "strength" in parameters),
             max_images=MAX_INPUT_IMAGES if name in _SEVERAL_IMAGES else 1,
             batches_images=name not in _ONE_IMAGE_PER_CALL,
             flow_matching="FlowMatch" in type(getattr(pipeline, "scheduler", None)).__name__,
