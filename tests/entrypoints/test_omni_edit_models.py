@@ -36,7 +36,7 @@ def stock(model: str, prompt: str, image, seed: int, n: int = 1, **kwargs) -> np
 def test_batched_instruction_edits_equal_the_stock_pipeline_alone(family, extra, request):
     model = request.getfixturevalue(f"tiny_{family}")
     images = [Image.new("RGB", (64, 64), (230, 20, 20)), Image.new("RGB", (64, 64), (20, 20, 230))]
-    with Omni(model=model, max_num_seqs=4, request_batch_max_wait_ms=500) as omni:
+    with Omni(model=model, max_num_seqs=2, request_batch_max_wait_ms=2000) as omni:
         assert "image" in omni.model_card.tasks
         outputs = omni.generate(
             PROMPTS,
