@@ -171,6 +171,13 @@ async def edit_image(raw_request: Request) -> ImageGenerationResponse | Response
     except APIError:
         metrics.image_requests.labels("invalid").inc()
         raise
+    try:
+        return await _edit(raw_request, form)
+    finally:
+        await form.close()  # the uploads' spooled files
+
+
+async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse | Response:
     fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
     try:
         body = ImageEditRequest.model_validate(fields)

@@ -36,7 +36,8 @@ def form_files(form: FormData, *names: str) -> list[UploadFile]:
     for name in names:
         for value in form.getlist(name):
             if not isinstance(value, UploadFile):
-                raise APIError(400, f"{name} must be a file (multipart/form-data)", param=name, code="invalid_value")
+                param = name.removesuffix("[]")  # image[] is the API's image field, as a list
+                raise APIError(400, f"{name} must be a file (multipart/form-data)", param=param, code="invalid_value")
             files.append(value)
     return files
 

@@ -195,8 +195,12 @@ def build_videos_router() -> APIRouter:
                 body = VideoGenerationRequest.model_validate(data)
             except ValidationError as exc:
                 raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-            _check(state, body, task="image" if references else "text")
-            image = await read_images(references, "input_reference", state.serving) if references else None
+            try:
+                _check(state, body, task="image" if references else "text")
+                image = await read_images(references, "input_reference", state.serving) if references else None
+            finally:
+                for upload in references:  # its spooled file
+                    await upload.close()
             timer.mark("validation")
             admitted = _admit(state, body, image)  # on the loop, as in images.py
             timer.mark("completion")
