@@ -186,15 +186,7 @@ async def run_benchmark(
             }
             if model:
                 body["model"] = model
-            started = time.perf_counter()
-            async with session.post(f"{base_url}/v1/images/generations", json=body) as response:
-                payload = await response.json()
-            latency = time.perf_counter() - started
-            images = len(payload.get("data", [])) if response.status == 200 else 0
-            result = {"status": response.status, "latency_s": latency, "images": images, "shape": str(shape)}
-            if response.status != 200:
-                result["error"] = payload.get("error")
-            return result
+            return await post_images("generations", shape, json=body)
 
         async def send_edit(i: int, shape: Shape) -> dict:
             form = aiohttp.FormData()
@@ -212,8 +204,12 @@ async def run_benchmark(
             form.add_field("image", image, filename="image.png", content_type="image/png")
             if mask_png is not None:
                 form.add_field("mask", mask_png, filename="mask.png", content_type="image/png")
+            return await post_images("edits", shape, data=form)
+
+        async def post_images(route: str, shape: Shape, **body) -> dict:
+            """One Images API request: its status, latency and image count (and error)."""
             started = time.perf_counter()
-            async with session.post(f"{base_url}/v1/images/edits", data=form) as response:
+            async with session.post(f"{base_url}/v1/images/{route}", **body) as response:
                 payload = await response.json()
             latency = time.perf_counter() - started
             images = len(payload.get("data", [])) if response.status == 200 else 0
