@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.outputs import OmniRequestOutput
 from vllm_omni.diffusion.request import (
     DiffusionRequest,
@@ -18,17 +18,9 @@ from vllm_omni.diffusion.batching import BatchScheduler
 
 def _scheduler(max_num_seqs=4, wait_ms=0.0) -> BatchScheduler:
     return BatchScheduler(
-        OmniDiffusionConfig(
-            model="unused",
-            stage_id=0,
-            replica=0,
-            stage_type="diffusion",
-            max_num_seqs=max_num_seqs,
-            request_batch_max_wait_ms=wait_ms,
-            execution_mode="request",
-            dtype="auto",
-            devices=None,
-            torch_threads=None,
+        OmniDiffusionConfig.from_stage(
+            "unused",
+            StageDeployConfig(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms, execution_mode="request"),
         )
     )
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.outputs import OmniRequestOutput
 from vllm_omni.diffusion.request import (
     DiffusionRequest,
@@ -15,17 +15,9 @@ from vllm_omni.diffusion.batching import StepBatchScheduler
 
 def _scheduler(max_num_seqs=2) -> StepBatchScheduler:
     return StepBatchScheduler(
-        OmniDiffusionConfig(
-            model="unused",
-            stage_id=0,
-            replica=0,
-            stage_type="diffusion",
-            max_num_seqs=max_num_seqs,
-            request_batch_max_wait_ms=0.0,
-            execution_mode="step",
-            dtype="auto",
-            devices=None,
-            torch_threads=None,
+        OmniDiffusionConfig.from_stage(
+            "unused",
+            StageDeployConfig(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0, execution_mode="step"),
         )
     )
 

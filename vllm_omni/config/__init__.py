@@ -9,6 +9,7 @@ from vllm_omni.config.stage import (
     DeployConfig,
     ExecutionMode,
     Source,
+    LoRAModulePath,
     StageDeployConfig,
     StageTypeSpec,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "ExecutionMode",
     "OmniDiffusionConfig",
     "Source",
+    "LoRAModulePath",
     "StageDeployConfig",
     "StageTypeSpec",
     "engine_torch_threads",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from vllm_omni.config.stage import DType, ExecutionMode, StageDeployConfig, StageType
+from vllm_omni.config.stage import DType, ExecutionMode, LoRAModulePath, StageDeployConfig, StageType
 
 
 class OmniDiffusionConfig(BaseModel):
@@ -46,6 +46,18 @@ class OmniDiffusionConfig(BaseModel):
     torch_threads: int | None
     """Torch (OpenMP) threads of the engine's thread; ``None``: torch's default, one per core."""
 
+    lora_enabled: bool
+    """Whether the engine serves LoRA adapters (``enable_lora`` or ``lora_modules``)."""
+
+    lora_modules: tuple[LoRAModulePath, ...]
+    """Adapters loaded at start-up (each checked; the last ``max_loras`` stay resident)."""
+
+    max_loras: int
+    """Adapters resident at once, and most in one batch."""
+
+    max_lora_rank: int
+    """Highest adapter rank it loads."""
+
     @classmethod
     def from_stage(
         cls, model: str, stage: StageDeployConfig, replica: int = 0, torch_threads: int | None = None
@@ -66,4 +78,8 @@ class OmniDiffusionConfig(BaseModel):
             dtype=stage.dtype,
             devices=stage.devices,
             torch_threads=torch_threads,
+            lora_enabled=stage.lora_enabled,
+            lora_modules=stage.lora_modules,
+            max_loras=stage.max_loras,
+            max_lora_rank=stage.max_lora_rank,
         )

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.stage import (
     DENOISING_ONLY_KNOBS,
+    LORA_KNOBS,
     RAY_ONLY_KNOBS,
     STAGE_KNOBS,
     STAGE_TYPES,
@@ -31,6 +32,11 @@ from vllm_omni.config.stage import (
 GlobalSource = Literal["cli", "python"]
 
 DENOISING_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.denoises)
+ADAPTING_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.adapts)
+STAGE_TYPES_OF_KNOB = dict.fromkeys(DENOISING_ONLY_KNOBS, DENOISING_STAGE_TYPES) | dict.fromkeys(
+    LORA_KNOBS, ADAPTING_STAGE_TYPES
+)
+"""The stage types a knob applies to, for the knobs that do not apply to every stage."""
 
 
 def _knob_name(knob: str, source: Source) -> str:
@@ -117,13 +123,13 @@ def resolve_stage_configs(
             for layer_values, layer_sources in layers:
                 if knob not in layer_values:
                     continue
-                if knob in DENOISING_ONLY_KNOBS and not stage.denoises:
-                    if layer_values is global_knobs:  # a global flag sets it on the stages that denoise
+                types = STAGE_TYPES_OF_KNOB.get(knob)
+                if types is not None and stage.stage_type not in types:
+                    if layer_values is global_knobs:  # a global flag sets it on the stages it applies to
                         continue
                     raise ValueError(
                         f"stage {stage.stage_id} ({stage.stage_type}): {_knob_name(knob, layer_sources[knob])} "
-                        f"({layer_sources[knob]}) applies to {' and '.join(DENOISING_STAGE_TYPES)} stages only; "
-                        "remove it"
+                        f"({layer_sources[knob]}) applies to {' and '.join(types)} stages only; remove it"
                     )
                 values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
         if values["distributed_executor_backend"] is None:
@@ -139,7 +145,19 @@ def resolve_stage_configs(
                 provenance=provenance,
             )
         )
+    _check_lora_stages(resolved, global_knobs, global_source)
     return resolved
+
+
+def _check_lora_stages(stages: list[StageDeployConfig], global_knobs: Mapping[str, Any], source: Source) -> None:
+    """A LoRA knob given globally must reach a stage: a split pipeline has none that serves adapters."""
+    given = [_knob_name(k, source) for k in LORA_KNOBS if k in global_knobs]
+    if given and not any(s.stage_type in ADAPTING_STAGE_TYPES for s in stages):
+        raise ValueError(
+            f"{', '.join(given)} ({source}): LoRA adapters are served by {' and '.join(ADAPTING_STAGE_TYPES)} stages "
+            "only, and this deploy splits the pipeline into stages (diffusers loads an adapter into the whole "
+            "pipeline at once); serve the model as one diffusion stage for LoRA"
+        )
 
 
 def engine_torch_threads(stage_configs: list[StageDeployConfig]) -> dict[int, int]:

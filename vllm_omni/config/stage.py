@@ -7,8 +7,9 @@ change a knob (in particular ``max_num_seqs``) behind the user's back.
 from __future__ import annotations
 
 import graphlib
+import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -35,6 +36,9 @@ RAY_ONLY_KNOBS = ("ray_address", "num_cpus", "num_gpus", "placement_strategy")
 DENOISING_ONLY_KNOBS = ("execution_mode",)
 """Knobs of the stages that hold the denoiser (`StageTypeSpec.denoises`)."""
 
+LORA_KNOBS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank")
+"""Knobs of the stages that hold a component adapters apply to (`StageTypeSpec.adapts`)."""
+
 
 @dataclass(frozen=True)
 class StageTypeSpec:
@@ -51,12 +55,16 @@ class StageTypeSpec:
     """Whether it holds the denoiser: it fills in the model's defaults, reports progress and takes
     ``execution_mode``."""
 
+    adapts: bool
+    """Whether it serves LoRA adapters (it takes the LoRA knobs): it holds the whole pipeline, as diffusers loads an
+    adapter into every component it targets at once."""
+
 
 STAGE_TYPES: dict[str, StageTypeSpec] = {
-    "diffusion": StageTypeSpec(takes=None, final=True, denoises=True),
-    "encode": StageTypeSpec(takes=None, final=False, denoises=False),
-    "denoise": StageTypeSpec(takes="encode", final=False, denoises=True),
-    "decode": StageTypeSpec(takes="denoise", final=True, denoises=False),
+    "diffusion": StageTypeSpec(takes=None, final=True, denoises=True, adapts=True),
+    "encode": StageTypeSpec(takes=None, final=False, denoises=False, adapts=False),
+    "denoise": StageTypeSpec(takes="encode", final=False, denoises=True, adapts=False),
+    "decode": StageTypeSpec(takes="denoise", final=True, denoises=False, adapts=False),
 }
 """The stage types this release serves (``llm`` is a `StageType` that the graph check refuses)."""
 
@@ -64,6 +72,46 @@ STAGE_TYPES: dict[str, StageTypeSpec] = {
 def _denoises(stage_type: str) -> bool:
     spec = STAGE_TYPES.get(stage_type)
     return spec is not None and spec.denoises
+
+
+def _adapts(stage_type: str) -> bool:
+    spec = STAGE_TYPES.get(stage_type)
+    return spec is not None and spec.adapts
+
+
+class LoRAModulePath(BaseModel):
+    """One adapter served from start-up (vLLM's ``--lora-modules`` entry)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1)
+    """The name requests select it by (``model`` or ``lora``)."""
+    path: str = Field(min_length=1)
+    """A diffusers/PEFT LoRA folder or file (``save_lora_weights``), or a kohya-style file."""
+    base_model_name: str | None = None
+    """The base model it was trained for, listed as its ``parent`` in ``/v1/models`` (default: the served model)."""
+
+    def __repr__(self) -> str:  # as --lora-modules takes it, in the start-up line
+        return f"{self.name}={self.path}"
+
+    @classmethod
+    def parse(cls, value: Any) -> Any:
+        """``name=path``, vLLM's JSON form, or a mapping, as an entry (anything else is left to validation)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"lora_modules entry {value!r} is not valid JSON ({exc})") from None
+            name, sep, path = text.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(
+                    f"lora_modules entry {value!r} is neither name=path nor "
+                    '{"name": ..., "path": ..., "base_model_name": ...}'
+                )
+            return {"name": name, "path": path}
+        return value
 
 
 class StageDeployConfig(BaseModel):
@@ -115,8 +163,42 @@ class StageDeployConfig(BaseModel):
     dtype: DType = "auto"
     """Weights and activations dtype; ``auto`` is bfloat16 on CUDA (float16 without bf16 support) and float32 on CPU."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters; implied by ``lora_modules``, needed alone only for adapters loaded later
+    (``/v1/load_lora_adapter``)."""
+
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    """Adapters served from start-up: ``name=path`` or ``{"name", "path", "base_model_name"}`` entries."""
+
+    max_loras: int = Field(default=4, ge=1)
+    """Adapters resident in each replica at once (least recently used evicted), and most in one batch."""
+
+    max_lora_rank: int = Field(default=64, ge=1)
+    """Highest adapter rank served; an adapter above it is refused when it loads."""
+
     provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
     """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: Any) -> Any:
+        if isinstance(value, str | dict):
+            value = [value]
+        return [LoRAModulePath.parse(v) for v in value] if isinstance(value, list | tuple) else value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _unique_lora_names(cls, value: tuple[LoRAModulePath, ...]) -> tuple[LoRAModulePath, ...]:
+        names = [m.name for m in value]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"lora_modules names must be unique, repeated: {', '.join(repeated)}")
+        return value
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the stage serves LoRA adapters (``enable_lora``, or adapters given)."""
+        return self.enable_lora or bool(self.lora_modules)
 
     @field_validator("devices")
     @classmethod
@@ -166,6 +248,8 @@ def knob_applies(knob: str, stage: StageDeployConfig | dict) -> bool:
         return get("distributed_executor_backend") == "ray"
     if knob in DENOISING_ONLY_KNOBS:
         return _denoises(get("stage_type"))
+    if knob in LORA_KNOBS:
+        return _adapts(get("stage_type")) and (knob == "enable_lora" or bool(get("lora_modules") or get("enable_lora")))
     return True
 
 

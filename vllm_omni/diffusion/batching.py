@@ -16,6 +16,10 @@ schedulers that the steppers drive).
   the batch starts once it is full or ``request_batch_max_wait_ms`` after that
   arrival, whichever comes first. Requests that queued behind a running batch
   start as soon as it finishes: they have waited already.
+- LoRA: a batch (in step mode, the requests running and being encoded) uses at
+  most ``max_loras`` distinct adapters, so every adapter it needs is resident.
+- Engine calls (`call`): work that must run on the engine's thread between
+  batches or steps (loading an adapter) wakes the scheduler and runs first.
 """
 
 from __future__ import annotations
@@ -23,23 +27,73 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from concurrent.futures import InvalidStateError
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.outputs import OmniRequestOutput, StageOutput
 from vllm_omni.diffusion.request import DiffusionRequest, RequestAbortedError, RequestFailedError
 
 
+def adapters_of(requests: Iterable[DiffusionRequest]) -> set[str]:
+    """The names of the LoRA adapters ``requests`` apply."""
+    return {selection.name for request in requests for selection in request.params.lora}
+
+
 class BatchScheduler:
     def __init__(self, od_config: OmniDiffusionConfig):
         self.capacity = od_config.max_num_seqs
         self.max_wait_s = od_config.request_batch_max_wait_ms / 1000.0
+        self.max_loras = od_config.max_loras
         self._waiting: list[DiffusionRequest] = []
         self._running: list[DiffusionRequest] = []
+        self._calls: list[tuple[Callable[[], Any], Future]] = []
         self._cond = threading.Condition()
         self._idle_since = time.monotonic()
         self._closed = False
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine's thread at the next batch or step boundary; the future holds its result."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the diffusion engine is shut down")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    def run_calls(self) -> None:
+        """Run the pending `call` functions (the engine's thread, at a boundary)."""
+        with self._cond:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the caller's future says why
+                    future.set_exception(exc)
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapters of the requests past scheduling: what an adapter load must not evict."""
+        with self._cond:
+            return adapters_of(self._in_progress())
+
+    def _fitting(self, candidates: list[DiffusionRequest], in_use: set[str]) -> tuple[list[DiffusionRequest], bool]:
+        """The oldest ``candidates`` that fit beside ``in_use`` adapters, up to capacity; and whether one was
+        left out for its adapters alone."""
+        chosen, adapters, left_out = [], set(in_use), False
+        for request in candidates:
+            if len(chosen) == self.capacity:
+                break
+            wanted = adapters | adapters_of([request])
+            if len(wanted) > self.max_loras:
+                left_out = True
+                continue
+            chosen.append(request)
+            adapters = wanted
+        return chosen, left_out
 
     def add(self, request: DiffusionRequest) -> None:
         with self._cond:
@@ -86,11 +140,13 @@ class BatchScheduler:
                 now = time.monotonic()
                 wait = None if give_up is None else give_up - now
                 self._waiting = [r for r in self._waiting if not r.future.cancelled()]
+                if self._calls:
+                    return []
                 if self._waiting:
                     head = self._waiting[0]
-                    batch = [r for r in self._waiting if r.key == head.key][: self.capacity]
+                    batch, left_out = self._fitting([r for r in self._waiting if r.key == head.key], set())
                     start_at = head.arrival_time + self.max_wait_s if head.arrival_time >= self._idle_since else now
-                    if len(batch) == self.capacity or now >= start_at:
+                    if len(batch) == self.capacity or left_out or now >= start_at:
                         chosen = set(map(id, batch))
                         self._waiting = [r for r in self._waiting if id(r) not in chosen]
                         self._running = [r for r in batch if r.future.set_running_or_notify_cancel()]
@@ -119,11 +175,15 @@ class BatchScheduler:
         with self._cond:
             self._closed = True
             failed, self._waiting = self._waiting, []
+            calls, self._calls = self._calls, []
             if include_running:
                 failed += self._in_progress()
             self._cond.notify_all()
         for request in failed:
             _fail(request, RequestFailedError(request.request_id, reason))
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(reason))
 
     def _in_progress(self) -> list[DiffusionRequest]:
         """Requests past scheduling and not yet finished."""
@@ -186,6 +246,11 @@ class StepBatchScheduler(BatchScheduler):
     def _in_progress(self) -> list[DiffusionRequest]:
         return self._running + self._finishing
 
+    def adapters_in_use(self) -> set[str]:
+        """The adapters of the running requests and of those encoded or being encoded."""
+        with self._cond:
+            return adapters_of(self._running + [r for r in self._waiting if r.preparing])
+
     @property
     def has_unfinished(self) -> bool:
         with self._cond:
@@ -205,14 +270,25 @@ class StepBatchScheduler(BatchScheduler):
                 self._admit()
                 plan.batch = list(self._running)
                 budget = self.capacity - sum(r.preparing for r in self._waiting)
+                in_use = adapters_of(self._running + [r for r in self._waiting if r.preparing])
                 for request in self._waiting:
                     if budget <= 0:
                         break
                     if not request.preparing:
+                        wanted = in_use | adapters_of([request])
+                        if len(wanted) > self.max_loras:
+                            break  # oldest first: it is prepared once the adapters in use leave room
+                        in_use = wanted
                         request.preparing = True
                         plan.to_prepare.append(request)
                         budget -= 1
-                if plan.to_prepare or plan.batch or plan.dropped or (self._closed and not self._finishing):
+                if (
+                    plan.to_prepare
+                    or plan.batch
+                    or plan.dropped
+                    or self._calls
+                    or (self._closed and not self._finishing)
+                ):
                     return plan
                 wait = None if give_up is None else give_up - time.monotonic()
                 if wait is not None and wait <= 0:

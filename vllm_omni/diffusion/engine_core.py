@@ -116,6 +116,8 @@ class EngineCore:
         self.metrics = EngineMetrics(od_config.stage_id, od_config.replica, task)
         self.metrics.num_requests_running.set_function(lambda: scheduler.num_running)
         self.metrics.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
+        lora = self.runner.lora
+        self.metrics.lora_adapters_resident.set_function(lambda: 0 if lora is None else len(lora.resident))
 
     def add_request(
         self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None
@@ -129,6 +131,23 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
+
+    def load_lora(self, name: str, path: str) -> Future:
+        """Load adapter ``name`` from ``path`` on the engine's thread at the next boundary (it checks the file, and
+        evicts only adapters no request in flight uses); the future fails with `LoraLoadError` naming the file."""
+        lora = self._lora()
+        return self.scheduler.call(lambda: lora.load(name, path, keep=self.scheduler.adapters_in_use()))
+
+    def unload_lora(self, name: str) -> Future:
+        """Evict adapter ``name`` at the next boundary unless a request in flight uses it (it then goes as the
+        least recently used); the future holds whether it was evicted now."""
+        lora = self._lora()
+        return self.scheduler.call(lambda: name not in self.scheduler.adapters_in_use() and lora.unload(name))
+
+    def _lora(self):
+        if self.runner.lora is None:
+            raise RuntimeError(f"stage {self.od_config.stage_id} serves no LoRA adapters")
+        return self.runner.lora
 
     def output(
         self, request: DiffusionRequest, result: Any, metrics: RequestMetrics

@@ -19,6 +19,24 @@ MAX_INPUT_IMAGES = 16
 """Most input images one request may carry (``image``)."""
 
 
+MAX_LORA_SCALE = 8.0
+"""Largest absolute ``scale`` a request may give an adapter."""
+
+
+class LoraSelection(BaseModel):
+    """One LoRA adapter a request applies, and how strongly (docs/lora.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1)
+    """The adapter's name (``--lora-modules name=path``, or ``/v1/load_lora_adapter``)."""
+    scale: float = Field(default=1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+    """Multiplier of the adapter's delta, as diffusers' ``set_adapters`` weight (1: as trained; 0: off)."""
+    path: str | None = None
+    """Where the adapter is read from: the engine sets it from its adapters when it admits the request; a caller
+    leaves it unset."""
+
+
 class OmniDiffusionSamplingParams(BaseModel):
     """How to generate; ``None`` means the pipeline's own default."""
 
@@ -68,6 +86,26 @@ class OmniDiffusionSamplingParams(BaseModel):
     extra_args: dict[str, Any] = Field(default_factory=dict)
     """Further keyword arguments of the pipeline call (e.g. ``max_sequence_length``); batched requests must agree."""
 
+    lora: tuple[LoraSelection, ...] = ()
+    """LoRA adapters to apply, each ``{"name", "scale"}`` (one, or a list to stack them); requests with different
+    adapters share batches."""
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _one_adapter_is_a_list(cls, lora: Any) -> Any:
+        if lora is None:
+            return ()
+        return [lora] if isinstance(lora, dict | LoraSelection) else lora
+
+    @field_validator("lora")
+    @classmethod
+    def _adapters_once(cls, lora: tuple[LoraSelection, ...]) -> tuple[LoraSelection, ...]:
+        names = [s.name for s in lora]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"lora names adapter(s) {', '.join(repeated)} more than once; give each once")
+        return lora
+
     @field_validator("image", mode="before")
     @classmethod
     def _one_image_is_a_list(cls, image: Any) -> Any:
@@ -109,6 +147,18 @@ class SamplingParamsError(ValueError):
 
     def __reduce__(self):  # pickled across processes (Ray replicas) with both arguments
         return type(self), (self.param, str(self))
+
+
+class UnknownLoraError(SamplingParamsError):
+    """A request (or an unload) names a LoRA adapter the server does not have; ``adapters`` are those it has."""
+
+    def __init__(self, name: str, adapters: list[str]):
+        known = ", ".join(sorted(adapters)) or "none"
+        super().__init__("lora", f"The LoRA adapter '{name}' does not exist; adapters: {known}")
+        self.name, self.adapters = name, adapters
+
+    def __reduce__(self):
+        return type(self), (self.name, self.adapters)
 
 
 class BatchKey(NamedTuple):

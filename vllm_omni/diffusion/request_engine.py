@@ -8,7 +8,7 @@ import time
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.batching import BatchScheduler
+from vllm_omni.diffusion.batching import BatchScheduler, adapters_of
 from vllm_omni.diffusion.engine_core import EngineCore, run_isolated
 from vllm_omni.diffusion.outputs import RequestMetrics
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -27,6 +27,7 @@ class RequestEngine(EngineCore):
 
     def step(self, timeout: float | None = None) -> int:
         """Run at most one batch; returns how many requests it held (0 if none was due in ``timeout``)."""
+        self.scheduler.run_calls()
         batch = self.scheduler.schedule(timeout)
         if not batch:
             return 0
@@ -45,6 +46,7 @@ class RequestEngine(EngineCore):
         self.metrics.batch_num_requests.observe(len(batch))
         started = time.monotonic()
         with self.metrics.batch_execution_time.time(), torch.inference_mode():
+            self.runner.load_adapters(batch, keep=adapters_of(batch))
             results = self.role.run(batch)
         finished = time.monotonic()
         return [

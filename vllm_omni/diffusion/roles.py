@@ -63,6 +63,8 @@ class StageRole:
             else None
         )
         """The model's `Stepper` when the stage steps or splits the pipeline, else ``None``."""
+        if self.stepper is not None:
+            self.stepper.lora = runner.lora
 
     @classmethod
     def uses_stepper(cls, execution_mode: str) -> bool:

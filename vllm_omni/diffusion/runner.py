@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import time
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.image_inputs import fitted_inputs
+from vllm_omni.diffusion.lora import LoraAdapters
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.logger import init_logger
@@ -109,6 +112,14 @@ class DiffusionRunner:
         self._pipelines = {self.card.pipeline_name: self.pipeline}
         """The pipelines run so far by class name: the loaded one, and its image variants (`ModelCard.variants`)
         built on its components when a request first needs one."""
+        self.lora = (
+            LoraAdapters(self.pipeline, od_config.max_loras, od_config.max_lora_rank)
+            if od_config.lora_enabled
+            else None
+        )
+        """The LoRA adapters resident in the pipeline; ``None`` when the stage serves none."""
+        for module in od_config.lora_modules:  # each is checked now; the last max_loras stay resident
+            self.lora.load(module.name, module.path)
         logger.info(
             "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s)",
             self.card.pipeline_name,
@@ -119,6 +130,15 @@ class DiffusionRunner:
             od_config.stage_id,
             od_config.stage_type,
         )
+
+    def load_adapters(self, requests: Iterable[DiffusionRequest], keep: Iterable[str] = ()) -> None:
+        """Make the adapters of ``requests`` resident, evicting only adapters outside ``keep`` (those of the
+        requests in flight) and theirs."""
+        wanted = {s.name: s.path for request in requests for s in request.params.lora}
+        if wanted:
+            protected = set(keep) | set(wanted)
+            for name, path in wanted.items():
+                self.lora.load(name, path, protected)
 
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
         """One pipeline call for the whole batch: each request's ``num_outputs_per_prompt`` images (or videos, each
@@ -157,7 +177,12 @@ class DiffusionRunner:
             kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch for _ in range(rows)]
         if "callback_on_step_end" in card.call_args:
             kwargs["callback_on_step_end"] = self._on_step_end(batch)
-        result = self._pipeline(card)(**kwargs)
+        adapters = contextlib.nullcontext()
+        if self.lora is not None:  # the prompt rows of the text encoders, the latent rows of the denoiser
+            text = [r.params.lora for r in batch for _ in range(rows)]
+            adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
+        with adapters:
+            result = self._pipeline(card)(**kwargs)
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
         items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
         if len(items) != len(batch) * n:

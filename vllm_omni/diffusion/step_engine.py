@@ -50,6 +50,7 @@ class StepEngine(EngineCore):
 
     def step(self, timeout: float | None = None) -> int:
         """One step boundary and one forward; returns how many requests it stepped (0 if none in ``timeout``)."""
+        self.scheduler.run_calls()
         plan = self.scheduler.plan(timeout)
         for request in plan.to_prepare:
             _run_on(self._encoder, self._begin, request)
@@ -74,6 +75,7 @@ class StepEngine(EngineCore):
         self.metrics.queue_time.observe(request.started_time - request.arrival_time)
         try:
             with torch.inference_mode():
+                self.runner.load_adapters([request], keep=self.scheduler.adapters_in_use())
                 state = self.role.begin(request)
         except Exception as exc:  # noqa: BLE001 - fails this request only
             logger.warning("encoding request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)

@@ -15,15 +15,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.config import StageDeployConfig, engine_torch_threads
+from vllm_omni.config import LoRAModulePath, StageDeployConfig, engine_torch_threads
 from vllm_omni.config.stage import check_stage_graph
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.outputs import StageMetrics, across_stages
 from vllm_omni.diffusion.request import (
     MAX_SEED,
+    LoraSelection,
     OmniDiffusionSamplingParams,
     RequestAbortedError,
+    SamplingParamsError,
     StageUnavailableError,
+    UnknownLoraError,
 )
 from vllm_omni.diffusion.roles import check_splittable
 from vllm_omni.engine.replica import ReplicaLostError
@@ -80,6 +83,12 @@ class OmniEngine:
             raise
         self._denoiser = next(i for i, s in enumerate(order) if s.denoises)
         """The stage that holds the denoiser: it fills in the model's defaults and reports progress."""
+        self._lora_stage = next((s for s in self.stages if s.stage_config.lora_enabled), None)
+        """The stage that serves LoRA adapters (a diffusion stage), if LoRA is enabled."""
+        self.loras: dict[str, LoRAModulePath] = {
+            m.name: m for m in (self._lora_stage.stage_config.lora_modules if self._lora_stage else ())
+        }
+        """The adapters requests may select, by name: ``--lora-modules`` and those loaded since."""
         metrics.replica_metrics.add(self._replica_metrics)
         self._flights: dict[str, _Flight | None] = {}
         self._lock = threading.Lock()
@@ -90,9 +99,60 @@ class OmniEngine:
         for parameters the model cannot take)."""
         if params.seed is None:
             params = params.model_copy(update={"seed": secrets.randbelow(MAX_SEED)})
+        if params.lora:
+            params = params.model_copy(update={"lora": self._adapters(params.lora)})
         first = self.stages[self._denoiser].admit(params)
         keys = [first.key if i == self._denoiser else s.admit(first.params).key for i, s in enumerate(self.stages)]
         return AdmittedParams(first.params, tuple(keys))
+
+    def _adapters(self, lora: tuple[LoraSelection, ...]) -> tuple[LoraSelection, ...]:
+        """A request's adapters, each with the path this engine serves it from."""
+        if self._lora_stage is None:
+            raise SamplingParamsError(
+                "lora", "this server serves no LoRA adapters: start it with --lora-modules (or --enable-lora)"
+            )
+        max_loras = self._lora_stage.stage_config.max_loras
+        if len(lora) > max_loras:
+            raise SamplingParamsError("lora", f"lora stacks {len(lora)} adapters; at most --max-loras {max_loras}")
+        resolved = []
+        for i, selection in enumerate(lora):
+            if selection.path is not None:
+                raise SamplingParamsError("lora", f"lora[{i}].path is set by the engine; give name and scale only")
+            module = self.loras.get(selection.name)
+            if module is None:
+                raise UnknownLoraError(selection.name, list(self.loras))
+            resolved.append(selection.model_copy(update={"path": module.path}))
+        return tuple(resolved)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve adapter ``name`` from ``path`` from now on: every replica loads it (between batches) and checks it
+        first. Raises `LoraLoadError` naming the file, or ValueError when the name is taken or LoRA is off."""
+        if self._lora_stage is None:
+            raise ValueError("this server serves no LoRA adapters: start it with --enable-lora to load them")
+        with self._lock:
+            if name in self.loras:
+                raise ValueError(f"The LoRA adapter '{name}' has already been loaded")
+        replicas = [r for r in self._lora_stage.replicas if r.is_alive]
+        futures = [replica.load_lora(name, path) for replica in replicas]
+        errors = [future.exception() for future in futures]
+        failed = next((error for error in errors if error is not None), None)
+        if failed is not None:
+            for replica, error in zip(replicas, errors, strict=True):
+                if error is None:
+                    replica.unload_lora(name).result()
+            raise failed
+        with self._lock:
+            self.loras[name] = LoRAModulePath(name=name, path=path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (`UnknownLoraError` if it is not served). Requests already accepted with it
+        still run with it; each replica evicts it once none uses it."""
+        with self._lock:
+            if name not in self.loras:
+                raise UnknownLoraError(name, list(self.loras))
+            del self.loras[name]
+        for future in [r.unload_lora(name) for r in self._lora_stage.replicas if r.is_alive]:
+            future.exception()  # a replica lost meanwhile has nothing to evict
 
     def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams | AdmittedParams) -> Future:
         """Queue a request (raises `SamplingParamsError` for parameters the model cannot take); ``params`` admitted
@@ -112,6 +172,8 @@ class OmniEngine:
         flight = _Flight(request_id, prompt, admitted)
         with self._lock:
             self._flights[request_id] = flight
+        for adapter in [s.name for s in admitted.params.lora] or ["base"]:
+            metrics.lora_requests.labels(adapter).inc()
         # A caller that cancels the future (asyncio cancellation) aborts the request, wherever it is.
         flight.future.add_done_callback(lambda done: done.cancelled() and self.abort(request_id))
         self._enter(flight, 0, None)

@@ -98,6 +98,13 @@ class _ReplicaActor:
     async def progress(self, request_id: str) -> tuple[str, float] | None:
         return self.replica.progress(request_id)
 
+    async def lora(self, method: str, *args):
+        """``load_lora`` or ``unload_lora``: its result, or its error returned (not raised) as `generate` does."""
+        try:
+            return await asyncio.wrap_future(getattr(self.replica, method)(*args))
+        except Exception as exc:  # noqa: BLE001 - the driver raises it
+            return exc
+
     async def collect_metrics(self) -> list[Metric]:
         return self.replica.collect_metrics()
 
@@ -206,6 +213,27 @@ class RayReplica:
         holds, and Ray runs the abort after the ``generate`` call that brought the request."""
         self._actor.abort.remote(request_id)
         return True
+
+    def load_lora(self, name: str, path: str) -> Future:
+        return self._lora("load_lora", name, path)
+
+    def unload_lora(self, name: str) -> Future:
+        return self._lora("unload_lora", name)
+
+    def _lora(self, method: str, *args) -> Future:
+        future: Future = Future()
+
+        def settle(done: Future) -> None:
+            try:
+                result = done.result()
+            except RayActorError as exc:
+                future.set_exception(ReplicaLostError(f"replica {self.info.index} was lost: {exc}"))
+            else:
+                (future.set_exception if isinstance(result, BaseException) else future.set_result)(result)
+
+        ref = self._actor.lora.remote(method, *args)
+        ref.future().add_done_callback(lambda done, ref=ref: settle(done))
+        return future
 
     def progress(self, request_id: str) -> tuple[str, float] | None:
         try:

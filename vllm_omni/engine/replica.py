@@ -91,6 +91,13 @@ class Replica(Protocol):
     def progress(self, request_id: str) -> tuple[str, float] | None:
         """``(waiting|running, fraction of denoising steps done)``, or ``None`` if it does not hold the request."""
 
+    def load_lora(self, name: str, path: str) -> Future:
+        """Load a LoRA adapter between batches or steps (`EngineCore.load_lora`); the future fails with
+        `LoraLoadError` naming the file."""
+
+    def unload_lora(self, name: str) -> Future:
+        """Evict a LoRA adapter unless a request in flight uses it (`EngineCore.unload_lora`)."""
+
     @property
     def num_waiting(self) -> int:
         """Requests it holds that its batch scheduler has not started: waiting for a batch (or, in step mode, for a
@@ -183,6 +190,12 @@ class EngineReplica:
     def progress(self, request_id: str) -> tuple[str, float] | None:
         found = self.engine.scheduler.state(request_id)
         return None if found is None else (found[0], found[1].progress)
+
+    def load_lora(self, name: str, path: str) -> Future:
+        return self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> Future:
+        return self.engine.unload_lora(name)
 
     @property
     def num_waiting(self) -> int:

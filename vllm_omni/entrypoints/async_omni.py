@@ -53,6 +53,15 @@ class AsyncOmni(OmniBase):
         params = warm_up_params(self.model_card)
         await asyncio.gather(*(one() for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
 
+    async def add_lora(self, name: str, path: str) -> None:
+        """Serve LoRA adapter ``name`` from ``path`` from now on (needs ``enable_lora``); every replica loads and
+        checks it between batches. Raises `LoraLoadError` naming the file, ValueError if the name is taken."""
+        await asyncio.to_thread(self.engine.load_lora, name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (`UnknownLoraError` if it is not served); accepted requests keep it."""
+        await asyncio.to_thread(self.engine.unload_lora, name)
+
     async def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""
         return self.engine.abort(request_id)

@@ -57,6 +57,15 @@ class Omni(OmniBase):
                     self.engine.abort(request_id)
             raise
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve LoRA adapter ``name`` from ``path`` from now on (needs ``enable_lora``); every replica loads and
+        checks it between batches. Raises `LoraLoadError` naming the file, ValueError if the name is taken."""
+        self.engine.load_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (`UnknownLoraError` if it is not served); accepted requests keep it."""
+        self.engine.unload_lora(name)
+
     def close(self) -> None:
         self.shutdown()
 

@@ -10,6 +10,7 @@ from vllm_omni.config import (
     STAGE_KNOBS,
     DeployConfig,
     ExecutionMode,
+    LoRAModulePath,
     StageDeployConfig,
     legacy,
     resolve_stage_configs,
@@ -102,6 +103,11 @@ class OmniBase:
     def model_card(self) -> ModelCard:
         """What the served model takes (its tasks, sizes, defaults), as the stage that holds the denoiser read it."""
         return self.engine.model_card
+
+    @property
+    def lora_adapters(self) -> list[LoRAModulePath]:
+        """The LoRA adapters requests may select (``lora``): those of ``lora_modules`` and those added since."""
+        return list(self.engine.loras.values())
 
     def shutdown(self) -> None:
         """Stop the engine: waiting requests fail, the running batch finishes."""

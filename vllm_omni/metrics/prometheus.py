@@ -58,6 +58,12 @@ class EngineMetrics:
         self.num_requests_waiting = Gauge(
             "vllm_omni:num_requests_waiting", "Requests waiting to be scheduled.", list(ids), registry=self.registry
         ).labels(**ids)
+        self.lora_adapters_resident = Gauge(
+            "vllm_omni:lora_adapters_resident",
+            "LoRA adapters loaded in the replica now (at most max_loras).",
+            list(ids),
+            registry=self.registry,
+        ).labels(**ids)
 
     def collect(self) -> list[Metric]:
         """This replica's metric families (picklable, so a Ray actor can return them)."""
@@ -128,6 +134,11 @@ video_requests = Counter(
     "vllm_omni:video_generation_requests",
     "Video generation jobs by outcome: completed, invalid, overloaded, unavailable, failed, cancelled.",
     ["outcome"],
+)
+lora_requests = Counter(
+    "vllm_omni:lora_requests",
+    "Requests accepted by the engine per LoRA adapter they apply ('base' for none; a stack counts each adapter).",
+    ["adapter"],
 )
 image_requests = Counter(
     "vllm_omni:image_generation_requests",

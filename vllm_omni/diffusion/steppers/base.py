@@ -13,6 +13,7 @@ UniPC), second-order schedulers (Heun) and ancestral noise behave as in a run of
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 
+from vllm_omni.diffusion.lora import LoraAdapters, Selection
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import ImageTask, OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.diffusion.steppers.images import ImageTasks, Inpainting, encode_image
@@ -153,6 +155,8 @@ class Stepper(ImageTasks):
         """The denoising network; ``None`` in an encode or decode stage, which does not load it."""
         self.card = ModelCard.of(pipeline)
         """What the admission classmethods below read of the pipeline."""
+        self.lora: LoraAdapters | None = None
+        """The stage's LoRA adapters (set by its role); each request's own apply to its rows."""
 
     @classmethod
     def check_pipeline(cls, pipeline) -> None:
@@ -204,7 +208,8 @@ class Stepper(ImageTasks):
     def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
         """Encode a batch of prompts whose params share an `encode_key`, in one call per text encoder, and the input
         image of each image task, in one VAE call per request (the stock pipelines encode it alone)."""
-        conditionings = self.encode_prompts(prompts, params)
+        with self._adapters(text=[p.lora for p in params]):
+            conditionings = self.encode_prompts(prompts, params)
         for conditioning, request in zip(conditionings, params, strict=True):
             if request.task != "text":
                 dtype = conditioning.cond["encoder_hidden_states"].dtype
@@ -245,7 +250,7 @@ class Stepper(ImageTasks):
 
     def predict(self, states: list[StepState]) -> list[torch.Tensor]:
         """One forward over every row of ``states``; each request's guided prediction. Changes no state."""
-        inputs, timesteps, rows, spans = [], [], defaultdict(list), []
+        inputs, timesteps, rows, spans, adapters = [], [], defaultdict(list), [], []
         start = 0
         for state in states:
             x = self.model_input(state)
@@ -254,12 +259,14 @@ class Stepper(ImageTasks):
             for group in groups:
                 inputs.append(x)
                 timesteps.append(state.timestep.expand(len(x)))
+                adapters += [state.params.lora] * len(x)
                 for name, value in group.items():
                     rows[name].append(value)
                 start += len(x)
-        output = self.forward(
-            torch.cat(inputs), torch.cat(timesteps), {k: torch.cat(v) for k, v in rows.items()}, states[0].shared
-        )
+        with self._adapters(denoiser=adapters):
+            output = self.forward(
+                torch.cat(inputs), torch.cat(timesteps), {k: torch.cat(v) for k, v in rows.items()}, states[0].shared
+            )
         predictions = []
         for state, (begin, n) in zip(states, spans, strict=True):
             if state.uncond is None:
@@ -271,6 +278,10 @@ class Stepper(ImageTasks):
                 prediction = rescale_noise_cfg(prediction, cond, guidance_rescale=state.guidance_rescale)
             predictions.append(prediction)
         return predictions
+
+    def _adapters(self, **rows: list[Selection]) -> contextlib.AbstractContextManager:
+        """Each row's LoRA adapters applied to the calls inside (`LoraAdapters.rows`); nothing without LoRA."""
+        return contextlib.nullcontext() if self.lora is None else self.lora.rows(**rows)
 
     def advance(self, states: list[StepState], predictions: list[torch.Tensor]) -> None:
         """Move each request one step along its own schedule."""

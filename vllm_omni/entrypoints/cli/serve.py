@@ -39,6 +39,7 @@ _USED_VLLM_FLAGS = frozenset(
         "ssl_certfile",
         "root_path",
         "distributed_executor_backend",
+        *("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
     }
 )
 # Stage knobs that the omni group sets as flags of the same name (max_num_seqs, dtype and
@@ -186,6 +187,14 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
     given = {name: getattr(args, name) for name in ("max_num_seqs", "distributed_executor_backend", *_OMNI_STAGE_FLAGS)}
     if "dtype" in explicit:
         given["dtype"] = _VLLM_DTYPES.get(args.dtype, args.dtype)
+    # vLLM's LoRA flags, parsed by vLLM (--lora-modules as name=path or JSON); its defaults are not ours.
+    given.update(
+        {name: getattr(args, name) for name in ("enable_lora", "max_loras", "max_lora_rank") if name in explicit}
+    )
+    if "lora_modules" in explicit:
+        given["lora_modules"] = [
+            {"name": m.name, "path": m.path, "base_model_name": m.base_model_name} for m in args.lora_modules or ()
+        ]
     try:
         stage_configs = resolve_stage_configs(
             args.deploy_config,

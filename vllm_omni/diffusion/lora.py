@@ -1,0 +1,203 @@
+"""LoRA adapters: loaded by diffusers into PEFT layers, applied per row, so one forward serves requests with
+different adapters, scales or none (docs/lora.md).
+
+diffusers' ``load_lora_weights`` reads an adapter (its own format, PEFT's, or a kohya-style file it converts) and
+wraps each targeted linear or convolution in a PEFT ``LoraLayer``. We keep PEFT's own forward off (adapters
+disabled: it returns the base layer's output) and add each row's delta in a forward hook instead:
+``lora_B(lora_A(x)) · scaling · scale`` for every adapter the row's request selected, which is PEFT's formula with
+the request's scale where ``set_adapters`` would put one scale for the whole batch. No weight is merged.
+
+Which row belongs to which request is set around each call (`LoraAdapters.rows`): one list for the text encoders
+(one entry per prompt row) and one for the denoiser (one per latent row). A call whose batch is a multiple of the
+list is the list repeated (classifier-free guidance concatenates negative and positive rows); anything else is an
+error, never a guess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from vllm_omni.diffusion.request import LoraSelection
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+Selection = tuple[LoraSelection, ...]
+"""What one row applies: its request's ``lora`` (empty: the base model)."""
+
+COMPONENT_KINDS = {
+    "text_encoder": "text",
+    "text_encoder_2": "text",
+    "text_encoder_3": "text",
+    "unet": "denoiser",
+    "transformer": "denoiser",
+    "transformer_2": "denoiser",
+}
+"""Which row list (`LoraAdapters.rows`) each pipeline component that may carry LoRA layers reads."""
+
+
+class LoraLoadError(ValueError):
+    """An adapter that cannot be served; the message names its file."""
+
+
+class LoraAdapters:
+    """The adapters resident in one pipeline (at most ``max_loras``, least recently used evicted first) and the
+    hooks that apply them per row."""
+
+    def __init__(self, pipeline, max_loras: int, max_lora_rank: int):
+        self.pipeline = pipeline
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.resident: OrderedDict[str, str] = OrderedDict()
+        """Loaded adapters (name → path), least recently used first."""
+        self._rows: dict[str, list[Selection] | None] = {"text": None, "denoiser": None}
+        self._hooked: set[int] = set()
+        self.lock = threading.Lock()
+        """Held around every forward that reads the adapters and every load or eviction that changes them (the
+        encode worker on CUDA runs text encoders while the loop runs the denoiser)."""
+
+    def components(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        """The loaded components that may carry LoRA layers, with the row list each reads."""
+        for name, kind in COMPONENT_KINDS.items():
+            module = getattr(self.pipeline, name, None)
+            if isinstance(module, torch.nn.Module):
+                yield kind, module
+
+    # Loading and eviction.
+
+    def load(self, name: str, path: str, keep: Iterable[str] = ()) -> None:
+        """Make adapter ``name`` resident from ``path``, evicting the least recently used adapter not in ``keep``
+        when ``max_loras`` are resident (raises `LoraLoadError` naming the file)."""
+        if name in self.resident:
+            if self.resident[name] == path:
+                self.resident.move_to_end(name)
+                return
+            self.unload(name)  # re-registered under another path
+        protected = set(keep)
+        while len(self.resident) >= self.max_loras:
+            victim = next((n for n in self.resident if n not in protected), None)
+            if victim is None:
+                raise LoraLoadError(
+                    f"cannot load adapter {name!r}: all {self.max_loras} resident adapters are in use "
+                    "(raise --max-loras)"
+                )
+            self.unload(victim)
+        with self.lock:
+            self._load(name, path)
+        self.resident[name] = path
+
+    def _load(self, name: str, path: str) -> None:
+        if not os.path.exists(path):
+            raise LoraLoadError(f"LoRA adapter {name!r}: {path} does not exist")
+        folder, weight_name = (path, None) if os.path.isdir(path) else os.path.split(path)
+        try:
+            self.pipeline.load_lora_weights(folder, weight_name=weight_name, adapter_name=name)
+        except Exception as exc:  # noqa: BLE001 - any loader error is the file's
+            self._delete(name)
+            raise LoraLoadError(f"LoRA adapter {name!r} from {path} cannot be loaded: {exc}") from exc
+        layers = {module for module in self._layers() if name in module.lora_A}
+        problem = None
+        if not layers:
+            problem = "it targets no layer of this model"
+        elif any(module.use_dora.get(name, False) for module in layers):
+            problem = "it is a DoRA adapter, which is not supported"
+        else:
+            rank = max(module.r[name] for module in layers)
+            if rank > self.max_lora_rank:
+                problem = f"its rank {rank} is above --max-lora-rank {self.max_lora_rank}"
+        if problem is not None:
+            self._delete(name)
+            raise LoraLoadError(f"LoRA adapter {name!r} from {path} cannot be served: {problem}")
+        for module, kind in self._layers().items():
+            self._hook(module, kind)
+        for module in layers:
+            module.enable_adapters(False)  # PEFT's forward returns the base output; the hook adds the deltas
+        logger.info("Loaded LoRA adapter %r from %s (%d layers)", name, path, len(layers))
+
+    def unload(self, name: str) -> bool:
+        """Evict adapter ``name`` if it is resident; whether it was."""
+        if self.resident.pop(name, None) is None:
+            return False
+        with self.lock:
+            self._delete(name)
+        logger.info("Evicted LoRA adapter %r", name)
+        return True
+
+    def _delete(self, name: str) -> None:
+        for module in self._layers():
+            if name in module.lora_A or name in getattr(module, "lora_magnitude_vector", {}):
+                module.delete_adapter(name)
+        for _, component in self.components():
+            config = getattr(component, "peft_config", None)
+            if config is not None:
+                config.pop(name, None)
+
+    def _layers(self) -> dict:
+        """Every PEFT LoRA layer of the components, with the row list it reads."""
+        from peft.tuners.lora import LoraLayer
+
+        return {m: kind for kind, c in self.components() for m in c.modules() if isinstance(m, LoraLayer)}
+
+    def _hook(self, module, kind: str) -> None:
+        if id(module) in self._hooked:
+            return
+        module.register_forward_hook(lambda layer, args, output: self._add_deltas(kind, layer, args[0], output))
+        self._hooked.add(id(module))
+
+    # Applying.
+
+    @contextlib.contextmanager
+    def rows(self, *, text: Sequence[Selection] | None = None, denoiser: Sequence[Selection] | None = None):
+        """Apply each row's adapters to the calls made inside: ``text`` per prompt row of the text encoders,
+        ``denoiser`` per latent row of the denoiser (all rows empty: the base model). The denoiser's calls hold
+        `lock`: on CUDA an adapter loads on the encode worker while the loop thread runs the denoiser, and the
+        text encoders run on that worker itself."""
+        given = {kind: list(rows) for kind, rows in (("text", text), ("denoiser", denoiser)) if rows is not None}
+        missing = {s.name for rows in given.values() for row in rows for s in row} - set(self.resident)
+        if missing:
+            raise RuntimeError(f"LoRA adapter(s) {', '.join(sorted(missing))} are not resident")
+        with self.lock if denoiser is not None else contextlib.nullcontext():
+            for kind, rows in given.items():
+                self._rows[kind] = rows if any(rows) else None
+            try:
+                yield
+            finally:
+                for kind in given:
+                    self._rows[kind] = None
+
+    def _add_deltas(self, kind: str, layer, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None:
+        rows = self._rows[kind]
+        if rows is None:
+            return None
+        n = x.shape[0]
+        uniform = all(selection == rows[0] for selection in rows)
+        if not uniform:
+            if n % len(rows):
+                raise RuntimeError(
+                    f"a LoRA layer got {n} rows for {len(rows)} row selections: this call does not batch rows as "
+                    "the mixed-adapter forward expects"
+                )
+            rows = rows * (n // len(rows))
+        adapters: dict[str, list[tuple[int, float]]] = {}
+        for i, selection in enumerate(rows[:1] if uniform else rows):
+            for chosen in selection:
+                adapters.setdefault(chosen.name, []).append((i, chosen.scale))
+        for name, picks in adapters.items():
+            if name not in layer.lora_A:
+                continue
+            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+            inputs = x.to(lora_a.weight.dtype)
+            if uniform:  # PEFT's own expression, one scale for the whole call
+                output = output + (lora_b(lora_a(inputs)) * (layer.scaling[name] * picks[0][1])).to(output.dtype)
+                continue
+            index = torch.tensor([i for i, _ in picks], device=x.device)
+            scales = torch.tensor([s * layer.scaling[name] for _, s in picks], device=x.device, dtype=inputs.dtype)
+            delta = lora_b(lora_a(inputs.index_select(0, index))) * scales.view(-1, *[1] * (inputs.dim() - 1))
+            output = output.index_add(0, index, delta.to(output.dtype))
+        return output

@@ -1,0 +1,89 @@
+"""Random LoRA adapters for the tiny models (``vllm-omni make-tiny-model --lora``) and the stock reference run
+that per-row adapters must match (diffusers' ``load_lora_weights`` + ``set_adapters``, one request alone)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FACTOR = 0.3
+DENOISER_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+"""Denoiser modules the random adapters target (attention, in every family)."""
+CONV_TARGETS = ("conv1",)
+"""UNet convolutions they also target (a convolution LoRA layer)."""
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+"""CLIP text-encoder modules they target when asked to carry text-encoder weights."""
+
+
+def _random_lora(module: torch.nn.Module, targets: list[str], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A PEFT state dict of a rank-``rank`` adapter on ``targets`` of ``module`` with random A and B."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    inject_adapter_in_model(config, module, adapter_name="random")
+    state = get_peft_model_state_dict(module, adapter_name="random")
+    # Deltas of about a tenth of the base output: visible in the image, far from saturating it.
+    return {k: (v * FACTOR).contiguous() for k, v in state.items()}
+
+
+def write_random_lora(
+    model: str, path: str, *, seed: int = 0, rank: int = 4, text_encoder: bool = False, kohya: bool = False
+) -> str:
+    """Write a random adapter for the pipeline folder ``model`` to the folder ``path`` (as ``save_lora_weights``
+    does), or with ``kohya`` to the file ``path`` in kohya's key format (SD and SDXL: diffusers converts it on
+    load). ``text_encoder``: the adapter carries text-encoder weights too. Returns ``path``."""
+    import diffusers
+
+    from vllm_omni.diffusion.runner import load_pipeline
+
+    pipeline = load_pipeline(model, torch.float32, torch.device("cpu"))
+    denoiser_name = "unet" if getattr(pipeline, "unet", None) is not None else "transformer"
+    denoiser = getattr(pipeline, denoiser_name)
+    targets = list(DENOISER_TARGETS) + (list(CONV_TARGETS) if denoiser_name == "unet" else [])
+    layers = {f"{denoiser_name}_lora_layers": _random_lora(denoiser, targets, rank, seed)}
+    if text_encoder:
+        layers["text_encoder_lora_layers"] = _random_lora(pipeline.text_encoder, list(TEXT_TARGETS), rank, seed + 1)
+    if kohya:
+        if denoiser_name != "unet":
+            raise ValueError("kohya-style random adapters are written for UNet models (sd, sdxl) only")
+        from safetensors.torch import save_file
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save_file(_kohya(layers, rank), path)
+        return path
+    getattr(diffusers, type(pipeline).__name__).save_lora_weights(path, **layers)
+    return path
+
+
+def _kohya(layers: dict[str, dict[str, torch.Tensor]], rank: int) -> dict[str, torch.Tensor]:
+    """PEFT-format layers as kohya's keys: ``lora_unet_<module_path>.lora_down.weight`` / ``.lora_up.weight`` /
+    ``.alpha``, ``lora_te_`` for the text encoder."""
+    prefixes = {"unet_lora_layers": "lora_unet_", "text_encoder_lora_layers": "lora_te_"}
+    out: dict[str, torch.Tensor] = {}
+    for group, state in layers.items():
+        for key, value in state.items():
+            module, kind = key.rsplit(".lora_", 1)
+            name = prefixes[group] + module.replace(".", "_")
+            out[f"{name}.{'lora_down' if kind.startswith('A') else 'lora_up'}.weight"] = value
+            out[f"{name}.alpha"] = torch.tensor(float(2 * rank))
+    return out
+
+
+def stock_lora_images(model: str, adapters: dict[str, str], weights: dict[str, float], prompt: str, **call):
+    """The stock pipeline's images for one request: ``adapters`` (name → path) loaded with ``load_lora_weights``,
+    activated with ``set_adapters(names, weights)``, then called alone with ``call`` (``generator`` from
+    ``seed``)."""
+    from vllm_omni.diffusion.runner import load_pipeline
+
+    pipeline = load_pipeline(model, torch.float32, torch.device("cpu"))
+    for name, path in adapters.items():
+        folder, weight_name = (path, None) if os.path.isdir(path) else os.path.split(path)
+        pipeline.load_lora_weights(folder, weight_name=weight_name, adapter_name=name)
+    if weights:
+        pipeline.set_adapters(list(weights), list(weights.values()))
+    else:
+        pipeline.disable_lora()
+    seed = call.pop("seed")
+    return pipeline(prompt, generator=torch.Generator("cpu").manual_seed(seed), **call)
