@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -62,24 +62,29 @@ class LoraAdapters:
         """Held around every forward that reads the adapters and every load or eviction that changes them (the
         encode worker on CUDA runs text encoders while the loop runs the denoiser)."""
 
-    def components(self) -> Iterator[tuple[str, torch.nn.Module]]:
-        """The loaded components that may carry LoRA layers, with the row list each reads."""
+    def components(self) -> Iterator[tuple[str, str, torch.nn.Module]]:
+        """The loaded components that may carry LoRA layers: name, the row list it reads, module."""
         for name, kind in COMPONENT_KINDS.items():
             module = getattr(self.pipeline, name, None)
             if isinstance(module, torch.nn.Module):
-                yield kind, module
+                yield name, kind, module
 
     # Loading and eviction.
 
     def load(self, name: str, path: str, keep: Iterable[str] = ()) -> None:
         """Make adapter ``name`` resident from ``path``, evicting the least recently used adapter not in ``keep``
         when ``max_loras`` are resident (raises `LoraLoadError` naming the file)."""
+        protected = set(keep)
         if name in self.resident:
             if self.resident[name] == path:
                 self.resident.move_to_end(name)
                 return
-            self.unload(name)  # re-registered under another path
-        protected = set(keep)
+            if name in protected:
+                raise LoraLoadError(
+                    f"cannot load adapter {name!r} from {path}: requests in flight still use it from "
+                    f"{self.resident[name]}; retry once they finish"
+                )
+            self.unload(name)  # registered again under another path
         while len(self.resident) >= self.max_loras:
             victim = next((n for n in self.resident if n not in protected), None)
             if victim is None:
@@ -97,14 +102,23 @@ class LoraAdapters:
             raise LoraLoadError(f"LoRA adapter {name!r}: {path} does not exist")
         folder, weight_name = (path, None) if os.path.isdir(path) else os.path.split(path)
         try:
+            expected = self._layers_in_file(folder, weight_name)
             self.pipeline.load_lora_weights(folder, weight_name=weight_name, adapter_name=name)
         except Exception as exc:  # noqa: BLE001 - any loader error is the file's
             self._delete(name)
             raise LoraLoadError(f"LoRA adapter {name!r} from {path} cannot be loaded: {exc}") from exc
         layers = {module for module in self._layers() if name in module.lora_A}
+        loaded = Counter(component for module, (component, _) in self._layers().items() if module in layers)
         problem = None
         if not layers:
             problem = "it targets no layer of this model"
+        elif loaded != expected:
+            missed = ", ".join(
+                f"{expected[c] - loaded[c]} of its {expected[c]} {c} layers"
+                for c in expected
+                if loaded[c] != expected[c]
+            )
+            problem = f"{missed} target modules this model does not have (is it for another model?)"
         elif any(module.use_dora.get(name, False) for module in layers):
             problem = "it is a DoRA adapter, which is not supported"
         else:
@@ -114,7 +128,7 @@ class LoraAdapters:
         if problem is not None:
             self._delete(name)
             raise LoraLoadError(f"LoRA adapter {name!r} from {path} cannot be served: {problem}")
-        for module, kind in self._layers().items():
+        for module, (_, kind) in self._layers().items():
             self._hook(module, kind)
         for module in layers:
             module.enable_adapters(False)  # PEFT's forward returns the base output; the hook adds the deltas
@@ -133,16 +147,23 @@ class LoraAdapters:
         for module in self._layers():
             if name in module.lora_A or name in getattr(module, "lora_magnitude_vector", {}):
                 module.delete_adapter(name)
-        for _, component in self.components():
+        for _, _, component in self.components():
             config = getattr(component, "peft_config", None)
             if config is not None:
                 config.pop(name, None)
 
     def _layers(self) -> dict:
-        """Every PEFT LoRA layer of the components, with the row list it reads."""
+        """Every PEFT LoRA layer of the components, with its component's name and the row list it reads."""
         from peft.tuners.lora import LoraLayer
 
-        return {m: kind for kind, c in self.components() for m in c.modules() if isinstance(m, LoraLayer)}
+        return {m: (name, kind) for name, kind, c in self.components() for m in c.modules() if isinstance(m, LoraLayer)}
+
+    def _layers_in_file(self, folder: str, weight_name: str | None) -> Counter:
+        """The layers an adapter file holds per component, as diffusers reads (and converts) it: each layer has
+        one down (``lora_A``) matrix."""
+        state = self.pipeline.lora_state_dict(folder, weight_name=weight_name)
+        state = state[0] if isinstance(state, tuple) else state  # some families add network alphas
+        return Counter(key.split(".")[0] for key in state if key.rsplit(".", 2)[-2] in ("lora_A", "down"))
 
     def _hook(self, module, kind: str) -> None:
         if id(module) in self._hooked:

@@ -7,8 +7,9 @@ import os
 
 import torch
 
-FACTOR = 0.3
-DENOISER_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+STRENGTH = 0.5
+"""Norm of each random weight delta relative to the weight it adds to (`write_random_lora`)."""
+DENOISER_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_out")
 """Denoiser modules the random adapters target (attention, in every family)."""
 CONV_TARGETS = ("conv1",)
 """UNet convolutions they also target (a convolution LoRA layer)."""
@@ -16,20 +17,38 @@ TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 """CLIP text-encoder modules they target when asked to carry text-encoder weights."""
 
 
-def _random_lora(module: torch.nn.Module, targets: list[str], rank: int, seed: int) -> dict[str, torch.Tensor]:
-    """A PEFT state dict of a rank-``rank`` adapter on ``targets`` of ``module`` with random A and B."""
+def _random_lora(
+    module: torch.nn.Module, targets: list[str], rank: int, seed: int, strength: float
+) -> dict[str, torch.Tensor]:
+    """A PEFT state dict of a rank-``rank`` adapter on ``targets`` of ``module``: random A and B, scaled so that each
+    layer's weight delta (``B @ A · scaling``) has ``strength`` times the norm of the weight it adds to."""
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
 
     torch.manual_seed(seed)
+    # alpha != rank, so that a server that forgets PEFT's scaling (alpha / rank) is caught.
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
     inject_adapter_in_model(config, module, adapter_name="random")
-    state = get_peft_model_state_dict(module, adapter_name="random")
-    # Deltas of about a tenth of the base output: visible in the image, far from saturating it.
-    return {k: (v * FACTOR).contiguous() for k, v in state.items()}
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, LoraLayer) and "random" in layer.lora_A:
+                a, b = layer.lora_A["random"].weight, layer.lora_B["random"].weight
+                delta = (b.flatten(1) @ a.flatten(1)).norm() * layer.scaling["random"]
+                factor = (strength * layer.get_base_layer().weight.norm() / delta).sqrt()
+                a.mul_(factor)
+                b.mul_(factor)
+    return {k: v.contiguous() for k, v in get_peft_model_state_dict(module, adapter_name="random").items()}
 
 
 def write_random_lora(
-    model: str, path: str, *, seed: int = 0, rank: int = 4, text_encoder: bool = False, kohya: bool = False
+    model: str,
+    path: str,
+    *,
+    seed: int = 0,
+    rank: int = 4,
+    text_encoder: bool = False,
+    kohya: bool = False,
+    strength: float = STRENGTH,
 ) -> str:
     """Write a random adapter for the pipeline folder ``model`` to the folder ``path`` (as ``save_lora_weights``
     does), or with ``kohya`` to the file ``path`` in kohya's key format (SD and SDXL: diffusers converts it on
@@ -42,9 +61,11 @@ def write_random_lora(
     denoiser_name = "unet" if getattr(pipeline, "unet", None) is not None else "transformer"
     denoiser = getattr(pipeline, denoiser_name)
     targets = list(DENOISER_TARGETS) + (list(CONV_TARGETS) if denoiser_name == "unet" else [])
-    layers = {f"{denoiser_name}_lora_layers": _random_lora(denoiser, targets, rank, seed)}
+    layers = {f"{denoiser_name}_lora_layers": _random_lora(denoiser, targets, rank, seed, strength)}
     if text_encoder:
-        layers["text_encoder_lora_layers"] = _random_lora(pipeline.text_encoder, list(TEXT_TARGETS), rank, seed + 1)
+        layers["text_encoder_lora_layers"] = _random_lora(
+            pipeline.text_encoder, list(TEXT_TARGETS), rank, seed + 1, strength
+        )
     if kohya:
         if denoiser_name != "unet":
             raise ValueError("kohya-style random adapters are written for UNet models (sd, sdxl) only")

@@ -33,8 +33,15 @@ class RemoteOmniServer:
     """``with RemoteOmniServer(model, ["--max-num-seqs", "4"]) as server: server.url_for("v1")``."""
 
     def __init__(
-        self, model: str, args: list[str] = (), *, startup_timeout_s: float = 300.0, log_path: str | None = None
+        self,
+        model: str,
+        args: list[str] = (),
+        *,
+        startup_timeout_s: float = 300.0,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
     ):
+        """``env``: variables set for the server on top of this process's environment."""
         self.port = free_port()
         self.command = [
             vllm_executable(),
@@ -47,6 +54,7 @@ class RemoteOmniServer:
             str(self.port),
             *args,
         ]
+        self.env = None if env is None else os.environ | env
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
@@ -63,7 +71,9 @@ class RemoteOmniServer:
 
     def __enter__(self) -> RemoteOmniServer:
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed by the child's exit
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+        )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -32,11 +32,15 @@ async def prometheus_metrics() -> Response:
 
 async def list_models(raw_request: Request) -> ModelList:
     state: ServerState = raw_request.app.state.server
-    return ModelList(
-        data=[
-            ModelCard(id=name, created=state.loaded_at, root=state.model) for name in state.serving.served_model_names
-        ]
-    )
+    base = state.serving.served_model_names[0]
+    models = [
+        ModelCard(id=name, created=state.loaded_at, root=state.model) for name in state.serving.served_model_names
+    ]
+    adapters = [
+        ModelCard(id=m.name, created=state.loaded_at, root=m.path, parent=m.base_model_name or base)
+        for m in state.lora_adapters().values()
+    ]
+    return ModelList(data=models + adapters)
 
 
 def build_basic_router() -> APIRouter:

@@ -14,6 +14,7 @@ from vllm_omni.diffusion.request import (
     OmniDiffusionSamplingParams,
     SamplingParamsError,
     StageUnavailableError,
+    UnknownLoraError,
 )
 from vllm_omni.entrypoints.openai.errors import APIError
 
@@ -60,10 +61,12 @@ def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "tex
     prompts within the length limit, a ready engine, and a model of the right ``kind`` (image or video) that serves
     ``task`` (``text``: no input image; ``image``: one or more)."""
     serving = state.serving
-    if body.model is not None and body.model not in serving.served_model_names:
+    adapters = state.lora_adapters()
+    if body.model is not None and body.model not in serving.served_model_names and body.model not in adapters:
+        also = f" and the LoRA adapters {', '.join(sorted(adapters))}" if adapters else ""
         raise APIError(
             404,
-            f"The model '{body.model}' does not exist; this server serves {serving.served_model_names[0]!r}",
+            f"The model '{body.model}' does not exist; this server serves {serving.served_model_names[0]!r}{also}",
             param="model",
             code="model_not_found",
         )
@@ -91,6 +94,26 @@ def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "tex
     raise APIError(400, why, param="model", code="model_not_supported")
 
 
+def selected_adapters(state: ServerState, body) -> list[dict[str, float | str]]:
+    """The request's LoRA adapters: its ``lora`` field, or the adapter its ``model`` names (vLLM's convention) at
+    scale 1. With both, ``model`` is the base model or one of the adapters ``lora`` lists."""
+    chosen = body.lora if isinstance(body.lora, list) else [body.lora] if body.lora is not None else []
+    selection = [choice.model_dump() for choice in chosen]
+    if body.model is None or body.model in state.serving.served_model_names:
+        return selection
+    if not selection:
+        return [{"name": body.model, "scale": 1.0}]
+    if body.model not in {choice["name"] for choice in selection}:
+        raise APIError(
+            400,
+            f"model names the LoRA adapter '{body.model}' but lora does not list it: set model to the base model "
+            f"{state.serving.served_model_names[0]!r}, or list '{body.model}' in lora",
+            param="model",
+            code="invalid_value",
+        )
+    return selection
+
+
 def admit(state: ServerState, **fields) -> AdmittedParams:
     """The request's parameters completed once (the model's defaults filled in: ``size: auto``, default steps...,
     and a seed drawn), within the operator's limits; every problem is a 400 naming the API field, and a full queue
@@ -102,6 +125,8 @@ def admit(state: ServerState, **fields) -> AdmittedParams:
         error = exc.errors()[0]
         param = API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
         raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
+    except UnknownLoraError as exc:
+        raise APIError(404, str(exc), param="lora", code="model_not_found") from None
     except SamplingParamsError as exc:
         param = exc.param.removeprefix("extra_args.")  # the API's extensions that travel in extra_args
         raise APIError(400, str(exc), param=API_PARAM.get(param, param), code="invalid_value") from None

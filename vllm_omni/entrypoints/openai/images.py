@@ -20,7 +20,13 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.request import MAX_INPUT_IMAGES, ImageTask, RequestFailedError, StageUnavailableError
-from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
+from vllm_omni.entrypoints.openai.checks import (
+    admit,
+    check_api_key,
+    check_request,
+    refusal_outcome,
+    selected_adapters,
+)
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
@@ -151,6 +157,7 @@ def _admit(body: ImageGenerationRequest, state: ServerState, **inputs) -> Admitt
         num_outputs_per_prompt=body.n,
         seed=body.seed,
         negative_prompt=body.negative_prompt,
+        lora=selected_adapters(state, body),
         **inputs,
     )
 

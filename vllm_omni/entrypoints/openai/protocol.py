@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from vllm_omni.diffusion.request import MAX_SEED
+from vllm_omni.diffusion.request import MAX_LORA_SCALE, MAX_SEED
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
+
+
+class LoraAdapterChoice(BaseModel):
+    """One entry of the ``lora`` extension: an adapter the server serves, and its scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    scale: float = Field(default=1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+
+
+LoraField = LoraAdapterChoice | list[LoraAdapterChoice] | None
+"""``lora``: one adapter, or a list of them to stack."""
+
+
+def lora_from_form(value: Any) -> Any:
+    """A form's ``lora`` field arrives as JSON text."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError('lora must be JSON: {"name": ..., "scale": ...} or a list of them') from None
+    return value
 
 
 class ImageGenerationRequest(BaseModel):
@@ -33,6 +57,8 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: StrictInt | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
+    lora: LoraField = None
+    """LoRA adapters to apply (docs/lora.md); ``model: "<adapter>"`` selects one at scale 1."""
 
     @field_validator("size")
     @classmethod
@@ -62,6 +88,8 @@ class ImageEditRequest(ImageGenerationRequest):
     """How far the input image is noised (image-to-image, inpainting); the model's variant's default when unset."""
     true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     """True classifier-free guidance with ``negative_prompt`` (Flux and Qwen-Image families)."""
+
+    _lora_from_form = field_validator("lora", mode="before")(lora_from_form)
 
 
 class ImageData(BaseModel):
@@ -96,6 +124,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "vllm-omni"
     root: str
+    parent: str | None = None
+    """For a LoRA adapter, the base model it applies to (as vLLM lists adapters)."""
 
 
 class ModelList(BaseModel):
@@ -121,6 +151,10 @@ class VideoGenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    lora: LoraField = None
+    """LoRA adapters to apply (docs/lora.md); JSON text in a form."""
+
+    _lora_from_form = field_validator("lora", mode="before")(lora_from_form)
 
     @field_validator("size")
     @classmethod
@@ -132,6 +166,25 @@ class VideoGenerationRequest(BaseModel):
     def dimensions(self) -> tuple[int, int] | None:
         match = SIZE_PATTERN.match(self.size or "")
         return (int(match[1]), int(match[2])) if match else None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter``, as vLLM's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+    """Replace an adapter of the same name instead of refusing it."""
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``, as vLLM's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
 
 
 class VideoObject(BaseModel):

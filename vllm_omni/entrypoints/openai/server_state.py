@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_omni.config import StageDeployConfig
+from vllm_omni.config import LoRAModulePath, StageDeployConfig
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.image_store import ImageStore
@@ -47,6 +47,12 @@ class ServerState:
             videos=VideoJobs(serving.video_ttl_s, serving.video_store_max_bytes),
             on_fatal=on_fatal,
         )
+
+    def lora_adapters(self) -> dict[str, LoRAModulePath]:
+        """The LoRA adapters requests may select, by name (those of the configuration while the model loads)."""
+        if self.omni is not None:
+            return {m.name: m for m in self.omni.lora_adapters}
+        return {m.name: m for stage in self.stage_configs for m in stage.lora_modules}
 
     def unavailable_reason(self) -> str | None:
         if self.draining:

@@ -18,7 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.request import ImageTask, RequestFailedError, StageUnavailableError
 from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
-from vllm_omni.entrypoints.openai.checks import admit, check_api_key, check_request, refusal_outcome
+from vllm_omni.entrypoints.openai.checks import (
+    admit,
+    check_api_key,
+    check_request,
+    refusal_outcome,
+    selected_adapters,
+)
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.uploads import form_files, read_images
 from vllm_omni.entrypoints.openai.protocol import (
@@ -293,6 +299,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
         seed=body.seed,
         negative_prompt=body.negative_prompt,
         image=image,
+        lora=selected_adapters(state, body),
     )
     num_frames = admitted.params.num_frames
     if num_frames > state.serving.max_video_frames:
