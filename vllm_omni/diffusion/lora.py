@@ -20,6 +20,7 @@ import os
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -42,6 +43,12 @@ COMPONENT_KINDS = {
 """Which row list (`LoraAdapters.rows`) each pipeline component that may carry LoRA layers reads."""
 
 
+def _per_row_layers() -> tuple[type, ...]:
+    from peft.tuners.lora.layer import Linear, _ConvNd
+
+    return (Linear, _ConvNd)
+
+
 class LoraLoadError(ValueError):
     """An adapter that cannot be served; the message names its file."""
 
@@ -56,11 +63,11 @@ class LoraAdapters:
         self.max_lora_rank = max_lora_rank
         self.resident: OrderedDict[str, str] = OrderedDict()
         """Loaded adapters (name → path), least recently used first."""
-        self._rows: dict[str, list[Selection] | None] = {"text": None, "denoiser": None}
+        self._plans: dict[str, _RowPlan | None] = {"text": None, "denoiser": None}
         self._hooked: set[int] = set()
         self.lock = threading.Lock()
-        """Held around every forward that reads the adapters and every load or eviction that changes them (the
-        encode worker on CUDA runs text encoders while the loop runs the denoiser)."""
+        """Held around every denoiser call with adapters and every load or eviction: on CUDA in step mode an
+        adapter loads on the encode worker while the loop thread runs the denoiser."""
 
     def components(self) -> Iterator[tuple[str, str, torch.nn.Module]]:
         """The loaded components that may carry LoRA layers: name, the row list it reads, module."""
@@ -107,20 +114,26 @@ class LoraAdapters:
         except Exception as exc:  # noqa: BLE001 - any loader error is the file's
             self._delete(name)
             raise LoraLoadError(f"LoRA adapter {name!r} from {path} cannot be loaded: {exc}") from exc
-        layers = {module for module in self._layers() if name in module.lora_A}
-        loaded = Counter(component for module, (component, _) in self._layers().items() if module in layers)
+        all_layers = self._layers()
+        layers = {m: component for m, (component, _) in all_layers.items() if name in m.lora_A}
+        expected_total = sum(expected.values())
         problem = None
         if not layers:
             problem = "it targets no layer of this model"
-        elif loaded != expected:
+        elif any(name in getattr(m, "lora_embedding_A", {}) for m in all_layers):
+            problem = "it adapts embedding layers, which are not supported"
+        elif Counter(layers.values()) != expected:
+            loaded = Counter(layers.values())
             missed = ", ".join(
                 f"{expected[c] - loaded[c]} of its {expected[c]} {c} layers"
                 for c in expected
                 if loaded[c] != expected[c]
             )
-            problem = f"{missed} target modules this model does not have (is it for another model?)"
+            problem = f"{missed} (of {expected_total}) target modules this model does not have (for another model?)"
         elif any(module.use_dora.get(name, False) for module in layers):
             problem = "it is a DoRA adapter, which is not supported"
+        elif unsupported := sorted({type(m).__name__ for m in layers if not isinstance(m, _per_row_layers())}):
+            problem = f"it adapts {', '.join(unsupported)} layers; per-row deltas support linear and convolution layers"
         else:
             rank = max(module.r[name] for module in layers)
             if rank > self.max_lora_rank:
@@ -128,7 +141,7 @@ class LoraAdapters:
         if problem is not None:
             self._delete(name)
             raise LoraLoadError(f"LoRA adapter {name!r} from {path} cannot be served: {problem}")
-        for module, (_, kind) in self._layers().items():
+        for module, (_, kind) in all_layers.items():
             self._hook(module, kind)
         for module in layers:
             module.enable_adapters(False)  # PEFT's forward returns the base output; the hook adds the deltas
@@ -185,40 +198,64 @@ class LoraAdapters:
             raise RuntimeError(f"LoRA adapter(s) {', '.join(sorted(missing))} are not resident")
         with self.lock if denoiser is not None else contextlib.nullcontext():
             for kind, rows in given.items():
-                self._rows[kind] = rows if any(rows) else None
+                self._plans[kind] = _RowPlan(rows) if any(rows) else None
             try:
                 yield
             finally:
                 for kind in given:
-                    self._rows[kind] = None
+                    self._plans[kind] = None
 
     def _add_deltas(self, kind: str, layer, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None:
-        rows = self._rows[kind]
-        if rows is None:
+        plan = self._plans[kind]
+        if plan is None:
             return None
-        n = x.shape[0]
-        uniform = all(selection == rows[0] for selection in rows)
-        if not uniform:
-            if n % len(rows):
-                raise RuntimeError(
-                    f"a LoRA layer got {n} rows for {len(rows)} row selections: this call does not batch rows as "
-                    "the mixed-adapter forward expects"
-                )
-            rows = rows * (n // len(rows))
-        adapters: dict[str, list[tuple[int, float]]] = {}
-        for i, selection in enumerate(rows[:1] if uniform else rows):
-            for chosen in selection:
-                adapters.setdefault(chosen.name, []).append((i, chosen.scale))
-        for name, picks in adapters.items():
+        for name, index, scales in plan.groups(x.shape[0], x.device, x.dtype):
             if name not in layer.lora_A:
                 continue
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
             inputs = x.to(lora_a.weight.dtype)
-            if uniform:  # PEFT's own expression, one scale for the whole call
-                output = output + (lora_b(lora_a(inputs)) * (layer.scaling[name] * picks[0][1])).to(output.dtype)
+            if index is None:  # every row applies it at one scale: PEFT's own expression
+                output = output + (lora_b(lora_a(inputs)) * (scales * layer.scaling[name])).to(output.dtype)
                 continue
-            index = torch.tensor([i for i, _ in picks], device=x.device)
-            scales = torch.tensor([s * layer.scaling[name] for _, s in picks], device=x.device, dtype=inputs.dtype)
-            delta = lora_b(lora_a(inputs.index_select(0, index))) * scales.view(-1, *[1] * (inputs.dim() - 1))
+            delta = lora_b(lora_a(inputs.index_select(0, index))) * layer.scaling[name]
+            delta = delta * scales.view(-1, *[1] * (delta.dim() - 1))
             output = output.index_add(0, index, delta.to(output.dtype))
         return output
+
+
+class _RowPlan:
+    """One call's row selections, grouped per adapter once per batch shape (each LoRA layer of the call reuses it)."""
+
+    def __init__(self, rows: list[Selection]):
+        self.rows = rows
+        self.uniform = all(selection == rows[0] for selection in rows)
+        self._groups: dict[tuple, list[tuple[str, torch.Tensor | None, Any]]] = {}
+
+    def groups(self, n: int, device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor | None, Any]]:
+        """Per adapter: the rows of an ``n``-row input that apply it and their scales; ``None`` rows (and a float
+        scale) when every row applies it alike."""
+        key = (n, device, dtype)
+        if key not in self._groups:
+            self._groups[key] = self._group(n, device, dtype)
+        return self._groups[key]
+
+    def _group(self, n: int, device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor | None, Any]]:
+        if self.uniform:
+            return [(chosen.name, None, chosen.scale) for chosen in self.rows[0]]
+        if n % len(self.rows):
+            raise RuntimeError(
+                f"a LoRA layer got {n} rows for {len(self.rows)} row selections: this call does not batch rows as "
+                "the mixed-adapter forward expects"
+            )
+        picks: dict[str, list[tuple[int, float]]] = {}
+        for i, selection in enumerate(self.rows * (n // len(self.rows))):
+            for chosen in selection:
+                picks.setdefault(chosen.name, []).append((i, chosen.scale))
+        return [
+            (
+                name,
+                torch.tensor([i for i, _ in rows], device=device),
+                torch.tensor([scale for _, scale in rows], device=device, dtype=dtype),
+            )
+            for name, rows in picks.items()
+        ]
