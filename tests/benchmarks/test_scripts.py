@@ -359,3 +359,31 @@ def test_stages_benchmark_compares_single_and_split_deploys(tiny_flux, tmp_path)
     assert [(q["deploy"], q["req_per_s"] > 0) for q in result["ratios"]] == [("split", True), ("split-step", True)]
     assert len(result["checks"]) == 7 and not any(c.startswith("FAIL") for c in result["checks"])
     assert (tmp_path / "smoke.md").read_text().startswith("| family | deploy | req/s")
+
+
+def test_lora_benchmark_compares_mixed_key_and_base(tiny_flux, tmp_path):
+    """``--quick --rss``: one row per variant in request mode, the ratios, and the RSS check's fields (values are
+    timings and RSS readings of a shared machine: only the shape is checked)."""
+    _run("lora.py", "--quick", "--rss", "--model", tiny_flux, "--out-dir", str(tmp_path), "--name", "smoke")
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["config"]["quick"] and result["config"]["modes"] == ["request"]
+    assert [(r["mode"], r["variant"]) for r in result["rows"]] == [
+        ("request", v) for v in ("mixed", "adapter-in-key", "base")
+    ]
+    fields = {"req_per_s", "images_per_s", "p50_ms", "p90_ms", "mean_ms", "batch_mean"}
+    for row in result["rows"]:
+        assert fields <= set(row) and len(row["reps"]) == 1 and fields <= set(row["reps"][0])
+    [ratios] = result["ratios"]
+    assert set(ratios) == {
+        "mode",
+        "mixed_over_key_req_per_s",
+        "mixed_over_key_p90",
+        "mixed_over_base_req_per_s",
+        "mixed_over_base_p90",
+    }
+    rss = result["rss"]
+    assert rss["adapters"] == 4 and rss["max_loras"] == 2 and len(rss["rss_after_each_bytes"]) == 4
+    readings = {"adapter_bytes", "start_rss_bytes", "end_rss_bytes", "growth_bytes", "bound_bytes", "spread_bytes"}
+    assert readings | {"growth_per_adapter_bytes", "resident", "resident_count"} <= set(rss)
+    assert isinstance(rss["pass"], bool)
+    assert (tmp_path / "smoke.md").read_text().startswith("| mode | variant | req/s")

@@ -1,4 +1,5 @@
-"""BatchScheduler policy: capacity, batch keys, no head-of-line blocking, no starvation, admission wait."""
+"""BatchScheduler policy: capacity, batch keys, no head-of-line blocking, no starvation, admission wait, LoRA adapters
+per batch, engine calls."""
 
 import threading
 import time
@@ -16,11 +17,13 @@ from vllm_omni.diffusion.request import (
 from vllm_omni.diffusion.batching import BatchScheduler
 
 
-def _scheduler(max_num_seqs=4, wait_ms=0.0) -> BatchScheduler:
+def _scheduler(max_num_seqs=4, wait_ms=0.0, **knobs) -> BatchScheduler:
     return BatchScheduler(
         OmniDiffusionConfig.from_stage(
             "unused",
-            StageDeployConfig(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms, execution_mode="request"),
+            StageDeployConfig(
+                max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms, execution_mode="request", **knobs
+            ),
         )
     )
 
@@ -195,3 +198,177 @@ def test_close_fails_waiting_requests_and_unblocks_schedule():
         request.future.result(timeout=1)
     with pytest.raises(RuntimeError, match="shut down"):
         scheduler.add(_request("b"))
+
+
+# LoRA: a batch holds at most max_loras distinct adapters.
+
+
+def _lora_scheduler(max_loras=1, max_num_seqs=4, wait_ms=0.0) -> BatchScheduler:
+    return _scheduler(max_num_seqs=max_num_seqs, wait_ms=wait_ms, enable_lora=True, max_loras=max_loras)
+
+
+def _with(name: str, *adapters: str, **params) -> DiffusionRequest:
+    """A request applying ``adapters`` (as admitted: each with its path)."""
+    return _request(name, lora=[{"name": a, "path": f"/loras/{a}"} for a in adapters], **params)
+
+
+def test_a_batch_holds_at_most_max_loras_adapters_and_the_rest_wait_their_turn():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_with("a1", "a"), _with("b1", "b"), _with("a2", "a")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["a1", "a2"]  # b1 has the same key but a second adapter
+    assert scheduler.adapters_in_use() == {"a"}
+    _run(scheduler, first)
+    assert scheduler.adapters_in_use() == set()
+    assert _ids(scheduler.schedule(timeout=0)) == ["b1"]
+
+
+def test_a_request_left_out_for_its_adapter_is_not_overtaken_by_later_arrivals():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_with("a1", "a"), _with("b1", "b"), _with("a2", "a")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    scheduler.add(_with("a3", "a"))  # arrives while a's batch runs
+    _run(scheduler, first)
+    second = scheduler.schedule(timeout=0)
+    assert _ids(second) == ["b1"]  # the oldest waiting request leads the next batch
+    _run(scheduler, second)
+    assert _ids(scheduler.schedule(timeout=0)) == ["a3"]
+
+
+def test_max_loras_counts_stacked_adapters():
+    scheduler = _lora_scheduler(max_loras=2)
+    for request in (_with("ab", "a", "b"), _with("c", "c"), _with("a", "a"), _with("b", "b")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["ab", "a", "b"]
+    assert scheduler.adapters_in_use() == {"a", "b"}
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["c"]
+
+
+def test_base_requests_join_any_batch():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_with("a1", "a"), _request("base1"), _with("b1", "b"), _request("base2")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["a1", "base1", "base2"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["b1"]
+
+
+def test_a_base_request_at_the_head_batches_with_the_first_adapter():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_request("base"), _with("b1", "b"), _with("c1", "c"), _with("b2", "b")):
+        scheduler.add(request)
+    assert _ids(scheduler.schedule(timeout=0)) == ["base", "b1", "b2"]
+
+
+def test_capacity_still_bounds_a_batch_with_adapters():
+    scheduler = _lora_scheduler(max_loras=1, max_num_seqs=2)
+    for request in (_with("a1", "a"), _with("b1", "b"), _with("a2", "a"), _with("a3", "a")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["a1", "a2"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["b1"]  # the oldest waiting request goes next
+
+
+def test_a_batch_that_left_a_request_out_for_its_adapter_does_not_wait():
+    """Waiting for more requests cannot help a batch that could not take one it had: it starts at once."""
+    scheduler = _lora_scheduler(max_loras=1, wait_ms=600_000)
+    for request in (_with("a1", "a"), _with("b1", "b"), _with("a2", "a")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["a1", "a2"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["b1"]  # it queued behind a running batch: no wait either
+
+
+def test_without_a_request_left_out_the_admission_wait_still_holds():
+    scheduler = _lora_scheduler(max_loras=1, wait_ms=600_000)
+    scheduler.add(_with("a1", "a"))
+    scheduler.add(_with("a2", "a"))
+    scheduler.add(_with("big", "b", size=64))  # another key: not left out for its adapter
+    assert scheduler.schedule(timeout=0) == []
+
+
+def test_without_lora_enabled_any_number_of_requests_without_adapters_batch():
+    scheduler = _scheduler(max_num_seqs=8)
+    for i in range(8):
+        scheduler.add(_request(f"r{i}"))
+    assert len(scheduler.schedule(timeout=0)) == 8
+
+
+# Engine calls: run on the engine's thread between batches.
+
+
+def test_a_call_runs_in_run_calls_and_its_result_lands_in_the_future():
+    scheduler = _scheduler()
+    ran = []
+    future = scheduler.call(lambda: ran.append("x") or 42)
+    assert not future.done() and ran == []  # nothing runs it but the engine's thread
+    scheduler.run_calls()
+    assert future.result(timeout=0) == 42 and ran == ["x"]
+    scheduler.run_calls()  # each call runs once
+    assert ran == ["x"]
+
+
+def test_a_failing_call_fails_its_future_only():
+    scheduler = _scheduler()
+
+    def fail():
+        raise ValueError("bad adapter file")
+
+    failing, fine = scheduler.call(fail), scheduler.call(lambda: "ok")
+    scheduler.run_calls()
+    assert isinstance(failing.exception(timeout=0), ValueError)
+    assert str(failing.exception(timeout=0)) == "bad adapter file"
+    assert fine.result(timeout=0) == "ok"
+
+
+def test_a_cancelled_call_does_not_run():
+    scheduler = _scheduler()
+    ran = []
+    future = scheduler.call(lambda: ran.append("x"))
+    assert future.cancel()
+    scheduler.run_calls()
+    assert ran == []
+
+
+def test_a_pending_call_comes_before_a_due_batch():
+    scheduler = _scheduler()
+    scheduler.add(_request("a"))
+    future = scheduler.call(lambda: "loaded")
+    assert scheduler.schedule() == []  # no timeout: returns because a call is pending
+    scheduler.run_calls()
+    assert future.result(timeout=0) == "loaded"
+    assert _ids(scheduler.schedule(timeout=0)) == ["a"]
+
+
+def test_a_call_wakes_an_idle_schedule():
+    scheduler = _scheduler(wait_ms=600_000)
+    scheduler.add(_request("a"))  # not due for ten minutes
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(scheduler.schedule()))
+    waiter.start()
+    future = scheduler.call(lambda: "loaded")
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and result == [[]]
+    scheduler.run_calls()
+    assert future.result(timeout=0) == "loaded"
+    assert scheduler.num_waiting == 1
+
+
+def test_close_fails_pending_calls_and_refuses_new_ones():
+    scheduler = _scheduler()
+    ran = []
+    future = scheduler.call(lambda: ran.append("x"))
+    scheduler.close("shutting down")
+    with pytest.raises(RuntimeError, match="shutting down"):
+        future.result(timeout=0)
+    scheduler.run_calls()
+    assert ran == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        scheduler.call(lambda: None)

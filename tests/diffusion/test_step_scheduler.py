@@ -1,4 +1,7 @@
-"""Step-mode policy: admission at step boundaries, encode look-ahead, bucket fairness, abort frees a slot."""
+"""Step-mode policy: admission at step boundaries, encode look-ahead, bucket fairness, abort frees a slot, LoRA
+adapters in use, engine calls."""
+
+import threading
 
 import pytest
 
@@ -13,17 +16,18 @@ from vllm_omni.diffusion.request import (
 from vllm_omni.diffusion.batching import StepBatchScheduler
 
 
-def _scheduler(max_num_seqs=2) -> StepBatchScheduler:
+def _scheduler(max_num_seqs=2, **knobs) -> StepBatchScheduler:
     return StepBatchScheduler(
         OmniDiffusionConfig.from_stage(
             "unused",
-            StageDeployConfig(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0, execution_mode="step"),
+            StageDeployConfig(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0, execution_mode="step", **knobs),
         )
     )
 
 
-def _request(name: str, key="64x64") -> DiffusionRequest:
-    params = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=4)
+def _request(name: str, key="64x64", adapters=()) -> DiffusionRequest:
+    lora = [{"name": a, "path": f"/loras/{a}"} for a in adapters]  # as admitted: each with its path
+    params = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=4, lora=lora)
     return DiffusionRequest.create(name, f"prompt {name}", params, key=key)
 
 
@@ -148,3 +152,122 @@ def test_close_fails_waiting_requests_but_running_ones_finish():
     scheduler.close("the loop died", include_running=True)
     with pytest.raises(RequestFailedError, match="the loop died"):
         a.future.result(timeout=0)
+
+
+# LoRA: the requests running and being encoded use at most max_loras distinct adapters.
+
+
+def _lora_scheduler(max_loras=1, max_num_seqs=4) -> StepBatchScheduler:
+    return _scheduler(max_num_seqs=max_num_seqs, lora_modules=["a=/loras/a", "b=/loras/b"], max_loras=max_loras)
+
+
+def test_a_request_with_another_adapter_is_prepared_once_the_slot_is_free():
+    scheduler = _lora_scheduler(max_loras=1)
+    a1, b1, a2 = _request("a1", adapters=("a",)), _request("b1", adapters=("b",)), _request("a2", adapters=("a",))
+    for request in (a1, b1, a2):
+        scheduler.add(request)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["a1"]  # b1 needs a second adapter; a2 does not overtake it
+    assert scheduler.adapters_in_use() == {"a"}  # being encoded counts
+    _encode(scheduler, plan)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["a1"] and plan.to_prepare == []
+    assert _ids(scheduler.plan(timeout=0).to_prepare) == []  # still not while a1 denoises
+    scheduler.retire([a1])  # its denoising is done: the decode applies no adapter
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["b1"] and plan.batch == []
+    assert scheduler.adapters_in_use() == {"b"}
+    scheduler.complete(a1, OmniRequestOutput("a1", a1.prompt))
+    _encode(scheduler, plan)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["b1"] and plan.to_prepare == []  # a2 waits for b1 in turn
+    scheduler.retire([b1])
+    scheduler.complete(b1, OmniRequestOutput("b1", b1.prompt))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["a2"]
+    _encode(scheduler, plan)
+    assert _ids(scheduler.plan(timeout=0).batch) == ["a2"]
+
+
+def test_requests_with_the_adapter_in_use_and_base_requests_are_prepared_beside_it():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_request("a1", adapters=("a",)), _request("base"), _request("a2", adapters=("a",))):
+        scheduler.add(request)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["a1", "base", "a2"]
+    _encode(scheduler, plan)
+    assert _ids(scheduler.plan(timeout=0).batch) == ["a1", "base", "a2"]
+
+
+def test_a_base_request_runs_beside_a_running_adapter_and_later_ones_wait_behind_a_blocked_one():
+    scheduler = _lora_scheduler(max_loras=1)
+    a1 = _request("a1", adapters=("a",))
+    scheduler.add(a1)
+    _encode(scheduler, scheduler.plan(timeout=0))
+    for request in (_request("base1"), _request("b1", adapters=("b",)), _request("base2")):
+        scheduler.add(request)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["a1"]
+    assert _ids(plan.to_prepare) == ["base1"]  # oldest first: base2 waits behind b1
+    _encode(scheduler, plan)
+    assert _ids(scheduler.plan(timeout=0).batch) == ["a1", "base1"]
+
+
+def test_max_loras_counts_stacked_adapters_in_step_mode():
+    scheduler = _lora_scheduler(max_loras=2)
+    ab, c, a = _request("ab", adapters=("a", "b")), _request("c", adapters=("c",)), _request("a", adapters=("a",))
+    for request in (ab, c, a):
+        scheduler.add(request)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["ab"]
+    assert scheduler.adapters_in_use() == {"a", "b"}
+
+
+def test_an_aborted_request_frees_its_adapter_slot():
+    scheduler = _lora_scheduler(max_loras=1)
+    a1, b1 = _request("a1", adapters=("a",)), _request("b1", adapters=("b",))
+    scheduler.add(a1)
+    scheduler.add(b1)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["a1"]
+    assert scheduler.abort("a1")  # while it is encoded
+    assert _ids(scheduler.plan(timeout=0).to_prepare) == ["b1"]
+
+
+# Engine calls: they run between steps.
+
+
+def test_a_pending_call_makes_plan_return_at_once():
+    scheduler = _scheduler()
+    future = scheduler.call(lambda: "loaded")
+    plan = scheduler.plan()  # no timeout, nothing to do but the call: returns
+    assert (plan.to_prepare, plan.batch, plan.dropped) == ([], [], [])
+    scheduler.run_calls()
+    assert future.result(timeout=0) == "loaded"
+
+
+def test_a_call_wakes_an_idle_plan():
+    scheduler = _scheduler()
+    plans = []
+    waiter = threading.Thread(target=lambda: plans.append(scheduler.plan()))
+    waiter.start()
+    future = scheduler.call(lambda: 1 / 0)
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and len(plans) == 1
+    scheduler.run_calls()
+    assert isinstance(future.exception(timeout=0), ZeroDivisionError)
+
+
+def test_a_pending_call_does_not_hold_back_the_plan():
+    scheduler = _scheduler()
+    scheduler.add(_request("a"))
+    scheduler.call(lambda: None)
+    assert _ids(scheduler.plan(timeout=0).to_prepare) == ["a"]
+
+
+def test_close_fails_pending_step_calls():
+    scheduler = _scheduler()
+    future = scheduler.call(lambda: "never")
+    scheduler.close("the engine stopped")
+    with pytest.raises(RuntimeError, match="the engine stopped"):
+        future.result(timeout=0)

@@ -139,10 +139,10 @@ class EngineCore:
         return self.scheduler.call(lambda: lora.load(name, path, keep=self.scheduler.adapters_in_use()))
 
     def unload_lora(self, name: str) -> Future:
-        """Evict adapter ``name`` at the next boundary unless a request in flight uses it (it then goes as the
-        least recently used); the future holds whether it was evicted now."""
+        """Evict adapter ``name`` at the next boundary, or, while a request in flight uses it, make it the next to
+        evict (`LoraAdapters.retire`); the future holds whether it was evicted now."""
         lora = self._lora()
-        return self.scheduler.call(lambda: name not in self.scheduler.adapters_in_use() and lora.unload(name))
+        return self.scheduler.call(lambda: lora.retire(name, self.scheduler.adapters_in_use()))
 
     def _lora(self):
         if self.runner.lora is None:

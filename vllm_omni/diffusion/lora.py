@@ -100,7 +100,9 @@ class LoraAdapters:
                     "(raise --max-loras)"
                 )
             self.unload(victim)
-        with self.lock:
+        # Normal tensors even when the caller runs in inference mode: PEFT sets requires_grad on every adapter's
+        # weights when another loads or goes, which inference tensors refuse.
+        with self.lock, torch.inference_mode(False):
             self._load(name, path)
         self.resident[name] = path
 
@@ -151,10 +153,19 @@ class LoraAdapters:
         """Evict adapter ``name`` if it is resident; whether it was."""
         if self.resident.pop(name, None) is None:
             return False
-        with self.lock:
+        with self.lock, torch.inference_mode(False):
             self._delete(name)
         logger.info("Evicted LoRA adapter %r", name)
         return True
+
+    def retire(self, name: str, in_use: Iterable[str]) -> bool:
+        """An adapter no longer served: evicted now if no request in flight uses it (then True), else made the
+        next to evict."""
+        if name not in in_use:
+            return self.unload(name)
+        if name in self.resident:
+            self.resident.move_to_end(name, last=False)
+        return False
 
     def _delete(self, name: str) -> None:
         for module in self._layers():

@@ -146,13 +146,15 @@ class OmniEngine:
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name`` (`UnknownLoraError` if it is not served). Requests already accepted with it
-        still run with it; each replica evicts it once none uses it."""
+        still run with it; each replica evicts it now, or next when requests in flight use it."""
         with self._lock:
             if name not in self.loras:
                 raise UnknownLoraError(name, list(self.loras))
             del self.loras[name]
         for future in [r.unload_lora(name) for r in self._lora_stage.replicas if r.is_alive]:
-            future.exception()  # a replica lost meanwhile has nothing to evict
+            error = future.exception()
+            if error is not None and not isinstance(error, ReplicaLostError):  # a lost replica has nothing to evict
+                logger.warning("evicting LoRA adapter %r failed: %s: %s", name, type(error).__name__, error)
 
     def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams | AdmittedParams) -> Future:
         """Queue a request (raises `SamplingParamsError` for parameters the model cannot take); ``params`` admitted

@@ -8,13 +8,19 @@ import os
 import torch
 
 STRENGTH = 0.5
-"""Norm of each random weight delta relative to the weight it adds to (`write_random_lora`)."""
+"""Norm of each random weight delta relative to the weight it adds to: on the tiny models at 2 steps, an adapter
+at scale 0.8 moves pixels by some 30/255 at most, without saturating them."""
+ALPHA_PER_RANK = 2
+"""``lora_alpha / r`` of the random adapters: not 1, so that a server that forgets PEFT's scaling is caught."""
 DENOISER_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_out")
-"""Denoiser modules the random adapters target (attention, in every family)."""
+"""Denoiser modules the random adapters target: attention in every family, and the output projections (without
+them, an adapter barely moves the transformer families' images)."""
 CONV_TARGETS = ("conv1",)
 """UNet convolutions they also target (a convolution LoRA layer)."""
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 """CLIP text-encoder modules they target when asked to carry text-encoder weights."""
+CLIP_TEXT_ENCODER_FAMILIES = ("sd", "sdxl", "sd3", "flux", "flux-bench", "kontext")
+"""Tiny-model families whose ``text_encoder`` is CLIP: those whose random adapters can carry text-encoder weights."""
 
 
 def _random_lora(
@@ -26,8 +32,7 @@ def _random_lora(
     from peft.tuners.lora import LoraLayer
 
     torch.manual_seed(seed)
-    # alpha != rank, so that a server that forgets PEFT's scaling (alpha / rank) is caught.
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    config = LoraConfig(r=rank, lora_alpha=ALPHA_PER_RANK * rank, target_modules=targets, init_lora_weights=False)
     inject_adapter_in_model(config, module, adapter_name="random")
     with torch.no_grad():
         for layer in module.modules():
@@ -52,7 +57,8 @@ def write_random_lora(
 ) -> str:
     """Write a random adapter for the pipeline folder ``model`` to the folder ``path`` (as ``save_lora_weights``
     does), or with ``kohya`` to the file ``path`` in kohya's key format (SD and SDXL: diffusers converts it on
-    load). ``text_encoder``: the adapter carries text-encoder weights too. Returns ``path``."""
+    load). ``text_encoder``: the adapter carries weights for the (CLIP) ``text_encoder`` too. ``seed`` picks the
+    random weights; ``strength``: see `STRENGTH`. Returns ``path``."""
     import diffusers
 
     from vllm_omni.diffusion.runner import load_pipeline
@@ -63,6 +69,11 @@ def write_random_lora(
     targets = list(DENOISER_TARGETS) + (list(CONV_TARGETS) if denoiser_name == "unet" else [])
     layers = {f"{denoiser_name}_lora_layers": _random_lora(denoiser, targets, rank, seed, strength)}
     if text_encoder:
+        if not type(pipeline.text_encoder).__name__.startswith("CLIPText"):
+            raise ValueError(
+                f"random text-encoder LoRA weights are written for CLIP text encoders; {model} has "
+                f"{type(pipeline.text_encoder).__name__}"
+            )
         layers["text_encoder_lora_layers"] = _random_lora(
             pipeline.text_encoder, list(TEXT_TARGETS), rank, seed + 1, strength
         )
@@ -88,14 +99,16 @@ def _kohya(layers: dict[str, dict[str, torch.Tensor]], rank: int) -> dict[str, t
             module, kind = key.rsplit(".lora_", 1)
             name = prefixes[group] + module.replace(".", "_")
             out[f"{name}.{'lora_down' if kind.startswith('A') else 'lora_up'}.weight"] = value
-            out[f"{name}.alpha"] = torch.tensor(float(2 * rank))
+            out[f"{name}.alpha"] = torch.tensor(float(ALPHA_PER_RANK * rank))
     return out
 
 
-def stock_lora_images(model: str, adapters: dict[str, str], weights: dict[str, float], prompt: str, **call):
-    """The stock pipeline's images for one request: ``adapters`` (name → path) loaded with ``load_lora_weights``,
-    activated with ``set_adapters(names, weights)``, then called alone with ``call`` (``generator`` from
-    ``seed``)."""
+def stock_lora_images(
+    model: str, adapters: dict[str, str], weights: dict[str, float], prompt: str, *, seed: int, **call
+):
+    """The stock pipeline's output for one request: a fresh pipeline, ``adapters`` (name → path) loaded with
+    ``load_lora_weights`` and activated with ``set_adapters(names, weights)`` (no weights: LoRA disabled), called
+    alone on ``prompt`` with ``call`` and a CPU generator seeded with ``seed``."""
     from vllm_omni.diffusion.runner import load_pipeline
 
     pipeline = load_pipeline(model, torch.float32, torch.device("cpu"))
@@ -106,5 +119,4 @@ def stock_lora_images(model: str, adapters: dict[str, str], weights: dict[str, f
         pipeline.set_adapters(list(weights), list(weights.values()))
     else:
         pipeline.disable_lora()
-    seed = call.pop("seed")
     return pipeline(prompt, generator=torch.Generator("cpu").manual_seed(seed), **call)

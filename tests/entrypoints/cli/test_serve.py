@@ -119,6 +119,11 @@ def test_execution_mode_flag_resolves_with_cli_provenance(parser, tiny_flux):
             r"argument --execution-mode: invalid choice: 'steps' \(choose from 'request', 'step'\)",
         ),
         (["--execution-mode", "step", "--request-batch-max-wait-ms", "5"], r"applies to execution_mode 'request' only"),
+        (["--lora-modules", "a"], r"Invalid JSON format for --lora-modules: a"),
+        (["--lora-modules", "a=/x", "a=/y"], r"lora_modules names must be unique, repeated: a"),
+        (["--max-loras", "0"], r"--max-loras 0: Input should be greater than or equal to 1"),
+        (["--max-cpu-loras", "2"], r"--max-cpu-loras: vLLM flag\(s\) that a diffusion server does not use"),
+        (["--lora-dtype", "float16"], r"--lora-dtype: vLLM flag\(s\) that a diffusion server does not use"),
     ],
 )
 def test_bad_flags_fail_naming_the_flag(parser, tiny_flux, capsys, argv, message):
@@ -135,6 +140,19 @@ def test_help_lists_the_omni_group(parser):
     omni = text[text.index("\nOmni:") :]
     for flag in ("--deploy-config", "--request-batch-max-wait-ms", "--stage-overrides", "--max-waiting-requests"):
         assert flag in omni
+    for flag in ("--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank"):  # vLLM's, used
+        assert flag in omni[: omni.index("any other vLLM flag is refused")]
+
+
+def test_lora_flags_resolve_with_cli_provenance(parser, tiny_flux):
+    _, stages, _ = _config(parser, [tiny_flux, "--lora-modules", "a=/x", "--max-loras", "2"])
+    stage = stages[0]
+    assert [(m.name, m.path) for m in stage.lora_modules] == [("a", "/x")]
+    assert {k: (getattr(stage, k), stage.provenance[k]) for k in ("max_loras", "max_lora_rank")} == {
+        "max_loras": (2, "cli"),
+        "max_lora_rank": (64, "default"),  # not vLLM's default of 16
+    }
+    assert "lora_modules=(a=/x,) (cli)" in stage.describe()
 
 
 def test_the_real_vllm_cli_refuses_a_bad_flag_before_loading(tiny_flux):

@@ -24,12 +24,44 @@ def main(argv: list[str] | None = None) -> None:
     )
     tiny.add_argument("dir", help="Folder to write the pipeline to.")
     tiny.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="Pipeline family (default: flux).")
+    tiny.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Also write N random LoRA adapters for it, to DIR/loras/lora-<i> (i = 0..N-1, the random seed).",
+    )
+    tiny.add_argument(
+        "--lora-text-encoder",
+        action="store_true",
+        help="The --lora adapters also carry weights for the CLIP text encoder (sd, sdxl, sd3, flux, kontext).",
+    )
     tiny.add_argument("--omni", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES
+
+    if args.lora < 0:
+        tiny.error(f"argument --lora: N must be 0 or more, not {args.lora}")
+    if args.lora_text_encoder and not args.lora:
+        tiny.error("argument --lora-text-encoder: needs --lora N with N > 0")
+    if args.lora_text_encoder and args.family not in CLIP_TEXT_ENCODER_FAMILIES:
+        tiny.error(
+            f"argument --lora-text-encoder: family {args.family!r} has no CLIP text encoder "
+            f"(families with one: {', '.join(CLIP_TEXT_ENCODER_FAMILIES)})"
+        )
+
     from vllm_omni.testing.tiny_models import make_tiny_model
 
-    print(make_tiny_model(args.dir, args.family))
+    print(make_tiny_model(args.dir, args.family), flush=True)
+    if args.lora:
+        import os
+
+        from vllm_omni.testing.lora import write_random_lora
+
+        for i in range(args.lora):
+            path = os.path.join(args.dir, "loras", f"lora-{i}")
+            print(write_random_lora(args.dir, path, seed=i, text_encoder=args.lora_text_encoder), flush=True)
 
 
 if __name__ == "__main__":

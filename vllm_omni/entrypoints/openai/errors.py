@@ -45,10 +45,10 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     location = [str(p) for p in error.get("loc", ()) if p != "body"]
     if error.get("type") == "json_invalid":
         return error_response(400, "The request body is not valid JSON", code="invalid_json")
-    if error.get("type") == "extra_forbidden":
-        return error_response(
-            400, f"Unrecognized request argument supplied: {location[-1]}", location[-1], code="unknown_parameter"
-        )
+    if error.get("type") == "extra_forbidden":  # param: the request field, also for a key inside one (lora)
+        inside = f" (in {location[0]})" if len(location) > 1 else ""
+        message = f"Unrecognized request argument supplied: {location[-1]}{inside}"
+        return error_response(400, message, location[0], code="unknown_parameter")
     param = location[0] if location else None
     reason = error["ctx"]["error"] if error.get("type") == "value_error" else error["msg"]
     if param is None:
