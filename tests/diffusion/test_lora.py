@@ -187,3 +187,11 @@ def test_rows_that_do_not_fit_the_batch_are_an_error(tiny_sd, lora_file, sd_adap
             _generate(sd_adapters.pipeline, "sd", PROMPTS, SEEDS)
     finally:
         sd_adapters.unload("a")
+
+
+def test_an_adapter_may_load_more_layers_than_its_file_has(tiny_wan_i2v, lora_file):
+    """diffusers adds zero layers where the model has modules the adapter's base model lacks (Wan image-to-video's
+    image cross-attention): not a sign of an adapter for another model."""
+    adapters = LoraAdapters(load_pipeline(tiny_wan_i2v, torch.float32, torch.device("cpu")), 2, 64)
+    adapters.load("a", lora_file(tiny_wan_i2v, "a", seed=1))
+    assert list(adapters.resident) == ["a"]
