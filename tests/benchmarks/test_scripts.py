@@ -383,7 +383,7 @@ def test_lora_benchmark_compares_mixed_key_and_base(tiny_flux, tmp_path):
     }
     rss = result["rss"]
     assert rss["adapters"] == 4 and rss["max_loras"] == 2 and len(rss["rss_after_each_bytes"]) == 4
-    readings = {"adapter_bytes", "start_rss_bytes", "end_rss_bytes", "growth_bytes", "bound_bytes", "noise_bytes"}
+    readings = {"adapter_bytes", "start_rss_bytes", "end_rss_bytes", "growth_bytes", "bound_bytes", "spread_bytes"}
     assert readings | {"lora_weights_start_bytes", "lora_weights_end_bytes", "resident", "resident_count"} <= set(rss)
     assert isinstance(rss["pass"], bool)
     assert (tmp_path / "smoke.md").read_text().startswith("| mode | variant | req/s")

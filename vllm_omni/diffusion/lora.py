@@ -16,6 +16,7 @@ error, never a guess.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 from collections import Counter, OrderedDict
@@ -41,6 +42,19 @@ COMPONENT_KINDS = {
     "transformer_2": "denoiser",
 }
 """Which row list (`LoraAdapters.rows`) each pipeline component that may carry LoRA layers reads."""
+
+
+try:
+    _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
+except AttributeError:  # not glibc
+    _MALLOC_TRIM = None
+
+
+def _release_freed_memory() -> None:
+    """Hand the memory an eviction (or a load's temporary state dict) freed back to the system: glibc keeps freed
+    pages in its arenas, and the process would otherwise hold a few adapters' worth more than it uses."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _per_row_layers() -> tuple[type, ...]:
@@ -103,7 +117,10 @@ class LoraAdapters:
         # Normal tensors even when the caller runs in inference mode: PEFT sets requires_grad on every adapter's
         # weights when another loads or goes, which inference tensors refuse.
         with self.lock, torch.inference_mode(False):
-            self._load(name, path)
+            try:
+                self._load(name, path)
+            finally:
+                _release_freed_memory()
         self.resident[name] = path
 
     def _load(self, name: str, path: str) -> None:
@@ -152,6 +169,7 @@ class LoraAdapters:
             return False
         with self.lock, torch.inference_mode(False):
             self._delete(name)
+        _release_freed_memory()
         logger.info("Evicted LoRA adapter %r", name)
         return True
 
