@@ -13,6 +13,7 @@ from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
 from vllm_omni.testing.edits import noise_image, square_mask
 from vllm_omni.config import DeployConfig, StageDeployConfig
 from vllm_omni.diffusion.steppers import Conditioning
+from vllm_omni.testing.lora import stock_lora_images, write_random_lora
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -36,9 +37,15 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def omni(cluster, tiny_flux):
-    """Two replicas of max_num_seqs 2, one per node, with one torch thread each."""
+    """Two replicas of max_num_seqs 2, one per node, with one torch thread each; LoRA on (no adapter until a test
+    adds one)."""
     with Omni(
-        tiny_flux, num_replicas=2, max_num_seqs=2, placement_strategy="STRICT_SPREAD", ray_address=cluster.address
+        tiny_flux,
+        num_replicas=2,
+        max_num_seqs=2,
+        placement_strategy="STRICT_SPREAD",
+        ray_address=cluster.address,
+        enable_lora=True,
     ) as omni:
         yield omni
 
@@ -165,6 +172,34 @@ def test_replicas_run_on_different_nodes_and_share_the_requests(cluster, omni):
         assert {o.metrics["replica"] for o, p in zip(outputs, params, strict=True) if p.seed == seed} == {0, 1}
         # Within the tolerance of a batch of another size (which of them share a batch depends on timing).
         assert all(np.abs(images[0] - image).max() <= 2 for image in images[1:])
+
+
+def test_an_added_lora_adapter_loads_on_every_replica_and_both_serve_it_as_stock(omni, tiny_flux, tmp_path):
+    path = write_random_lora(tiny_flux, str(tmp_path / "ink"), seed=1)
+    call = {"height": 32, "width": 32, "num_inference_steps": 4}
+    expected = np.asarray(
+        stock_lora_images(tiny_flux, {"ink": path}, {"ink": 0.7}, "a red car", seed=3, **call).images[0],
+        dtype=np.int16,
+    )
+    omni.add_lora("ink", path)
+    try:
+        assert [_sample("lora_adapters_resident", stage="0", replica=r) for r in "01"] == [1, 1]
+        params = [OmniDiffusionSamplingParams(seed=3, lora={"name": "ink", "scale": 0.7}, **call) for _ in range(4)]
+        replicas = omni.engine.stages[0].replicas
+        for replica in replicas:  # placed alternately: each replica runs two of them
+            _hold_batches(replica)
+        try:
+            futures = [omni.engine.add_request(f"lora-{i}", "a red car", p) for i, p in enumerate(params)]
+        finally:
+            for replica in replicas:
+                _release_batches(replica)
+        outputs = [future.result(timeout=600) for future in futures]
+        assert {o.metrics["replica"] for o in outputs} == {0, 1}
+        for output in outputs:
+            assert np.abs(_pixels(output) - expected).max() <= 2
+    finally:
+        omni.remove_lora("ink")
+    assert [_sample("lora_adapters_resident", stage="0", replica=r) for r in "01"] == [0, 0]
 
 
 def test_a_tie_goes_to_the_replica_that_holds_the_same_batch_key(omni):

@@ -89,6 +89,8 @@ class OmniEngine:
             m.name: m for m in (self._lora_stage.stage_config.lora_modules if self._lora_stage else ())
         }
         """The adapters requests may select, by name: ``--lora-modules`` and those loaded since."""
+        self._loading: set[str] = set()
+        """Adapter names being loaded now (a second load of one is refused)."""
         metrics.replica_metrics.add(self._replica_metrics)
         self._flights: dict[str, _Flight | None] = {}
         self._lock = threading.Lock()
@@ -130,19 +132,24 @@ class OmniEngine:
         if self._lora_stage is None:
             raise ValueError("this server serves no LoRA adapters: start it with --enable-lora to load them")
         with self._lock:
-            if name in self.loras:
+            if name in self.loras or name in self._loading:
                 raise ValueError(f"The LoRA adapter '{name}' has already been loaded")
-        replicas = [r for r in self._lora_stage.replicas if r.is_alive]
-        futures = [replica.load_lora(name, path) for replica in replicas]
-        errors = [future.exception() for future in futures]
-        failed = next((error for error in errors if error is not None), None)
-        if failed is not None:
-            for replica, error in zip(replicas, errors, strict=True):
-                if error is None:
-                    replica.unload_lora(name).result()
-            raise failed
-        with self._lock:
-            self.loras[name] = LoRAModulePath(name=name, path=path)
+            self._loading.add(name)
+        try:
+            replicas = [r for r in self._lora_stage.replicas if r.is_alive]
+            futures = [replica.load_lora(name, path) for replica in replicas]
+            errors = [future.exception() for future in futures]
+            failed = next((error for error in errors if error is not None), None)
+            if failed is not None:
+                for replica, error in zip(replicas, errors, strict=True):
+                    if error is None:
+                        replica.unload_lora(name).result()
+                raise failed
+            with self._lock:
+                self.loras[name] = LoRAModulePath(name=name, path=path)
+        finally:
+            with self._lock:
+                self._loading.discard(name)
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name`` (`UnknownLoraError` if it is not served). Requests already accepted with it
