@@ -125,6 +125,7 @@ def serve_stub(port: int, size: str, busy_ms: float) -> None:
 
     class StubOmni:
         num_waiting = 0
+        lora_adapters = []
         model_card = ModelCard(
             pipeline_name="StubPipeline",
             call_args=frozenset(),
