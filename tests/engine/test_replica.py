@@ -13,7 +13,9 @@ def _members(cls) -> dict[str, object]:
 
 def test_the_protocol_declares_every_method_the_stage_uses():
     declared = {name for name in vars(Replica) if not name.startswith("_")} | set(Replica.__annotations__)
-    assert declared == set("info is_alive submit abort progress num_waiting warm_up collect_metrics shutdown".split())
+    assert declared == set(
+        "info is_alive submit abort progress num_waiting warm_up load_lora unload_lora collect_metrics shutdown".split()
+    )
 
 
 @pytest.mark.parametrize("backend", ["inline", "ray"])
