@@ -340,6 +340,8 @@ def _edit_form_schema() -> dict[str, Any]:
         "image": {"type": "string", "format": "binary"},
         "image[]": files,
         "mask": {"type": "string", "format": "binary"},
+        # A form field is text: the adapters arrive as JSON.
+        "lora": {"type": "string", "description": 'LoRA adapters as JSON: {"name": ..., "scale": ...} or a list'},
     }
     form = {"type": "object", "properties": properties, "required": ["prompt"]}
     return {"required": True, "content": {"multipart/form-data": {"schema": form}}}
