@@ -6,6 +6,7 @@ PYTHON ?= python3
 
 install:
 	@$(PYTHON) scripts/check_install.py || $(PYTHON) -m pip install -e '.[test]'
+	@sh scripts/install_browser.sh
 
 demo: install
 	$(PYTHON) examples/serve_demo.py

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+QualityLevel = Literal["low", "medium", "high"]
+"""The Images API's ``quality`` levels that choose a step count (`ServingConfig.quality_steps`)."""
 
 
 class ServingConfig(BaseModel):
@@ -51,6 +54,9 @@ class ServingConfig(BaseModel):
     root_path: str = ""
     """ASGI root path when the server sits behind a path-rewriting proxy."""
 
+    disable_playground: bool = False
+    """Do not serve the playground page at ``/`` and ``/playground`` (they answer 404)."""
+
     max_waiting_requests: int = Field(default=64, ge=0)
     """Requests that may wait for a batch; one more is answered 429 at once instead of queueing."""
 
@@ -68,6 +74,10 @@ class ServingConfig(BaseModel):
 
     max_inference_steps: int = Field(default=200, ge=1, le=1000)
     """Most ``num_inference_steps`` a request may ask for."""
+
+    quality_steps: dict[QualityLevel, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    """Denoising steps of the Images API's ``quality`` levels (low, medium, high), replacing the default mapping
+    (a quarter, half, all of the model's default steps) for the levels given."""
 
     max_prompt_length: int = Field(default=4000, ge=1)
     """Longest ``prompt`` (and ``negative_prompt``), in characters."""
@@ -89,3 +99,12 @@ class ServingConfig(BaseModel):
 
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long running requests may take to finish before they are cancelled."""
+
+    @field_validator("quality_steps")
+    @classmethod
+    def _quality_steps_within_the_limit(cls, steps: dict[str, int], info: ValidationInfo) -> dict[str, int]:
+        limit = info.data.get("max_inference_steps")  # declared before quality_steps: validated first
+        over = [f"{level}={n}" for level, n in steps.items() if limit is not None and n > limit]
+        if over:
+            raise ValueError(f"steps above --max-inference-steps {limit}: {', '.join(over)}")
+        return steps

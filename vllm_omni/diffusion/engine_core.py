@@ -16,6 +16,7 @@ import torch
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.batching import BatchScheduler
 from vllm_omni.diffusion.outputs import OmniRequestOutput, RequestMetrics, StageOutput, build_output
+from vllm_omni.diffusion.previews import Preview, Previews, clean_latents
 from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams
 from vllm_omni.diffusion.runner import DiffusionRunner
 from vllm_omni.logger import init_logger
@@ -66,11 +67,15 @@ def run_isolated(
 
 
 def denoise_step(
-    requests: list[DiffusionRequest], stepper: Stepper, on_oom_split: Callable[[], None]
+    requests: list[DiffusionRequest],
+    stepper: Stepper,
+    on_oom_split: Callable[[], None],
+    previews: Previews | None = None,
 ) -> list[tuple[DiffusionRequest, BaseException]]:
     """One denoising step for every request: one denoiser forward over all their rows (a failure there is isolated
-    to its request), then each request moves one step along its own schedule. Returns the requests that failed,
-    with why; a failed scheduler update fails every request it held, whose state it may have changed."""
+    to its request), the previews due after this step (from the predictions), then each request moves one step
+    along its own schedule. Returns the requests that failed, with why; a failed scheduler update fails every
+    request it held, whose state it may have changed."""
     with torch.inference_mode():
         predictions = run_isolated(
             lambda batch: stepper.predict([r.state for r in batch]),
@@ -83,6 +88,12 @@ def denoise_step(
         stepped = [(r, p) for r, p in zip(requests, predictions, strict=True) if not isinstance(p, BaseException)]
         if not stepped:
             return failed
+        for request, prediction in stepped:
+            state = request.state
+            if previews is not None and previews.due(request, state.step + 1):
+                index = state.offset + state.step
+                clean = clean_latents(state.noise_scheduler, index, state.timestep, prediction, state.latents)
+                previews.emit(request, clean)
         try:
             stepper.advance([r.state for r, _ in stepped], [p for _, p in stepped])
         except Exception as exc:  # noqa: BLE001 - a scheduler update that fails leaves its requests unusable
@@ -120,12 +131,19 @@ class EngineCore:
         self.metrics.lora_adapters_resident.set_function(lambda: 0 if lora is None else len(lora.resident))
 
     def add_request(
-        self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None
+        self,
+        request_id: str,
+        prompt: str,
+        params: OmniDiffusionSamplingParams,
+        payload: Any = None,
+        on_preview: Callable[[Preview], None] | None = None,
     ) -> Future:
         """Queue a request with ``params`` its role has completed (and the previous stage's ``payload`` for it, in a split
         pipeline); the returned future resolves to its `OmniRequestOutput`, or a `StageOutput` from a stage that
-        is not the last."""
-        request = DiffusionRequest.create(request_id, prompt, params, key=self.admission.key(params), payload=payload)
+        is not the last. ``on_preview`` takes its partial images, on the engine's thread."""
+        request = DiffusionRequest.create(
+            request_id, prompt, params, key=self.admission.key(params), payload=payload, on_preview=on_preview
+        )
         self.scheduler.add(request)
         return request.future
 

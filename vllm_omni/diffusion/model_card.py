@@ -74,6 +74,9 @@ class ModelCard:
     """A video's num_frames must be 1 more than a multiple of this: the VAE's temporal compression."""
     outputs_arg: str | None
     """Its argument for outputs per prompt (``num_images_per_prompt`` or ``num_videos_per_prompt``), if any."""
+    latent_pixels: int = 8
+    """Pixels per side of one position of its denoiser's input: the VAE's spatial factor, times 2 for transformer
+    (DiT) pipelines, which pack or patch latents 2×2 (16 for Flux, SD3 and Qwen-Image; 8 for SD and SDXL)."""
     image_required: bool = False
     """Whether it needs an input image (image-to-image, inpainting, instruction-edit and image-to-video pipelines)."""
     max_images: int = 1
@@ -91,6 +94,11 @@ class ModelCard:
     def is_video(self) -> bool:
         """Whether it generates videos (it takes ``num_frames``)."""
         return "num_frames" in self.call_args
+
+    @property
+    def default_steps(self) -> int:
+        """``num_inference_steps`` of a request that gives none: its call default, else 50."""
+        return self.call_defaults.get("num_inference_steps") or 50
 
     @property
     def noises_its_image(self) -> bool:
@@ -148,6 +156,7 @@ class ModelCard:
             size_multiple=max(8, 2 * int(scale)),
             frame_multiple=int(getattr(pipeline, "vae_scale_factor_temporal", 1) or 1),
             outputs_arg=next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters), None),
+            latent_pixels=int(scale) * (2 if "transformer" in pipeline.components else 1),
             image_required=image is not None
             and (image.default is inspect.Parameter.empty or name in _IMAGE_REQUIRED or "strength" in parameters),
             max_images=MAX_INPUT_IMAGES if name in _SEVERAL_IMAGES else 1,
@@ -205,7 +214,7 @@ class ModelCard:
                 raise SamplingParamsError(
                     side, f"{side}={value} is not a multiple of {self.size_multiple}, which {name} requires"
                 )
-        steps = params.num_inference_steps or self.call_defaults.get("num_inference_steps") or 50
+        steps = params.num_inference_steps or self.default_steps
         return params.model_copy(
             update={
                 **video,

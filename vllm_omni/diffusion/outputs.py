@@ -93,6 +93,11 @@ class OmniRequestOutput:
     """How it ran; ``None`` when it failed."""
     error: str | None = None
     """Why the request failed; ``None`` on success."""
+    finished: bool = True
+    """``False`` for a partial result (`AsyncOmni.generate` yields them for ``partial_images``): ``images`` holds a
+    preview of each output (for video, one frame of each), and ``metrics`` is ``None``."""
+    partial_image_index: int | None = None
+    """Which preview a partial result is, from 0."""
 
 
 @dataclass

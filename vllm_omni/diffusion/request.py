@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.previews import Preview
 
 MAX_SEED = 2**63 - 1
 
@@ -21,6 +24,9 @@ MAX_INPUT_IMAGES = 16
 
 MAX_LORA_SCALE = 8.0
 """Largest absolute ``scale`` a request may give an adapter."""
+
+MAX_PARTIAL_IMAGES = 3
+"""Most previews one request may ask for (OpenAI's limit)."""
 
 
 class LoraSelection(BaseModel):
@@ -85,6 +91,10 @@ class OmniDiffusionSamplingParams(BaseModel):
 
     extra_args: dict[str, Any] = Field(default_factory=dict)
     """Further keyword arguments of the pipeline call (e.g. ``max_sequence_length``); batched requests must agree."""
+
+    partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
+    """Previews of the running request to hand its caller before the output (0–3), made at evenly spaced steps
+    (`AsyncOmni.generate` yields them); requests with different counts share batches."""
 
     lora: tuple[LoraSelection, ...] = ()
     """LoRA adapters to apply, each ``{"name", "scale"}`` (one, or a list to stack them); requests with different
@@ -259,6 +269,10 @@ class DiffusionRequest:
     """Step mode: its encoding has been handed to the encode worker."""
     payload: Any = None
     """A split pipeline's previous stage output for it (`Conditioning` or `Latents`); ``None`` for the first."""
+    on_preview: Callable[[Preview], None] | None = None
+    """Where its partial images go (``params.partial_images`` of them), on the engine's thread; ``None``: nowhere."""
+    previews_sent: int = 0
+    """Previews made so far."""
 
     @property
     def progress(self) -> float:
@@ -273,7 +287,16 @@ class DiffusionRequest:
         params: OmniDiffusionSamplingParams,
         key: Hashable | None = None,
         payload: Any = None,
+        on_preview: Callable[[Preview], None] | None = None,
     ) -> DiffusionRequest:
         key = key if key is not None else BatchKey.of(params)
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
-        return cls(request_id=request_id, prompt=prompt, params=params, seed=seed, key=key, payload=payload)
+        return cls(
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
+            seed=seed,
+            key=key,
+            payload=payload,
+            on_preview=on_preview,
+        )

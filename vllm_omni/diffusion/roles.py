@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.engine_core import denoise_step
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.request import BatchKey, DiffusionRequest, OmniDiffusionSamplingParams
+from vllm_omni.diffusion.previews import Previews
+from vllm_omni.diffusion.request import BatchKey, DiffusionRequest, OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS, DiffusionRunner, check_batchable, read_model_index
 from vllm_omni.diffusion.steppers import (
     SPLIT,
@@ -65,6 +66,12 @@ class StageRole:
         """The model's `Stepper` when the stage steps or splits the pipeline, else ``None``."""
         if self.stepper is not None:
             self.stepper.lora = runner.lora
+        self.previews: Previews | None = None
+        """The partial images of its requests: made where the denoiser runs, through the model's stepper (one made
+        for them alone in request mode); ``None`` where the model has none (admission refuses them there)."""
+        if self.completes_params:
+            previewing = self.stepper or _stepper_for_previews(runner)
+            self.previews = None if previewing is None else Previews(previewing)
 
     @classmethod
     def uses_stepper(cls, execution_mode: str) -> bool:
@@ -112,7 +119,7 @@ class StageRole:
             pending = [r for r in batch if id(r) not in failed and not r.state.done]
             if not pending:
                 break
-            for request, error in denoise_step(pending, self.stepper, self.on_oom_split):
+            for request, error in denoise_step(pending, self.stepper, self.on_oom_split, self.previews):
                 failed[id(request)] = error
         finished = [r for r in batch if id(r) not in failed]
         results = iter(self.end(finished) if finished else [])
@@ -141,7 +148,7 @@ class DiffusionRole(StageRole):
         return BatchKey.of(params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
-        return self.runner.run(batch)
+        return self.runner.run(batch, self.previews)
 
     def begin(self, request: DiffusionRequest) -> StepState:
         return self.stepper.prepare(request.prompt, request.params, request.seed)
@@ -199,6 +206,13 @@ class DecodeRole(StageRole):
         return self.stepper.decode([Latents(r.payload.latents.to(device, dtype), r.params) for r in batch])
 
 
+def _stepper_for_previews(runner: DiffusionRunner) -> Stepper | None:
+    """The model's stepper for making previews only: they need its latents' layout and decode, which every
+    configuration of a family shares (so `Stepper.check_pipeline` does not apply)."""
+    cls = stepper_class(runner.card.pipeline_name)
+    return None if cls is None else cls(runner.pipeline, runner.device)
+
+
 ROLES: dict[str, type[StageRole]] = {
     role.stage_type: role for role in (DiffusionRole, EncodeRole, DenoiseRole, DecodeRole)
 }
@@ -220,6 +234,12 @@ class StageAdmission:
         """``params`` completed and checked, with their batch key (raises `SamplingParamsError`)."""
         if self.role.completes_params:
             params = self.card.complete_params(params)
+            if params.partial_images and stepper_class(self.card.pipeline_name) is None:
+                raise SamplingParamsError(
+                    "partial_images",
+                    f"{self.card.pipeline_name} cannot show partial images (previews are made for "
+                    f"{', '.join(SUPPORTED_PIPELINES)}); set partial_images to 0",
+                )
         if self.stepper is not None:
             self.stepper.check_params(self.card, params)
         return Admission(params, self.key(params))

@@ -8,7 +8,7 @@ import json
 import os
 import time
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.lora import LoraAdapters
 from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.logger import init_logger
 
@@ -140,9 +141,9 @@ class DiffusionRunner:
             for name, path in wanted.items():
                 self.lora.load(name, path, protected)
 
-    def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
+    def run(self, batch: list[DiffusionRequest], previews: Previews | None = None) -> list[list[Any]]:
         """One pipeline call for the whole batch: each request's ``num_outputs_per_prompt`` images (or videos, each
-        a list of frames); raises if the call raises."""
+        a list of frames); raises if the call raises. ``previews`` makes the partial images its requests ask for."""
         params = batch[0].params  # the batch key makes these equal across the batch
         card = self.card.for_task(params.task)
         n = params.num_outputs_per_prompt
@@ -175,14 +176,16 @@ class DiffusionRunner:
             kwargs[card.outputs_arg] = n // rows
         if params.negative_prompt is not None:
             kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch for _ in range(rows)]
-        if "callback_on_step_end" in card.call_args:
-            kwargs["callback_on_step_end"] = self._on_step_end(batch)
         adapters = contextlib.nullcontext()
         if self.lora is not None:  # the prompt rows of the text encoders, the latent rows of the denoiser
             text = [r.params.lora for r in batch for _ in range(rows)]
             adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
-        with adapters:
-            result = self._pipeline(card)(**kwargs)
+        pipeline = self._pipeline(card)
+        watching = contextlib.nullcontext() if previews is None else previews.watching(pipeline.scheduler, batch)
+        with adapters, watching as make_previews:
+            if "callback_on_step_end" in card.call_args:
+                kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
+            result = pipeline(**kwargs)
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
         items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
         if len(items) != len(batch) * n:
@@ -226,12 +229,15 @@ class DiffusionRunner:
             torch.cuda.empty_cache()
 
     @staticmethod
-    def _on_step_end(batch: list[DiffusionRequest]):
-        """Track each request's progress; stop early once every request of the batch was aborted."""
+    def _on_step_end(batch: list[DiffusionRequest], make_previews: Callable[[], None] | None):
+        """Track each request's progress and make the previews due; stop early once every request of the batch
+        was aborted."""
 
         def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
             for request in batch:
                 request.steps_done = step + 1
+            if make_previews is not None:
+                make_previews()
             if all(request.aborted for request in batch):
                 pipeline._interrupt = True  # diffusers' loops skip the remaining steps
             return callback_kwargs

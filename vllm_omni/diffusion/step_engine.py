@@ -61,7 +61,7 @@ class StepEngine(EngineCore):
             return 0
         self.metrics.batch_num_requests.observe(len(batch))
         with self.metrics.batch_execution_time.time():
-            for request, error in denoise_step(batch, self.role.stepper, self._on_oom_split):
+            for request, error in denoise_step(batch, self.role.stepper, self._on_oom_split, self.role.previews):
                 self.scheduler.complete(request, error)
         done = [request for request in batch if request.state is not None and request.state.done]
         if done:

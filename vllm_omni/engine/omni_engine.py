@@ -8,9 +8,10 @@ the previous one hands on its output (by reference when both run in this process
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from vllm_omni.config import LoRAModulePath, StageDeployConfig, engine_torch_thr
 from vllm_omni.config.stage import check_stage_graph
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.outputs import StageMetrics, across_stages
+from vllm_omni.diffusion.previews import Preview
 from vllm_omni.diffusion.request import (
     MAX_SEED,
     LoraSelection,
@@ -63,6 +65,10 @@ class _Flight:
     """Whether it was re-run at this stage already (once per stage)."""
     aborted: bool = False
     stage_metrics: list[StageMetrics] = field(default_factory=list)
+    on_preview: Callable[[Preview], None] | None = None
+    """Where its partial images go (from the stage that holds the denoiser)."""
+    previews: int = 0
+    """Previews handed on so far: a re-run on another replica makes them again, and they are not repeated."""
 
 
 class OmniEngine:
@@ -163,9 +169,16 @@ class OmniEngine:
             if error is not None and not isinstance(error, ReplicaLostError):  # a lost replica has nothing to evict
                 logger.warning("evicting LoRA adapter %r failed: %s: %s", name, type(error).__name__, error)
 
-    def add_request(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams | AdmittedParams) -> Future:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str,
+        params: OmniDiffusionSamplingParams | AdmittedParams,
+        on_preview: Callable[[Preview], None] | None = None,
+    ) -> Future:
         """Queue a request (raises `SamplingParamsError` for parameters the model cannot take); ``params`` admitted
-        already are not completed again."""
+        already are not completed again. ``on_preview`` takes its ``partial_images`` previews, each once and in
+        order, before the future resolves, on a thread of the engine's."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         with self._lock:
@@ -178,7 +191,7 @@ class OmniEngine:
             with self._lock:
                 del self._flights[request_id]
             raise
-        flight = _Flight(request_id, prompt, admitted)
+        flight = _Flight(request_id, prompt, admitted, on_preview=on_preview)
         with self._lock:
             self._flights[request_id] = flight
         for adapter in [s.name for s in admitted.params.lora] or ["base"]:
@@ -218,14 +231,26 @@ class OmniEngine:
             why = "no replica is alive" if lost is None else f"replica {lost} was lost and no other is alive"
             self._finish(flight, error=StageUnavailableError(stage.stage_id, why, flight.request_id))
             return
+        on_preview = None
+        if flight.on_preview is not None and flight.stage == self._denoiser:
+            on_preview = functools.partial(self._preview, flight)
         try:
-            inner = stage.replicas[index].submit(flight.request_id, flight.prompt, flight.admitted.params, payload)
+            inner = stage.replicas[index].submit(
+                flight.request_id, flight.prompt, flight.admitted.params, payload, on_preview
+            )
         except BaseException as exc:  # noqa: BLE001 - the request fails; the caller's future says why
             self._settle(flight, payload, index, exc)
             return
         if flight.aborted:  # aborted while it was being submitted, before the replica knew it
             stage.replicas[index].abort(flight.request_id)
         inner.add_done_callback(lambda done: self._settle(flight, payload, index, done.exception(), done))
+
+    def _preview(self, flight: _Flight, preview: Preview) -> None:
+        with self._lock:
+            if preview.index < flight.previews:
+                return
+            flight.previews = preview.index + 1
+        flight.on_preview(preview)
 
     def _settle(
         self, flight: _Flight, payload: Any, index: int, error: BaseException | None, done: Future | None = None

@@ -8,6 +8,7 @@ the model); `RayReplica` watches for that so the stage routes around a replica w
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import Any
 
 # Ray's failure-signal handler also takes SIGTERM, which the server uses to drain: with it the process
 # aborted (exit -6) once drained. It must be off before Ray is imported (Ray reads this at import).
@@ -34,6 +36,7 @@ from prometheus_client.metrics_core import Metric
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
 from vllm_omni.diffusion.outputs import StageOutput
+from vllm_omni.diffusion.previews import Preview, previews_until
 from vllm_omni.engine.replica import EngineReplica, ReplicaInfo, ReplicaLostError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -69,13 +72,19 @@ class _ReplicaActor:
         return "shut down" if self.shutting_down else f"its engine loop died: {self.replica.error!r}"
 
     async def generate(
-        self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload=None, by_reference=False
+        self,
+        request_id: str,
+        prompt: str,
+        params: OmniDiffusionSamplingParams,
+        payload=None,
+        by_reference=False,
+        on_preview: Callable[[Preview], None] | None = None,
     ):
         """``payload``: the previous stage's output (Ray resolved it if it came as an object reference).
         ``by_reference``: leave this stage's output in the object store and return its reference, for a next
         stage that is on Ray too, so it never passes through the driver."""
         try:
-            output = await asyncio.wrap_future(self.replica.submit(request_id, prompt, params, payload))
+            output = await asyncio.wrap_future(self.replica.submit(request_id, prompt, params, payload, on_preview))
             if by_reference and isinstance(output, StageOutput):
                 output = replace(output, payload=ray.put(output.payload))
             return output
@@ -83,6 +92,17 @@ class _ReplicaActor:
             if not self.replica.is_alive:  # the engine loop died, not the request: the stage re-runs it elsewhere
                 return ReplicaLostError(f"replica {self.replica.info.index}: {exc.reason}")
             return exc
+
+    async def generate_with_previews(self, *args):
+        """`generate` as a stream (a Ray streaming generator): the request's previews, each as it is made, then
+        what `generate` returns."""
+        loop, previews = asyncio.get_running_loop(), asyncio.Queue()
+        output = asyncio.ensure_future(
+            self.generate(*args, on_preview=functools.partial(loop.call_soon_threadsafe, previews.put_nowait))
+        )
+        async for preview in previews_until(output, previews):
+            yield preview
+        yield output.result()
 
     async def warm_up(self) -> str | None:
         """Warm the engine up; returns why it failed, if it did."""
@@ -185,28 +205,52 @@ class RayReplica:
     def _call(self, method: str, *args):
         return ray.get(getattr(self._actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
 
-    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload=None) -> Future:
+    def submit(
+        self,
+        request_id: str,
+        prompt: str,
+        params: OmniDiffusionSamplingParams,
+        payload=None,
+        on_preview: Callable[[Preview], None] | None = None,
+    ) -> Future:
         """``payload`` (a split pipeline's previous stage output) travels through Ray's object store: as a
-        reference the previous Ray stage left there, or put there by Ray when it is large."""
+        reference the previous Ray stage left there, or put there by Ray when it is large. A request with
+        ``on_preview`` streams its previews back (`_ReplicaActor.generate_with_previews`), read by a thread of its
+        own that hands them over in order, then settles the future."""
         future: Future = Future()
         with self._lock:
             self._held += 1
-        ref = self._actor.generate.remote(request_id, prompt, params, payload, self._by_reference)
-        # The callback keeps ``ref`` alive until the result is in.
-        ref.future().add_done_callback(lambda done, ref=ref: self._settle(request_id, future, done))
+        args = (request_id, prompt, params, payload, self._by_reference)
+        if on_preview is None:
+            ref = self._actor.generate.remote(*args)
+            # The callback keeps ``ref`` alive until the result is in.
+            ref.future().add_done_callback(lambda done, ref=ref: self._settle(request_id, future, done.result))
+            return future
+        stream = self._actor.generate_with_previews.options(num_returns="streaming").remote(*args)
+
+        def read() -> Any:
+            for ref in stream:
+                item = ray.get(ref)
+                if not isinstance(item, Preview):
+                    return item
+                on_preview(item)
+            raise RuntimeError("the replica's stream ended without the request's output")
+
+        threading.Thread(
+            target=self._settle, args=(request_id, future, read), name=f"vllm-omni-previews-{request_id}", daemon=True
+        ).start()
         return future
 
-    def _settle(self, request_id: str, future: Future, done: Future) -> None:
+    def _settle(self, request_id: str, future: Future, result_of: Callable[[], Any]) -> None:
+        try:
+            result = result_of()
+        except RayActorError as exc:
+            result = ReplicaLostError(f"replica {self.info.index} was lost: {exc}")
+        except Exception as exc:  # noqa: BLE001 - an error of the actor method itself fails only this request
+            result = RequestFailedError(request_id, f"replica {self.info.index}: {exc}")
         with self._lock:
             self._held -= 1
-        try:
-            result = done.result()
-        except RayActorError as exc:
-            future.set_exception(ReplicaLostError(f"replica {self.info.index} was lost: {exc}"))
-        except Exception as exc:  # noqa: BLE001 - an error of the actor method itself fails only this request
-            future.set_exception(RequestFailedError(request_id, f"replica {self.info.index}: {exc}"))
-        else:
-            (future.set_exception if isinstance(result, BaseException) else future.set_result)(result)
+        (future.set_exception if isinstance(result, BaseException) else future.set_result)(result)
 
     def abort(self, request_id: str) -> bool:
         """Sent without waiting (the caller may be an event loop): the stage only asks for requests this replica

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -21,6 +22,7 @@ from prometheus_client.metrics_core import Metric
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.previews import Preview
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
 from vllm_omni.diffusion.request_engine import RequestEngine
 from vllm_omni.diffusion.roles import ROLES
@@ -81,9 +83,17 @@ class Replica(Protocol):
     def is_alive(self) -> bool:
         """Whether it takes requests now."""
 
-    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None) -> Future:
+    def submit(
+        self,
+        request_id: str,
+        prompt: str,
+        params: OmniDiffusionSamplingParams,
+        payload: Any = None,
+        on_preview: Callable[[Preview], None] | None = None,
+    ) -> Future:
         """Queue an admitted request; the future resolves to its output (or fails with `RequestFailedError`, or
-        `ReplicaLostError` when the replica was lost while it held the request)."""
+        `ReplicaLostError` when the replica was lost while it held the request). ``on_preview`` takes its partial
+        images, in order and before the future resolves, on a thread of the replica's."""
 
     def abort(self, request_id: str) -> bool:
         """Abort a request it holds (its slot is freed); False if it does not hold it."""
@@ -172,10 +182,17 @@ class EngineReplica:
             logger.exception("%s: engine loop died", self._name)
             engine.close(f"the engine loop of {self._name} died: {exc!r}", include_running=True)
 
-    def submit(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any = None) -> Future:
+    def submit(
+        self,
+        request_id: str,
+        prompt: str,
+        params: OmniDiffusionSamplingParams,
+        payload: Any = None,
+        on_preview: Callable[[Preview], None] | None = None,
+    ) -> Future:
         if not self.is_alive:
             raise RequestFailedError(request_id, f"{self._name} is not running (error: {self.error!r})")
-        return self.engine.add_request(request_id, prompt, params, payload)
+        return self.engine.add_request(request_id, prompt, params, payload, on_preview)
 
     def warm_up(self) -> None:
         """`Replica.warm_up`, with `warm_up_params`."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import AsyncGenerator
 
 from vllm_omni.diffusion.outputs import OmniRequestOutput
+from vllm_omni.diffusion.previews import previews_until
 from vllm_omni.diffusion.request import (
     OmniDiffusionSamplingParams,
     RequestAbortedError,
@@ -25,21 +27,40 @@ class AsyncOmni(OmniBase):
         sampling_params: OmniDiffusionSamplingParams | AdmittedParams | None = None,
         request_id: str | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
-        """Yield the request's output when it finishes. ``sampling_params`` from `admit` are not completed again.
+        """Yield the request's previews as they are made (``partial_images`` of them, or fewer when it has too few
+        steps: each ``finished=False`` with ``partial_image_index``), then its output when it finishes.
+        ``sampling_params`` from `admit` are not completed again.
 
-        Raises `RequestFailedError` if the request fails; ends without output if it is
-        aborted. Cancelling the consuming task aborts the request and frees its slot.
+        Raises `RequestFailedError` if the request fails; ends without output if it is aborted. Cancelling the
+        consuming task, or closing the generator before its output, aborts the request and frees its slot.
         """
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
-        future = self.engine.add_request(request_id, prompt, sampling_params or OmniDiffusionSamplingParams())
+        params = sampling_params or OmniDiffusionSamplingParams()
+        admitted = params.params if isinstance(params, AdmittedParams) else params
+        loop, previews = asyncio.get_running_loop(), asyncio.Queue()
+        on_preview = (
+            functools.partial(loop.call_soon_threadsafe, previews.put_nowait) if admitted.partial_images else None
+        )
+        future = self.engine.add_request(request_id, prompt, params, on_preview)
+        result = asyncio.wrap_future(future)
         try:
-            output = await asyncio.wrap_future(future)
-        except RequestAbortedError:
-            return
-        except asyncio.CancelledError:
-            self.engine.abort(request_id)
-            raise
-        yield output
+            async for preview in previews_until(result, previews):
+                yield OmniRequestOutput(
+                    request_id=request_id,
+                    prompt=prompt,
+                    images=preview.images,
+                    finished=False,
+                    partial_image_index=preview.index,
+                )
+            try:
+                output = await result
+            except RequestAbortedError:
+                return
+            yield output
+        finally:
+            if not future.done():  # cancelled, or closed before its output
+                result.add_done_callback(_retrieve)  # it ends RequestAbortedError, which no one awaits now
+                self.engine.abort(request_id)
 
     async def warm_up(self) -> None:
         """Run one step at the model's default size through the whole stage graph, once per replica of the widest
@@ -71,3 +92,8 @@ class AsyncOmni(OmniBase):
 
     async def __aexit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+def _retrieve(result: asyncio.Future) -> None:
+    if not result.cancelled():
+        result.exception()

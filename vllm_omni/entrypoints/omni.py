@@ -39,6 +39,9 @@ class Omni(OmniBase):
                 raise ValueError(
                     f"got {len(prompts)} prompts but {len(params_list)} sampling_params; give one, or one per prompt"
                 )
+        for params in params_list:
+            if (params.params if isinstance(params, AdmittedParams) else params).partial_images:
+                raise ValueError("partial_images are yielded by AsyncOmni.generate; Omni.generate returns outputs only")
         submitted = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):

@@ -6,13 +6,17 @@ way a user would, through the real CLI.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -104,3 +108,40 @@ class RemoteOmniServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def in_process_server(model: str, **knobs) -> Iterator[tuple[Any, str]]:
+    """A real uvicorn server in this process, so that a test can reach into its real engine; yields the app and
+    its base URL, and checks on the way out that the server stopped. ``knobs``: global stage knobs."""
+    import uvicorn
+
+    from vllm_omni.config import resolve_stage_configs
+    from vllm_omni.config.serving import ServingConfig
+    from vllm_omni.entrypoints.openai.app import build_app
+
+    port = free_port()
+    serving = ServingConfig(host="127.0.0.1", port=port, served_model_names=["tiny"])
+    app = build_app(model, resolve_stage_configs(global_knobs=knobs), serving, on_fatal=print)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(base):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the in-process server at {base} was not healthy within 300 s")
+            time.sleep(0.05)
+        yield app, base
+    finally:
+        server.should_exit = True
+        thread.join(120)
+    assert not thread.is_alive(), "the server did not stop"
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=60).status_code == 200
+    except httpx.HTTPError:
+        return False

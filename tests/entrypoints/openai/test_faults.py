@@ -11,13 +11,9 @@ import time
 import aiohttp
 import httpx
 import pytest
-import uvicorn
 
-from vllm_omni.config import resolve_stage_configs
-from vllm_omni.config.serving import ServingConfig
-from vllm_omni.entrypoints.openai.app import build_app
 from vllm_omni.testing.faults import hold_batches
-from vllm_omni.testing.server import RemoteOmniServer, free_port
+from vllm_omni.testing.server import RemoteOmniServer, in_process_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -44,26 +40,6 @@ def counter(base_url: str, sample: str) -> float:
         if line.startswith(f"vllm_omni:{sample} "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-@contextlib.contextmanager
-def in_process_server(model: str, **knobs):
-    """A real uvicorn server in this process, so that a test can reach into its real scheduler; yields the app and
-    its base URL, and checks on the way out that the server stopped."""
-    port = free_port()
-    serving = ServingConfig(host="127.0.0.1", port=port, served_model_names=["tiny"])
-    app = build_app(model, resolve_stage_configs(global_knobs=knobs), serving, on_fatal=print)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _listening(base) and httpx.get(f"{base}/health", timeout=60).status_code == 200, timeout=300)
-        yield app, base
-    finally:
-        server.should_exit = True
-        thread.join(120)
-    assert not thread.is_alive(), "the server did not stop"
 
 
 @contextlib.contextmanager
@@ -117,14 +93,6 @@ def test_a_dead_engine_loop_turns_health_503_and_fails_requests_fast(tiny_flux):
         # bound only tells "answered" from "hung until the client gave up", so it is far above any slow machine.
         assert late.status_code == 503 and time.monotonic() - started < 30
         assert late.json()["error"]["code"] == "service_unavailable"
-
-
-def _listening(base: str) -> bool:
-    try:
-        httpx.get(f"{base}/health", timeout=60)
-        return True
-    except httpx.HTTPError:
-        return False
 
 
 def test_a_client_that_disconnects_while_waiting_frees_its_slot(tiny_flux):

@@ -217,7 +217,7 @@ BAD_REQUESTS = [
     ({"prompt": "x" * 201}, 400, "prompt"),
     ({"prompt": "x", "negative_prompt": "y" * 201}, 400, "negative_prompt"),
     ({"n": 1}, 400, "prompt"),
-    ({"prompt": "x", "quality": "hd"}, 400, "quality"),
+    ({"prompt": "x", "quality": "ultra"}, 400, "quality"),
     ({"prompt": "x", "model": "dall-e-3"}, 404, "model"),
 ]
 

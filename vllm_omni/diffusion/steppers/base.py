@@ -244,9 +244,15 @@ class Stepper(ImageTasks):
         """One denoiser call on ``x`` with a per-row timestep ``t``."""
         raise NotImplementedError
 
+    def to_vae(self, latents: torch.Tensor, params: OmniDiffusionSamplingParams) -> torch.Tensor:
+        """A request's rows of denoiser latents as its VAE decodes them (unpacked, unscaled): ``[n, C, h, w]``, or
+        ``[n, C, f, h, w]`` for video."""
+        raise NotImplementedError
+
     def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
         """Each request's ``n`` outputs (images, or videos as frame lists) from its final latents."""
-        raise NotImplementedError
+        latents = torch.cat([self.to_vae(s.latents, s.params) for s in states])
+        return self.postprocess_images(self.pipeline.vae.decode(latents, return_dict=False)[0], states)
 
     def predict(self, states: list[StepState]) -> list[torch.Tensor]:
         """One forward over every row of ``states``; each request's guided prediction. Changes no state."""

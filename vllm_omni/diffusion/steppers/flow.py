@@ -173,13 +173,10 @@ class FluxStepper(FlowMatchStepper):
             return_dict=False,
         )[0]
 
-    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
-        p, vae = self.pipeline, self.pipeline.vae
-        latents = torch.cat(
-            [p._unpack_latents(s.latents, s.params.height, s.params.width, p.vae_scale_factor) for s in states]
-        )
-        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-        return self.postprocess_images(vae.decode(latents, return_dict=False)[0], states)
+    def to_vae(self, latents: torch.Tensor, params: OmniDiffusionSamplingParams) -> torch.Tensor:
+        p, config = self.pipeline, self.pipeline.vae.config
+        unpacked = p._unpack_latents(latents, params.height, params.width, p.vae_scale_factor)
+        return (unpacked / config.scaling_factor) + config.shift_factor
 
 
 class SD3Stepper(FlowMatchStepper):
@@ -256,19 +253,12 @@ class SD3Stepper(FlowMatchStepper):
             return_dict=False,
         )[0]
 
-    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
-        vae = self.pipeline.vae
+    def to_vae(self, latents: torch.Tensor, params: OmniDiffusionSamplingParams) -> torch.Tensor:
+        config = self.pipeline.vae.config
         # diffusers' SD3 inpaint pipeline decodes without the VAE's shift_factor; its requests here too, so that
         # step mode and request mode give the same image.
-        latents = torch.cat(
-            [
-                s.latents / vae.config.scaling_factor
-                if s.params.task == "inpaint"
-                else (s.latents / vae.config.scaling_factor) + vae.config.shift_factor
-                for s in states
-            ]
-        )
-        return self.postprocess_images(vae.decode(latents, return_dict=False)[0], states)
+        shift = 0.0 if params.task == "inpaint" else config.shift_factor
+        return latents / config.scaling_factor + shift
 
 
 class WanStepper(FlowMatchStepper):
@@ -337,13 +327,17 @@ class WanStepper(FlowMatchStepper):
             hidden_states=x, timestep=t, encoder_hidden_states=rows["encoder_hidden_states"], return_dict=False
         )[0]
 
-    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
+    def to_vae(self, latents: torch.Tensor, params: OmniDiffusionSamplingParams) -> torch.Tensor:
         vae = self.pipeline.vae
-        latents = torch.cat([s.latents for s in states]).to(vae.dtype)
+        latents = latents.to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        videos = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
+        return latents / inverse_std + mean
+
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
+        latents = torch.cat([self.to_vae(s.latents, s.params) for s in states])
+        videos = self.pipeline.vae.decode(latents, return_dict=False)[0]
         outputs, start = [], 0
         for state in states:
             n = len(state.latents)

@@ -148,18 +148,21 @@ class UNetStepper(Stepper):
             x, t, encoder_hidden_states=rows["encoder_hidden_states"], added_cond_kwargs=added, return_dict=False
         )[0]
 
-    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
-        p, vae = self.pipeline, self.pipeline.vae
-        latents = torch.cat([s.latents for s in states]).to(vae.dtype)
+    def to_vae(self, latents: torch.Tensor, params: OmniDiffusionSamplingParams) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = latents.to(vae.dtype)
         mean, std = vae.config.get("latents_mean"), vae.config.get("latents_std")
-        if mean is not None and std is not None:
-            channels = latents.shape[1]
-            mean = torch.tensor(mean).view(1, channels, 1, 1).to(latents.device, latents.dtype)
-            std = torch.tensor(std).view(1, channels, 1, 1).to(latents.device, latents.dtype)
-            latents = latents * std / vae.config.scaling_factor + mean
-        else:
-            latents = latents / vae.config.scaling_factor
-        images = vae.decode(latents, return_dict=False)[0]
+        if mean is None or std is None:
+            return latents / vae.config.scaling_factor
+        channels = latents.shape[1]
+        mean = torch.tensor(mean).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(std).view(1, channels, 1, 1).to(latents.device, latents.dtype)
+        return latents * std / vae.config.scaling_factor + mean
+
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
+        p = self.pipeline
+        latents = torch.cat([self.to_vae(s.latents, s.params) for s in states])
+        images = p.vae.decode(latents, return_dict=False)[0]
         if getattr(p, "watermark", None) is not None:
             images = p.watermark.apply_watermark(images)
         if getattr(p, "safety_checker", None) is None:

@@ -69,6 +69,7 @@ _OMNI_SERVING_FLAGS = (
     "video_ttl_s",
     "video_store_max_bytes",
     "shutdown_timeout_s",
+    "disable_playground",
 )
 _VLLM_DTYPES = {"half": "float16", "float": "float32"}
 
@@ -92,6 +93,25 @@ def _stage_overrides(text: str) -> dict:
             'must be a JSON object of stage id to knobs, e.g. \'{"0": {"max_num_seqs": 8}}\''
         )
     return value
+
+
+def _quality_steps(text: str) -> dict:
+    """``--quality-steps``: ``LEVEL=STEPS`` pairs separated by commas, or a JSON object (`ServingConfig` checks the
+    levels and step counts)."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+        if isinstance(value, dict):
+            return value
+    else:
+        pairs = [item.partition("=") for item in text.split(",")]
+        if all(sep for _, sep, _ in pairs):
+            return {level.strip(): steps.strip() for level, _, steps in pairs}
+    raise argparse.ArgumentTypeError(
+        "give LEVEL=STEPS pairs such as low=4,medium=14,high=28, or JSON such as '{\"high\": 40}'"
+    )
 
 
 def make_serve_parser(prog: str):
@@ -149,6 +169,9 @@ def make_serve_parser(prog: str):
     )
     for name in _OMNI_SERVING_FLAGS:
         info = ServingConfig.model_fields[name]
+        if info.annotation is bool:  # a switch (argparse's type=bool would read "False" as true)
+            omni.add_argument("--" + name.replace("_", "-"), action="store_true", help=info.description)
+            continue
         omni.add_argument(
             "--" + name.replace("_", "-"),
             type=info.annotation,
@@ -156,6 +179,14 @@ def make_serve_parser(prog: str):
             help=info.description,
             metavar="N" if info.annotation is int else "SECONDS",
         )
+    omni.add_argument(
+        "--quality-steps",
+        type=_quality_steps,
+        default={},
+        metavar="LEVEL=STEPS,...",
+        help=ServingConfig.model_fields["quality_steps"].description
+        + " Levels: low, medium, high; e.g. low=4,medium=14,high=28 or '{\"high\": 40}'.",
+    )
     return parser
 
 
@@ -220,15 +251,13 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path or "",
+        quality_steps=args.quality_steps,
         **{name: getattr(args, name) for name in _OMNI_SERVING_FLAGS},
     )
     try:
         serving = ServingConfig(**values)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"--{str(e['loc'][0]).replace('_', '-')} {e.get('input')!r}: {e['msg']}" for e in exc.errors()
-        )
-        parser.error(problems)
+        parser.error("; ".join(_flag_problem(e) for e in exc.errors()))
     for stage in stage_configs:
         if serving.max_waiting_requests < stage.max_num_seqs:
             parser.error(
@@ -236,6 +265,15 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
                 f"of stage {stage.stage_id}: full batches could never form"
             )
     return model, stage_configs, serving
+
+
+def _flag_problem(error) -> str:
+    """A `ServingConfig` error as the flag was given: ``--flag VALUE: why``, or ``--flag KEY=VALUE: why`` for a
+    value inside a mapping (``--quality-steps``)."""
+    flag, *inside = error["loc"]
+    in_mapping = inside and isinstance(inside[0], str) and inside[-1] != "[key]"
+    value = f"{inside[0]}={error.get('input')!r}" if in_mapping else repr(error.get("input"))
+    return f"--{str(flag).replace('_', '-')} {value}: {error['msg']}"
 
 
 def serve(argv: list[str], prog: str = "vllm serve") -> int:

@@ -16,6 +16,7 @@ from vllm_omni.entrypoints.openai.basic import build_basic_router
 from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
 from vllm_omni.entrypoints.openai.images import build_images_router
 from vllm_omni.entrypoints.openai.lora import build_lora_router, runtime_updating_allowed
+from vllm_omni.entrypoints.openai.playground import build_playground_router
 from vllm_omni.entrypoints.openai.server_state import ServerState, load_and_warm_up
 from vllm_omni.entrypoints.openai.uploads import UPLOAD_PATHS, upload_body_limit
 from vllm_omni.entrypoints.openai.videos import build_videos_router
@@ -96,4 +97,6 @@ def build_app(
     app.include_router(build_videos_router())
     if runtime_updating_allowed():
         app.include_router(build_lora_router())
+    if not serving.disable_playground:
+        app.include_router(build_playground_router())
     return app

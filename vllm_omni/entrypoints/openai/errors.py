@@ -33,8 +33,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def error_info(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorInfo:
+    """The envelope's ``error`` of an answer with ``status``."""
+    return ErrorInfo(message=message, type=STATUS_TYPE.get(status, "server_error"), param=param, code=code)
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    error = ErrorInfo(message=message, type=STATUS_TYPE.get(status, "server_error"), param=param, code=code)
+    error = error_info(status, message, param, code)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(ErrorResponse(error=error).model_dump(), status_code=status, headers=headers)
 

@@ -7,19 +7,28 @@ import asyncio
 import base64
 import contextlib
 import io
+import json
+import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.diffusion.request import MAX_INPUT_IMAGES, ImageTask, RequestFailedError, StageUnavailableError
+from vllm_omni.diffusion.outputs import OmniRequestOutput
+from vllm_omni.diffusion.request import (
+    MAX_INPUT_IMAGES,
+    ImageTask,
+    OmniDiffusionSamplingParams,
+    RequestFailedError,
+    StageUnavailableError,
+)
 from vllm_omni.entrypoints.openai.checks import (
     admit,
     check_api_key,
@@ -27,7 +36,8 @@ from vllm_omni.entrypoints.openai.checks import (
     refusal_outcome,
     selected_adapters,
 )
-from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.errors import APIError, error_info
+from vllm_omni.entrypoints.openai.image_usage import quality_steps, response_fields
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageData,
@@ -98,7 +108,7 @@ class _ImagesRoute(APIRoute):
             except RequestValidationError:
                 metrics.image_requests.labels("invalid").inc()
                 raise
-            if response.status_code == 200:
+            if response.status_code == 200 and not isinstance(response, StreamingResponse):  # a stream: at its end
                 timer.mark("response")
                 timer.observe("images")
             return response
@@ -135,29 +145,61 @@ def _encode(image, output_format: str, compression: int | None, b64: bool) -> by
     return base64.b64encode(buffer.getbuffer()).decode("ascii") if b64 else buffer.getvalue()
 
 
+async def _encode_all(images: list, body: ImageGenerationRequest, b64: bool) -> list[bytes | str]:
+    """The images in the request's file format, off the event loop: one worker thread per image (Pillow's encoders
+    release the GIL)."""
+    loop = asyncio.get_running_loop()
+    return await asyncio.gather(
+        *(
+            loop.run_in_executor(None, _encode, image, body.output_format, body.output_compression, b64)
+            for image in images
+        )
+    )
+
+
 def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "text") -> None:
     """The request's own checks (`check_request` reads only this process's state: it runs on the event loop)."""
     check_request(state, body, kind="image", task=task)
+    if body.background == "transparent":
+        raise APIError(
+            400,
+            f"background 'transparent' is not supported: {state.omni.model_card.pipeline_name} makes opaque RGB "
+            "images; use 'auto' or 'opaque'",
+            param="background",
+            code="invalid_value",
+        )
     if body.output_compression is not None and body.output_format == "png":
         raise APIError(
             400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
         )
+    if body.partial_images and not body.stream:
+        raise APIError(
+            400, "partial_images are streamed: set stream to true", param="partial_images", code="invalid_value"
+        )
+    if body.stream and "response_format" in body.model_fields_set and body.response_format != "b64_json":
+        raise APIError(
+            400,
+            "a stream carries its images as b64_json: leave response_format unset or set it to b64_json",
+            param="response_format",
+            code="invalid_value",
+        )
 
 
-def _admit(body: ImageGenerationRequest, state: ServerState, **inputs) -> AdmittedParams:
-    """The request's complete parameters (model defaults filled in, seed drawn), within the operator's limits;
-    ``inputs``: an edit's images, mask, strength and extra arguments."""
+def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "text", **inputs) -> AdmittedParams:
+    """The request's complete parameters (model defaults filled in, the steps of its ``quality``, seed drawn), within
+    the operator's limits; ``inputs``: an edit's images, mask, strength and extra arguments, for ``task``."""
     width, height = body.dimensions() or (None, None)
     return admit(
         state,
         height=height,
         width=width,
-        num_inference_steps=body.num_inference_steps,
+        num_inference_steps=quality_steps(state, body, task),
         guidance_scale=body.guidance_scale,
         num_outputs_per_prompt=body.n,
         seed=body.seed,
         negative_prompt=body.negative_prompt,
         lora=selected_adapters(state, body),
+        partial_images=body.partial_images,
         **inputs,
     )
 
@@ -206,7 +248,8 @@ async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse
         mask = openai_mask((await read_images(masks, "mask", state.serving))[0], images[0]) if masks else None
         raw_request.scope[_TIMER].mark("validation")
         extra = {} if body.true_cfg_scale is None else {"true_cfg_scale": body.true_cfg_scale}
-        return _admit(body, state, image=images, mask_image=mask, strength=body.strength, extra_args=extra)
+        task = "inpaint" if mask is not None else "image"
+        return _admit(body, state, task, image=images, mask_image=mask, strength=body.strength, extra_args=extra)
 
     return await _respond(raw_request, body, prepare)
 
@@ -253,6 +296,13 @@ async def _respond(
             raise
         timer.mark("completion")
         generation = state.omni.generate(body.prompt, admitted, request_id=f"img-{uuid.uuid4().hex}")
+        if body.stream:
+            outcome = None  # counted when the stream ends
+            return StreamingResponse(
+                _events(raw_request, body, admitted.params, generation),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         try:
             output = await until_disconnect(raw_request, anext(generation, None))
         except ClientDisconnected:
@@ -262,27 +312,15 @@ async def _respond(
             outcome = "aborted"
             raise
         except RequestFailedError as exc:
-            unavailable = isinstance(exc, StageUnavailableError) or state.unavailable_reason() is not None
-            outcome = "unavailable" if unavailable else "failed"
-            raise APIError(
-                503 if unavailable else 500,
-                str(exc),
-                code="service_unavailable" if isinstance(exc, StageUnavailableError) else "generation_failed",
-            ) from None
+            outcome, error = _failure(exc, state)
+            raise error from None
         if output is None:
             outcome = "aborted"
             raise APIError(503, "The request was aborted", code="aborted")
         timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
 
-        # Off the event loop, one worker thread per image (Pillow's encoders release the GIL).
         b64 = body.response_format == "b64_json"
-        loop = asyncio.get_running_loop()
-        encoded = await asyncio.gather(
-            *(
-                loop.run_in_executor(None, _encode, image, body.output_format, body.output_compression, b64)
-                for image in output.images
-            )
-        )
+        encoded = await _encode_all(output.images, body, b64)
         timer.mark("encoding")
         if b64:
             data = [ImageData(b64_json=text, revised_prompt=body.prompt) for text in encoded]
@@ -295,12 +333,92 @@ async def _respond(
                 url = str(raw_request.url_for("get_image", image_id=image_id))
                 data.append(ImageData(url=url, revised_prompt=body.prompt))
         outcome = "completed"
-        first_image = output.images[0]
-        return ImageGenerationResponse(
-            data=data, output_format=body.output_format, size=f"{first_image.width}x{first_image.height}"
-        )
+        return ImageGenerationResponse(data=data, **response_fields(state, body, admitted.params, output))
+    finally:
+        if outcome is not None:
+            metrics.image_requests.labels(outcome).inc()
+
+
+def _failure(exc: RequestFailedError, state: ServerState) -> tuple[str, APIError]:
+    """How a request that failed in the engine is counted, and answered."""
+    unavailable = isinstance(exc, StageUnavailableError) or state.unavailable_reason() is not None
+    error = APIError(
+        503 if unavailable else 500,
+        str(exc),
+        code="service_unavailable" if isinstance(exc, StageUnavailableError) else "generation_failed",
+    )
+    return ("unavailable" if unavailable else "failed"), error
+
+
+async def _events(
+    raw_request: Request,
+    body: ImageGenerationRequest,
+    params: OmniDiffusionSamplingParams,
+    generation: AsyncGenerator[OmniRequestOutput, None],
+) -> AsyncIterator[str]:
+    """A streamed request's server-sent events, as OpenAI's: ``<kind>.partial_image`` per preview of each image,
+    then ``<kind>.completed`` per image, where kind is ``image_generation`` or, for an edit, ``image_edit``. A
+    failure once the stream has begun is an ``error`` event with the error envelope; a client that goes away
+    aborts the request."""
+    state: ServerState = raw_request.app.state.server
+    timer: metrics.PhaseTimer = raw_request.scope[_TIMER]
+    kind = "image_edit" if isinstance(body, ImageEditRequest) else "image_generation"
+    outcome = "failed"
+    try:
+        while True:
+            try:
+                output = await until_disconnect(raw_request, anext(generation, None))
+            except ClientDisconnected:
+                outcome = "aborted"
+                return
+            except RequestFailedError as exc:
+                outcome, error = _failure(exc, state)
+                yield _sse(
+                    "error", {"error": error_info(error.status, error.message, error.param, error.code).model_dump()}
+                )
+                return
+            if output is None:
+                outcome = "aborted"
+                yield _sse("error", {"error": error_info(503, "The request was aborted", code="aborted").model_dump()})
+                return
+            if output.finished:
+                timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
+            fields = response_fields(state, body, params, output)
+            encoded = await _encode_all(output.images, body, True)
+            for i, b64 in enumerate(encoded):
+                event = {"b64_json": b64, "created_at": int(time.time()), **fields}
+                if len(encoded) > 1:
+                    event["image_index"] = i
+                if not output.finished:
+                    yield _sse(f"{kind}.partial_image", event | {"partial_image_index": output.partial_image_index})
+                    continue
+                ran = output.metrics
+                event["metrics"] = {
+                    "batch_size": ran.batch_size,
+                    "seed": ran.seed,
+                    "queue_ms": round(ran.queue_ms, 3),
+                    "exec_ms": round(ran.exec_ms, 3),
+                }
+                yield _sse(f"{kind}.completed", event)
+            if output.finished:
+                outcome = "completed"
+                timer.mark("encoding")
+                timer.mark("response")
+                timer.observe("images")
+                return
+    except asyncio.CancelledError:
+        outcome = "aborted"
+        raise
     finally:
         metrics.image_requests.labels(outcome).inc()
+        # Aborts the request if it is still running; a cancelled read of the generator (the server cancelled this
+        # stream) leaves it running, and that read's cancellation aborts the request instead.
+        if not generation.ag_running:
+            await generation.aclose()
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps({'type': event, **data}, separators=(',', ':'))}\n\n"
 
 
 async def get_image(image_id: str, raw_request: Request) -> Response:

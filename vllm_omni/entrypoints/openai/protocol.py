@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from vllm_omni.diffusion.request import MAX_LORA_SCALE, MAX_SEED
+from vllm_omni.config.serving import QualityLevel
+from vllm_omni.diffusion.request import MAX_LORA_SCALE, MAX_PARTIAL_IMAGES, MAX_SEED
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
@@ -51,7 +52,22 @@ class ImageGenerationRequest(BaseModel):
     output_format: Literal["png", "jpeg", "webp"] = "png"
     output_compression: StrictInt | None = Field(default=None, ge=0, le=100)
     """Quality for jpeg and webp, 0–100."""
+    quality: Literal["auto", "low", "medium", "high", "standard", "hd"] = "auto"
+    """Denoising steps by level (`image_usage.quality_steps`): ``standard`` is ``medium``, ``hd`` and ``auto`` are
+    ``high``; ``num_inference_steps`` wins over it."""
+    background: Literal["auto", "opaque", "transparent"] = "auto"
+    """``transparent`` is refused: the served pipelines make opaque RGB images."""
+    style: Literal["vivid", "natural"] | None = None
+    """DALL·E 3's style: accepted, changes nothing in generation."""
+    moderation: Literal["auto", "low"] = "auto"
+    """Accepted; no moderation model runs here."""
+    safety_identifier: str | None = Field(default=None, max_length=64)
+    """An end user's stable id, logged with the request id when the request completes (``user`` when unset)."""
     user: str | None = None
+    stream: bool = False
+    """Answer with server-sent events: ``partial_images`` previews, then each image (base64)."""
+    partial_images: StrictInt = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
+    """Previews streamed before the image (needs ``stream``); fewer when the request has too few steps."""
     # Extensions.
     negative_prompt: str | None = None
     num_inference_steps: StrictInt | None = Field(default=None, ge=1)
@@ -81,6 +97,7 @@ class ImageEditRequest(ImageGenerationRequest):
     size: str = "auto"
     """``WIDTHxHEIGHT`` in pixels, or ``auto`` for the first image's size (rounded down to what the model needs)."""
     output_compression: int | None = Field(default=None, ge=0, le=100)
+    partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
     num_inference_steps: int | None = Field(default=None, ge=1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     # Extensions.
@@ -98,11 +115,33 @@ class ImageData(BaseModel):
     revised_prompt: str | None = None
 
 
+class ImageInputTokensDetails(BaseModel):
+    text_tokens: int
+    """The prompt's tokens and the negative prompt's, by the model's prompt tokenizer."""
+    image_tokens: int
+    """Denoiser positions of the input images (edits) at the sizes they go to the model; 0 without."""
+
+
+class ImageUsage(BaseModel):
+    """OpenAI's ``usage`` of an Images API answer, counted as docs/serving.md says (`image_usage.response_fields`)."""
+
+    input_tokens: int
+    input_tokens_details: ImageInputTokensDetails
+    output_tokens: int
+    """Denoiser positions of the images made: ``(width / latent_pixels) × (height / latent_pixels)`` each."""
+    total_tokens: int
+
+
 class ImageGenerationResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     data: list[ImageData]
+    background: Literal["opaque"]
     output_format: str
+    quality: QualityLevel | None = None
+    """The level whose steps ran; unset when the request gave ``num_inference_steps``."""
     size: str
+    usage: ImageUsage | None = None
+    """Unset when the model folder has no tokenizer."""
 
 
 class ErrorInfo(BaseModel):
@@ -153,6 +192,9 @@ class VideoGenerationRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     lora: LoraField = None
     """LoRA adapters to apply (docs/lora.md); JSON text in a form."""
+    partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
+    """Extension: previews of the running job (0–3), each shown by ``GET /v1/videos/{id}/content?variant=thumbnail``
+    while it runs (the job's ``preview_index`` counts them)."""
 
     _lora_from_form = field_validator("lora", mode="before")(lora_from_form)
 
@@ -198,6 +240,8 @@ class VideoObject(BaseModel):
     size: str
     seconds: str
     error: ErrorInfo | None = None
+    preview_index: int | None = None
+    """Extension: the index of the latest preview of a running job (``partial_images``), from 0."""
 
 
 class VideoList(BaseModel):

@@ -6,14 +6,19 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm_omni.config import LoRAModulePath, StageDeployConfig
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.image_store import ImageStore
+from vllm_omni.entrypoints.openai.image_usage import load_prompt_tokenizer
 from vllm_omni.entrypoints.openai.videos import VideoJobs
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -27,6 +32,9 @@ class ServerState:
     videos: VideoJobs
     on_fatal: Callable[[BaseException], None]
     omni: AsyncOmni | None = None
+    prompt_tokenizer: PreTrainedTokenizerBase | None = None
+    """The tokenizer that counts an image request's prompt in its ``usage`` (`load_prompt_tokenizer`; loaded with
+    an image model, none for a video model or a folder without a tokenizer)."""
     ready: bool = False
     draining: bool = False
     loaded_at: int = field(default_factory=lambda: int(time.time()))
@@ -69,6 +77,8 @@ async def load_and_warm_up(state: ServerState) -> None:
     """Load the model (off the event loop), warm it up, then mark the server ready; a failure is fatal."""
     try:
         state.omni = await asyncio.to_thread(AsyncOmni.from_stage_configs, state.model, state.stage_configs)
+        if not state.omni.model_card.is_video:
+            state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, state.model)
         for stage in state.stage_configs:
             metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(
                 stage.max_num_seqs

@@ -64,6 +64,12 @@ def encode_mp4(frames: list[Any], fps: int) -> bytes:
     return buffer.getvalue()
 
 
+def encode_png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 @dataclass(eq=False)
 class VideoJob:
     id: str
@@ -77,6 +83,10 @@ class VideoJob:
     finished_monotonic: float | None = None
     error: ErrorInfo | None = None
     content: bytes | None = None
+    thumbnail: bytes | None = None
+    """PNG of its latest preview while it runs (``partial_images``), then of its video's middle frame."""
+    preview_index: int | None = None
+    """Index of the preview in ``thumbnail`` while it runs."""
     task: asyncio.Task | None = None
     timer: metrics.PhaseTimer = field(default_factory=metrics.PhaseTimer)
     """Its phases (creation, engine, MP4 encoding), observed when it completes."""
@@ -96,6 +106,7 @@ class VideoJob:
             size=f"{params.width}x{params.height}",
             seconds=f"{params.num_frames / params.fps:g}",
             error=self.error,
+            preview_index=self.preview_index if self.status == "queued" else None,
         )
 
 
@@ -139,12 +150,18 @@ class VideoJobs:
 async def _run(state: ServerState, job: VideoJob) -> None:
     outcome = "failed"
     try:
-        outputs = [output async for output in state.omni.generate(job.prompt, job.admitted, request_id=job.id)]
-        if not outputs:
+        output = None
+        async for output in state.omni.generate(job.prompt, job.admitted, request_id=job.id):
+            if not output.finished:  # off the loop, as every encoding here
+                job.thumbnail = await asyncio.to_thread(encode_png, output.images[0])
+                job.preview_index = output.partial_image_index
+        if output is None or not output.finished:
             raise RequestFailedError(job.id, "aborted")
-        job.timer.mark_engine(outputs[0].metrics.queue_ms / 1000.0, outputs[0].metrics.exec_ms / 1000.0)
-        job.content = await asyncio.to_thread(encode_mp4, outputs[0].videos[0], job.admitted.params.fps)  # off the loop
+        job.timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
+        frames = output.videos[0]
+        job.content = await asyncio.to_thread(encode_mp4, frames, job.admitted.params.fps)
         job.timer.mark("encoding")
+        job.thumbnail = await asyncio.to_thread(encode_png, frames[len(frames) // 2])
         job.timer.observe("videos")
         job.status, outcome = "completed", "completed"
     except asyncio.CancelledError:
@@ -253,12 +270,21 @@ def build_videos_router() -> APIRouter:
         return _job(state, video_id).view(state.omni)
 
     @router.get("/{video_id}/content")
-    async def get_video_content(video_id: str, raw_request: Request) -> Response:
+    async def get_video_content(video_id: str, raw_request: Request, variant: str = "video") -> Response:
+        """The MP4 (``variant=video``), or a PNG (``variant=thumbnail``): the latest preview of a running job that
+        asked for ``partial_images``, or the middle frame of a completed video."""
         job = _job(raw_request.app.state.server, video_id)
-        if job.status != "completed":
+        if variant not in ("video", "thumbnail"):
             raise APIError(
-                400, f"Video {video_id} is {job.status}, not completed", param="video_id", code="video_not_ready"
+                400, f"variant must be 'video' or 'thumbnail', not {variant!r}", param="variant", code="invalid_value"
             )
+        if variant == "thumbnail" and job.thumbnail is not None:
+            return Response(job.thumbnail, media_type="image/png")
+        if job.status != "completed":
+            why = f"Video {video_id} is {job.status}, not completed"
+            if variant == "thumbnail":
+                why += ", and has no preview yet (create it with partial_images to get previews while it runs)"
+            raise APIError(400, why, param="video_id", code="video_not_ready")
         return Response(job.content, media_type="video/mp4")
 
     @router.delete("/{video_id}", response_model=VideoDeleted)
@@ -300,6 +326,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
         negative_prompt=body.negative_prompt,
         image=image,
         lora=selected_adapters(state, body),
+        partial_images=body.partial_images,
     )
     num_frames = admitted.params.num_frames
     if num_frames > state.serving.max_video_frames:
