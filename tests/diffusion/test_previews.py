@@ -81,7 +81,11 @@ def test_clean_latents_of_flow_matching_is_the_sample_minus_sigma_times_the_velo
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
 def test_clean_latents_of_ddpm_style_schedulers_inverts_the_prediction(scheduler_class, prediction_type):
     scheduler = scheduler_class(
-        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, prediction_type=prediction_type
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=False,
+        prediction_type=prediction_type,
     )
     scheduler.set_timesteps(10)
     sample, prediction = _tensors(1)
