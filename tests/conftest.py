@@ -19,6 +19,12 @@ def tiny_flux(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_schnell(tmp_path_factory) -> str:
+    """A tiny FluxPipeline without a guidance embedding (timestep-distilled, as FLUX.1-schnell)."""
+    return _tiny_model(tmp_path_factory, "flux-schnell")
+
+
+@pytest.fixture(scope="session")
 def tiny_sd(tmp_path_factory) -> str:
     """A tiny random-weight StableDiffusionPipeline folder, built offline once per test session."""
     return _tiny_model(tmp_path_factory, "sd")
@@ -28,6 +34,12 @@ def tiny_sd(tmp_path_factory) -> str:
 def tiny_wan(tmp_path_factory) -> str:
     """A tiny random-weight WanPipeline (text-to-video) folder, built offline once per test session."""
     return _tiny_model(tmp_path_factory, "wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22(tmp_path_factory) -> str:
+    """A tiny two-expert WanPipeline (Wan 2.2's layout: transformer, transformer_2, boundary_ratio)."""
+    return _tiny_model(tmp_path_factory, "wan2.2")
 
 
 @pytest.fixture(scope="session")

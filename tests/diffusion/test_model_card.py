@@ -1,6 +1,8 @@
 """`ModelCard` for image inputs: which pipeline serves each task, how its defaults complete a request, and what is
 refused (naming the field), read from loaded tiny pipelines."""
 
+import dataclasses
+
 import pytest
 from diffusers import DiffusionPipeline
 from PIL import Image
@@ -86,3 +88,31 @@ def test_an_image_to_image_or_inpainting_folder_is_served_as_it_is(tiny_sd):
         with pytest.raises(SamplingParamsError) as refused:
             card.complete_params(OmniDiffusionSamplingParams(**fields))
         assert refused.value.param == param, (card.pipeline_name, fields)
+
+
+def test_flow_shift_sets_the_schedulers_fixed_shift_and_is_refused_without_one(flux, sd):
+    from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    from vllm_omni.diffusion.model_card import flow_shift_key
+
+    assert flow_shift_key(UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0)) == "flow_shift"  # Wan's
+    assert flow_shift_key(FlowMatchEulerDiscreteScheduler(shift=3.0)) == "shift"  # SD3's
+    assert flow_shift_key(FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)) is None  # FLUX.1's
+    assert flow_shift_key(DDIMScheduler()) is None
+    dynamic = dataclasses.replace(flux, flow_shift_key=None)  # as FLUX.1's own folder
+    with pytest.raises(SamplingParamsError, match="shifts by image size") as caught:
+        dynamic.complete_params(OmniDiffusionSamplingParams(extra_args={"flow_shift": 2.0}))
+    assert caught.value.param == "extra_args.flow_shift"
+    with pytest.raises(SamplingParamsError, match="is not a flow-matching one"):
+        sd.complete_params(OmniDiffusionSamplingParams(extra_args={"flow_shift": 2.0}))
+    shifted = flux.complete_params(OmniDiffusionSamplingParams(extra_args={"flow_shift": 2.0}))
+    assert flux.scheduler_overrides(shifted) == {"shift": 2.0}
+
+
+def test_guidance_scale_of_a_model_without_a_guidance_embedding_is_refused(tiny_flux_schnell, flux):
+    schnell = card_of(tiny_flux_schnell)
+    assert schnell.ignores_guidance_scale and not flux.ignores_guidance_scale
+    with pytest.raises(SamplingParamsError, match="no guidance embedding") as caught:
+        schnell.complete_params(OmniDiffusionSamplingParams(guidance_scale=3.5))
+    assert caught.value.param == "guidance_scale"
+    assert schnell.complete_params(OmniDiffusionSamplingParams()).guidance_scale == 3.5  # its default still runs

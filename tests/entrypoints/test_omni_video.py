@@ -61,3 +61,51 @@ def test_image_pipelines_refuse_video_params(tiny_flux):
             SamplingParamsError, match="num_frames applies to video pipelines; FluxPipeline makes images"
         ):
             omni.generate(["x"], OmniDiffusionSamplingParams(height=32, width=32, num_frames=9))
+
+
+def test_a_two_expert_wan_takes_guidance_scale_2_and_boundary_ratio_as_stock(tiny_wan22):
+    """Wan 2.2's knobs, batched together with different values (each its own batch key), each request equal to
+    the stock pipeline called with the same values."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    common = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 4, "guidance_scale": 3.0}
+    variants = [
+        {},
+        {"guidance_scale_2": 20.0},
+        {"boundary_ratio": 0.5},
+        {"guidance_scale_2": 6.0, "boundary_ratio": 0.3},
+    ]
+    with Omni(model=tiny_wan22, max_num_seqs=4) as omni:
+        params = [
+            OmniDiffusionSamplingParams(**common, seed=i, negative_prompt="blurry", extra_args=v)
+            for i, v in enumerate(variants)
+        ]
+        outputs = omni.generate(["a cat running"] * 4, params)
+    stock = DiffusionPipeline.from_pretrained(tiny_wan22)
+    videos = []
+    for i, variant in enumerate(variants):
+        stock.register_to_config(boundary_ratio=variant.get("boundary_ratio", 0.875))
+        expected = stock(
+            "a cat running",
+            negative_prompt="blurry",
+            guidance_scale_2=variant.get("guidance_scale_2"),
+            generator=torch.Generator("cpu").manual_seed(i),
+            output_type="pil",
+            **common,
+        ).frames[0]
+        videos.append(_frames(outputs[i].videos[0]))
+        assert np.abs(videos[-1] - _frames(expected)).max() <= 2, variant
+    # Each knob moved the video (against the same seed's run without it, from the batch above).
+    same_seed = OmniDiffusionSamplingParams(**common, seed=0, negative_prompt="blurry")
+    with Omni(model=tiny_wan22) as omni:
+        base = _frames(omni.generate(["a cat running"], same_seed)[0].videos[0])
+        for variant in variants[1:]:
+            moved = omni.generate(["a cat running"], same_seed.model_copy(update={"extra_args": variant}))[0]
+            assert np.abs(_frames(moved.videos[0]) - base).max() > 2, variant
+
+
+def test_a_one_expert_wan_refuses_the_two_expert_knobs(omni):
+    for arg in ("guidance_scale_2", "boundary_ratio"):
+        with pytest.raises(SamplingParamsError, match=f"{arg} applies to two-expert Wan 2.2 folders"):
+            omni.generate(["x"], _params(extra_args={arg: 0.5}))

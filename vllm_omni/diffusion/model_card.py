@@ -42,6 +42,9 @@ RESERVED_ARGS = frozenset(
 )
 """Arguments the runner sets itself; ``extra_args`` may not carry them."""
 
+TWO_EXPERT_ARGS = ("guidance_scale_2", "boundary_ratio")
+"""``extra_args`` of two-expert Wan 2.2 folders only: the low-noise expert's guidance, and where it takes over."""
+
 _PLAIN = (int, float, str, bool)
 
 DEFAULT_STRENGTH: dict[ImageTask, float] = {"image": 0.6, "inpaint": 1.0}
@@ -77,6 +80,15 @@ class ModelCard:
     latent_pixels: int = 8
     """Pixels per side of one position of its denoiser's input: the VAE's spatial factor, times 2 for transformer
     (DiT) pipelines, which pack or patch latents 2×2 (16 for Flux, SD3 and Qwen-Image; 8 for SD and SDXL)."""
+    config_args: frozenset[str] = frozenset()
+    """Settings of its pipeline's config that a request may give in ``extra_args`` (the runner sets them around
+    its batch's call; they join the batch key with the rest): ``boundary_ratio`` of a two-expert Wan 2.2 folder."""
+    flow_shift_key: str | None = None
+    """The key of its noise scheduler's config that a request's ``flow_shift`` sets (`flow_shift_key`); ``None``:
+    its scheduler has no fixed shift to set, and ``flow_shift`` is refused."""
+    ignores_guidance_scale: bool = False
+    """Whether its call takes ``guidance_scale`` that its denoiser has no embedding for, so that it does nothing: a
+    transformer with ``guidance_embeds`` off (FLUX.1-schnell, Qwen-Image), which guides with ``true_cfg_scale``."""
     image_required: bool = False
     """Whether it needs an input image (image-to-image, inpainting, instruction-edit and image-to-video pipelines)."""
     max_images: int = 1
@@ -157,6 +169,14 @@ class ModelCard:
             frame_multiple=int(getattr(pipeline, "vae_scale_factor_temporal", 1) or 1),
             outputs_arg=next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters), None),
             latent_pixels=int(scale) * (2 if "transformer" in pipeline.components else 1),
+            config_args=frozenset({"boundary_ratio"})
+            if getattr(pipeline, "transformer_2", None) is not None
+            and getattr(pipeline, "config", {}).get("boundary_ratio") is not None
+            else frozenset(),
+            flow_shift_key=flow_shift_key(getattr(pipeline, "scheduler", None)),
+            ignores_guidance_scale="guidance_scale" in parameters
+            and getattr(getattr(getattr(pipeline, "transformer", None), "config", None), "guidance_embeds", None)
+            is False,
             image_required=image is not None
             and (image.default is inspect.Parameter.empty or name in _IMAGE_REQUIRED or "strength" in parameters),
             max_images=MAX_INPUT_IMAGES if name in _SEVERAL_IMAGES else 1,
@@ -183,9 +203,32 @@ class ModelCard:
             raise SamplingParamsError("negative_prompt", f"negative_prompt is not accepted by {name}")
         if params.guidance_scale is not None and "guidance_scale" not in self.call_args:
             raise SamplingParamsError("guidance_scale", f"guidance_scale is not accepted by {name}")
+        if params.guidance_scale is not None and self.ignores_guidance_scale:
+            raise SamplingParamsError(
+                "guidance_scale",
+                f"guidance_scale does nothing on this {name}: its transformer has no guidance embedding (a "
+                "timestep-distilled model such as FLUX.1-schnell); guide it with true_cfg_scale and a negative_prompt",
+            )
         if params.num_outputs_per_prompt > 1 and self.outputs_arg is None:
             raise SamplingParamsError(
                 "num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}"
+            )
+        two_expert = [arg for arg in TWO_EXPERT_ARGS if arg in params.extra_args]
+        if two_expert and "boundary_ratio" not in self.config_args:
+            raise SamplingParamsError(
+                f"extra_args.{two_expert[0]}",
+                f"{two_expert[0]} applies to two-expert Wan 2.2 folders (a transformer_2 and a boundary_ratio in "
+                f"model_index.json); this {name} has one expert",
+            )
+        if "flow_shift" in params.extra_args and self.flow_shift_key is None:
+            raise SamplingParamsError(
+                "extra_args.flow_shift",
+                f"flow_shift applies to flow-matching schedulers with a fixed shift; this {name}'s scheduler "
+                + (
+                    "shifts by image size (use_dynamic_shifting)"
+                    if self.flow_matching
+                    else "is not a flow-matching one"
+                ),
             )
         for arg in params.extra_args:
             if arg in RESERVED_ARGS:
@@ -193,10 +236,11 @@ class ModelCard:
                     f"extra_args.{arg}",
                     f"extra_args may not set {arg!r}: it is a sampling parameter or set by vllm-omni",
                 )
-            if arg not in self.call_args:
+            if arg not in self.call_args and arg not in self.config_args and arg != "flow_shift":
                 raise SamplingParamsError(
                     f"extra_args.{arg}", f"extra_args key {arg!r} is not an argument of {name}.__call__"
                 )
+        self._check_guidance(params)
         size = self.default_size
         if params.image is not None and not self.is_video:  # an edit keeps the first image's size by default
             width, height = params.image[0].size
@@ -227,6 +271,45 @@ class ModelCard:
                 else self.call_defaults.get("guidance_scale"),
             }
         )
+
+    def _check_guidance(self, params: OmniDiffusionSamplingParams) -> None:
+        """A negative prompt acts only through classifier-free guidance, and true CFG only with a negative prompt:
+        either one given without what makes it act is refused, never silently ignored. Pipelines with a
+        ``true_cfg_scale`` (Flux, Qwen-Image) guide with it when it is above 1; the others with ``guidance_scale``
+        above 1."""
+        name, negative = self.pipeline_name, params.negative_prompt is not None
+        if "true_cfg_scale" in self.call_args:
+            given = params.extra_args.get("true_cfg_scale")
+            scale = given if given is not None else self.call_defaults.get("true_cfg_scale", 1.0)
+            if negative and scale <= 1:
+                raise SamplingParamsError(
+                    "negative_prompt",
+                    f"negative_prompt does nothing on {name} unless true_cfg_scale > 1 (it is {scale:g}): set "
+                    "true_cfg_scale above 1 to use it, or leave negative_prompt out",
+                )
+            if given is not None and given > 1 and not negative:
+                raise SamplingParamsError(
+                    "extra_args.true_cfg_scale",
+                    f"true_cfg_scale={given:g} does nothing on {name} without a negative_prompt: give one, or leave "
+                    "true_cfg_scale out",
+                )
+            return
+        scale = params.guidance_scale if params.guidance_scale is not None else self.call_defaults.get("guidance_scale")
+        second = params.extra_args.get("guidance_scale_2")  # a two-expert Wan's low-noise expert guides with it
+        if isinstance(scale, int | float) and isinstance(second, int | float):
+            scale = max(scale, second)
+        if negative and isinstance(scale, int | float) and scale <= 1:
+            raise SamplingParamsError(
+                "negative_prompt",
+                f"negative_prompt does nothing on {name} unless guidance_scale > 1 (it is {scale:g}): set "
+                "guidance_scale above 1 to use it, or leave negative_prompt out",
+            )
+
+    def scheduler_overrides(self, params: OmniDiffusionSamplingParams) -> dict[str, Any]:
+        """The request's settings of its noise scheduler's config (its ``flow_shift``), for the scheduler that
+        runs it alone (step mode) or its batch (request mode: ``flow_shift`` is in the batch key)."""
+        shift = params.extra_args.get("flow_shift")
+        return {} if shift is None else {self.flow_shift_key: float(shift)}
 
     def strength_offset(self, steps: int, strength: float) -> int:
         """The first of ``steps`` that an image task of ``strength`` runs, as its image pipeline's ``get_timesteps``
@@ -267,6 +350,20 @@ class ModelCard:
                 f"{self.pipeline_name}",
             )
         return {"num_frames": num_frames, "fps": params.fps or DEFAULT_VIDEO_FPS}
+
+
+def flow_shift_key(scheduler) -> str | None:
+    """The config key that sets ``scheduler``'s fixed timestep shift: ``flow_shift`` (UniPC and DPM-Solver with
+    flow sigmas, as Wan folders have), ``shift`` (flow matching's Euler without shifting by image size: SD3, and
+    the tiny Wan); ``None`` for schedulers without one (Flux's shifts by image size; SD's are not flow matching)."""
+    config = getattr(scheduler, "config", None) or {}
+    if config.get("use_dynamic_shifting"):
+        return None
+    if "flow_shift" in config and config.get("use_flow_sigmas"):
+        return "flow_shift"
+    if "shift" in config and "FlowMatch" in type(scheduler).__name__:
+        return "shift"
+    return None
 
 
 def _default_size(pipeline, defaults: Mapping[str, Any]) -> tuple[int, int] | None:

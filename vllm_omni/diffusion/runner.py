@@ -8,7 +8,7 @@ import json
 import os
 import time
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from vllm_omni.diffusion.lora import LoraAdapters
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.steppers.base import fresh_noise_scheduler
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -181,11 +182,14 @@ class DiffusionRunner:
             text = [r.params.lora for r in batch for _ in range(rows)]
             adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
         pipeline = self._pipeline(card)
-        watching = contextlib.nullcontext() if previews is None else previews.watching(pipeline.scheduler, batch)
-        with adapters, watching as make_previews:
-            if "callback_on_step_end" in card.call_args:
-                kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
-            result = pipeline(**kwargs)
+        config = {arg: kwargs.pop(arg) for arg in card.config_args if arg in kwargs}
+        kwargs.pop("flow_shift", None)  # the batch's scheduler has it (`ModelCard.scheduler_overrides`)
+        with _configured(pipeline, config, card.scheduler_overrides(params)):
+            watching = contextlib.nullcontext() if previews is None else previews.watching(pipeline.scheduler, batch)
+            with adapters, watching as make_previews:
+                if "callback_on_step_end" in card.call_args:
+                    kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
+                result = pipeline(**kwargs)
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
         items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
         if len(items) != len(batch) * n:
@@ -243,3 +247,22 @@ class DiffusionRunner:
             return callback_kwargs
 
         return on_step_end
+
+
+@contextlib.contextmanager
+def _configured(pipeline, config: dict[str, Any], scheduler_overrides: dict[str, Any]) -> Iterator[None]:
+    """The pipeline with ``config`` (a batch's `ModelCard.config_args`) set in its config, and a noise scheduler of
+    its own with ``scheduler_overrides`` (`ModelCard.scheduler_overrides`), for one call; then as it was: the next
+    batch may ask for other values."""
+    before = {name: pipeline.config[name] for name in config}
+    scheduler = pipeline.scheduler
+    if config:
+        pipeline.register_to_config(**config)
+    if scheduler_overrides:
+        pipeline.scheduler = fresh_noise_scheduler(pipeline, scheduler_overrides)
+    try:
+        yield
+    finally:
+        pipeline.scheduler = scheduler
+        if before:
+            pipeline.register_to_config(**before)

@@ -145,3 +145,21 @@ def _healthy(base: str) -> bool:
         return httpx.get(f"{base}/health", timeout=60).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def came_true(predicate, timeout: float = 120.0) -> bool:
+    """Whether ``predicate`` came true within ``timeout``, polled: a bound on a hang, not a timing assumption."""
+    event = threading.Event()
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return True
+        event.wait(0.05)
+    return False
+
+
+def outcome_count(base: str, counter: str, outcome: str) -> float:
+    """The server's ``vllm_omni:<counter>_total{outcome=...}`` (0 before the first one)."""
+    for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines():
+        if line.startswith(f'vllm_omni:{counter}_total{{outcome="{outcome}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

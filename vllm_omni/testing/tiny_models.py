@@ -4,7 +4,7 @@ Every component, tokenizers included, is built from an in-memory config and
 vocabulary, then saved with ``save_pretrained`` so that it loads through the
 real ``DiffusionPipeline.from_pretrained`` path. Nothing is downloaded.
 
-    vllm-omni make-tiny-model DIR --family sd|sdxl|sd3|flux|flux-bench|wan
+    vllm-omni make-tiny-model DIR --family sd|sdxl|sd3|flux|flux-bench|flux-schnell|wan|wan2.2
                                            |kontext|qwen-image-edit|qwen-image-edit-plus|wan-i2v  (tiny_edit_models)
 """
 
@@ -289,11 +289,13 @@ def build_tiny_sd3():
     )
 
 
-def build_tiny_flux(bench: bool = False):
+def build_tiny_flux(bench: bool = False, guidance_embeds: bool = True):
     """FLUX.1 style (MMDiT transformer, flow matching): CLIP + T5 + AutoencoderKL.
 
     ``bench=True`` builds a bigger one for GPU benchmarks: a VAE that scales by 8 (so
     256–512 px images make 256–1024 image tokens) and a 6-block, 256-wide transformer.
+    ``guidance_embeds``: guidance-distilled as FLUX.1-dev (its ``guidance_scale`` is a transformer input), or,
+    ``False``, timestep-distilled as FLUX.1-schnell (no guidance embedding: it takes no ``guidance_scale``).
     """
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
@@ -324,6 +326,7 @@ def build_tiny_flux(bench: bool = False):
         joint_attention_dim=32,  # == T5 d_model
         pooled_projection_dim=32,  # == CLIP hidden size
         axes_dims_rope=[16, 24, 24] if bench else [4, 4, 8],  # sums to attention_head_dim
+        guidance_embeds=guidance_embeds,
     )
     scheduler = FlowMatchEulerDiscreteScheduler()
     return FluxPipeline(
@@ -337,8 +340,12 @@ def build_tiny_flux(bench: bool = False):
     )
 
 
-def build_tiny_wan():
-    """Wan 2.1 style text-to-video: UMT5 + AutoencoderKLWan (×8 spatial, ×4 temporal) + WanTransformer3DModel."""
+def build_tiny_wan(two_experts: bool = False):
+    """Wan 2.1 style text-to-video: UMT5 + AutoencoderKLWan (×8 spatial, ×4 temporal) + WanTransformer3DModel.
+
+    ``two_experts=True`` builds Wan 2.2's layout (A14B): a high-noise ``transformer`` and a low-noise
+    ``transformer_2``, switched at ``boundary_ratio`` × the scheduler's training timesteps.
+    """
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -353,7 +360,7 @@ def build_tiny_wan():
     vae = AutoencoderKLWan(
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     )
-    transformer = WanTransformer3DModel(
+    config = dict(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
@@ -367,12 +374,15 @@ def build_tiny_wan():
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=1024,
     )
+    transformer = WanTransformer3DModel(**config)
+    experts = {"transformer_2": WanTransformer3DModel(**config), "boundary_ratio": 0.875} if two_experts else {}
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
         transformer=transformer,
+        **experts,
     )
 
 
@@ -382,7 +392,9 @@ FAMILIES = {
     "sd3": build_tiny_sd3,
     "flux": build_tiny_flux,
     "flux-bench": lambda: build_tiny_flux(bench=True),
+    "flux-schnell": lambda: build_tiny_flux(guidance_embeds=False),
     "wan": build_tiny_wan,
+    "wan2.2": lambda: build_tiny_wan(two_experts=True),
     # The image-conditioned families live in tiny_edit_models, imported on use: it imports this module.
     "kontext": lambda: import_module(".tiny_edit_models", __package__).build_tiny_kontext(),
     "qwen-image-edit": lambda: import_module(".tiny_edit_models", __package__).build_tiny_qwen_image_edit(),

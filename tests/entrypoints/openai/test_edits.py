@@ -131,6 +131,7 @@ def test_url_responses_n_and_a_jpeg_input(server, client):
         prompt="a tree",
         n=2,
         size="32x32",
+        response_format="url",
         extra_body=FAST,
     )
     assert len(response.data) == 2 and response.size == "32x32"

@@ -10,6 +10,7 @@ import io
 import json
 import struct
 import urllib.parse
+import zipfile
 import zlib
 
 import httpx
@@ -306,9 +307,17 @@ def test_schema_driven_edits_with_real_images(server):
 
 
 def _images_made(response, what: str) -> int:
-    """The images of a 200 answer: its ``data``, or a stream's ``image_edit.completed`` events (``stream`` is one of
-    the form's fields), which must end the stream without an ``error`` event."""
-    if not response.headers["content-type"].startswith("text/event-stream"):
+    """The images of a 200 answer: its ``data``, a stream's ``image_edit.completed`` events (``stream`` is one of
+    the form's fields), which must end the stream without an ``error`` event, or for ``response_format: file`` the
+    image itself or the zip of them."""
+    content_type = response.headers["content-type"]
+    content_type = content_type[0] if isinstance(content_type, list) else content_type  # schemathesis: a list
+    if content_type.startswith("image/"):
+        return 1
+    if content_type == "application/zip":
+        with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
+            return len(archive.namelist())
+    if not content_type.startswith("text/event-stream"):
         return len(response.json()["data"])
     events = [json.loads(line[len("data: ") :]) for line in response.text.splitlines() if line.startswith("data: ")]
     assert events and events[-1]["type"] == "image_edit.completed", f"{what}: {events[-1:]!r:.500}"

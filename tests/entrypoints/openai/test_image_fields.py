@@ -101,7 +101,7 @@ def test_openai_fields_are_accepted_and_echoed_with_usage(server, client, tiny_f
         safety_identifier="user-7f3a",
         output_format="webp",
         response_format="b64_json",
-        extra_body={"negative_prompt": negative, "seed": 1},
+        extra_body={"negative_prompt": negative, "true_cfg_scale": 2.0, "seed": 1},  # Flux: true CFG
     )
     assert (response.quality, response.background, response.output_format, response.size) == (
         "low",

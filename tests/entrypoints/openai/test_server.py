@@ -178,7 +178,9 @@ def test_a_completed_request_observes_each_of_its_phases_once(server, client):
 
 
 def test_url_responses_download_with_the_api_key_from_an_unguessable_address(server, client):
-    response = client.images.generate(prompt="a tree", size="32x32", output_format="webp", extra_body=FAST)
+    response = client.images.generate(
+        prompt="a tree", size="32x32", output_format="webp", response_format="url", extra_body=FAST
+    )
     url = response.data[0].url
     assert url.startswith(server.base_url + "/v1/images/files/") and response.data[0].b64_json is None
     assert len(url.rsplit("/", 1)[1]) >= 40

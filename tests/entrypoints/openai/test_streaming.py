@@ -14,7 +14,7 @@ import openai
 import pytest
 from PIL import Image
 
-from vllm_omni.testing.server import in_process_server
+from vllm_omni.testing.server import came_true, in_process_server, outcome_count
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -35,13 +35,6 @@ def client(server):
 
 def pixels(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
-
-
-def counter(base: str, outcome: str) -> float:
-    for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines():
-        if line.startswith(f'vllm_omni:image_generation_requests_total{{outcome="{outcome}"}} '):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
@@ -172,7 +165,7 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request(server):
             holding.set()
             release.wait(120)
 
-    aborted = counter(base, "aborted")
+    aborted = outcome_count(base, "image_generation_requests", "aborted")
     handle = transformer.register_forward_hook(hold_third_forward)
     try:
         body = {"prompt": "x", "stream": True, "partial_images": 1, "size": "64x64", "num_inference_steps": 4}
@@ -181,27 +174,19 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request(server):
             assert first == "event: image_generation.partial_image"
             assert holding.wait(120)
         # The connection is closed: the server counts the request aborted while the engine is still held.
-        deadline_reached = not _wait(lambda: counter(base, "aborted") == aborted + 1)
+        deadline_reached = not came_true(
+            lambda: outcome_count(base, "image_generation_requests", "aborted") == aborted + 1
+        )
         assert not deadline_reached, "the server did not notice the client going away"
     finally:
         release.set()
         handle.remove()
-    assert _wait(lambda: engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0)
+    assert came_true(lambda: engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0)
     # The slot is free: the next request runs.
     response = httpx.post(
         f"{base}/v1/images/generations", json={"prompt": "y", "size": "64x64", "num_inference_steps": 2}, timeout=300
     )
     assert response.status_code == 200
-
-
-def _wait(predicate, timeout: float = 120.0) -> bool:
-    """Whether ``predicate`` came true within ``timeout`` (a bound on a hang, not a timing assumption)."""
-    event = threading.Event()
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
-        event.wait(0.05)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +216,7 @@ def test_a_video_job_shows_its_preview_while_it_runs_then_its_middle_frame(video
         assert job.status_code == 200, job.text
         video_id = job.json()["id"]
         assert holding.wait(120)
-        assert _wait(lambda: httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json()["preview_index"] == 0)
+        assert came_true(lambda: httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json()["preview_index"] == 0)
         running = httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json()
         assert running["status"] == "in_progress"
         preview = httpx.get(f"{base}/v1/videos/{video_id}/content", params={"variant": "thumbnail"}, timeout=60)
@@ -242,7 +227,7 @@ def test_a_video_job_shows_its_preview_while_it_runs_then_its_middle_frame(video
     finally:
         release.set()
         handle.remove()
-    assert _wait(lambda: httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json()["status"] == "completed")
+    assert came_true(lambda: httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json()["status"] == "completed")
     done = httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json()
     assert "preview_index" not in done  # only a running job has one
     mp4 = httpx.get(f"{base}/v1/videos/{video_id}/content", params={"variant": "video"}, timeout=60)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -128,12 +129,13 @@ def generators_for(seed: int, n: int) -> list[torch.Generator]:
     return [torch.Generator("cpu").manual_seed(seed)] * n
 
 
-def fresh_noise_scheduler(pipeline) -> Any:
-    """A noise scheduler of the pipeline's class and config that belongs to one request only."""
+def fresh_noise_scheduler(pipeline, overrides: Mapping[str, Any] | None = None) -> Any:
+    """A noise scheduler of the pipeline's class and config that belongs to one request (or one request-mode
+    batch) only, with ``overrides`` set in its config (`ModelCard.scheduler_overrides`)."""
     # With every value: from_config resets the keys the config lists as defaulted (_use_default_values), which
     # would undo what a pipeline's __init__ set on them (SD's clip_sample fix of a DDIM config).
     config = {k: v for k, v in pipeline.scheduler.config.items() if k != "_use_default_values"}
-    return type(pipeline.scheduler).from_config(config)
+    return type(pipeline.scheduler).from_config(config | dict(overrides or {}))
 
 
 class Stepper(ImageTasks):

@@ -29,7 +29,7 @@ from vllm_omni.diffusion.steppers.base import (
 class FlowMatchStepper(Stepper):
     """What Flux, SD3 and Wan share: the denoiser is ``pipeline.transformer``, the update is flow-matching Euler."""
 
-    extra_args = frozenset({"max_sequence_length"})
+    extra_args = frozenset({"max_sequence_length", "flow_shift"})
 
     def __init__(self, pipeline, device: torch.device):
         super().__init__(pipeline, device)
@@ -92,7 +92,7 @@ class FluxStepper(FlowMatchStepper):
     """FLUX.1 (schnell- and dev-like): guidance is a per-row denoiser input; true CFG adds negative rows."""
 
     pipeline_classes = ("FluxPipeline",)
-    extra_args = frozenset({"max_sequence_length", "true_cfg_scale"})
+    extra_args = frozenset({"max_sequence_length", "true_cfg_scale", "flow_shift"})
     tasks = frozenset({"text", "image", "inpaint"})
     full_strength_inpaints_noise = False
 
@@ -132,7 +132,7 @@ class FluxStepper(FlowMatchStepper):
             self.device,
             generators,
         )
-        scheduler = fresh_noise_scheduler(p)
+        scheduler = fresh_noise_scheduler(p, self.card.scheduler_overrides(params))
         config = scheduler.config
         sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / steps, steps)
         mu = calculate_shift(
@@ -217,7 +217,7 @@ class SD3Stepper(FlowMatchStepper):
         latents = p.prepare_latents(
             n, self.transformer.config.in_channels, params.height, params.width, dtype, self.device, generators
         )
-        scheduler = fresh_noise_scheduler(p)
+        scheduler = fresh_noise_scheduler(p, self.card.scheduler_overrides(params))
         config, kwargs = scheduler.config, {}
         if config.get("use_dynamic_shifting", None):
             patch = self.transformer.config.patch_size
@@ -295,7 +295,7 @@ class WanStepper(FlowMatchStepper):
 
     def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         p, n = self.pipeline, params.num_outputs_per_prompt
-        scheduler = fresh_noise_scheduler(p)
+        scheduler = fresh_noise_scheduler(p, self.card.scheduler_overrides(params))
         scheduler.set_timesteps(params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         latents = p.prepare_latents(

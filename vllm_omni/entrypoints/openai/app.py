@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.basic import build_basic_router
+from vllm_omni.entrypoints.openai.chat import build_chat_router
 from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
 from vllm_omni.entrypoints.openai.images import build_images_router
 from vllm_omni.entrypoints.openai.lora import build_lora_router, runtime_updating_allowed
@@ -95,6 +96,7 @@ def build_app(
     app.include_router(build_basic_router())
     app.include_router(build_images_router())
     app.include_router(build_videos_router())
+    app.include_router(build_chat_router())
     if runtime_updating_allowed():
         app.include_router(build_lora_router())
     if not serving.disable_playground:

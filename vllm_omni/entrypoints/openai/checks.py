@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams
     from vllm_omni.entrypoints.openai.server_state import ServerState
 
+PIPELINE_EXTENSIONS = ("true_cfg_scale", "flow_shift", "guidance_scale_2", "boundary_ratio")
+"""The APIs' extension fields that travel in ``extra_args``: the model card refuses each one the pipeline cannot
+take, naming the field (`ModelCard.complete_params`)."""
+
 # Sampling-parameter names as the OpenAI APIs call them.
 API_PARAM = {"height": "size", "width": "size", "num_outputs_per_prompt": "n", "mask_image": "mask"}
 
@@ -36,6 +40,21 @@ async def check_api_key(request: Request) -> None:
     matches = [secrets.compare_digest(token.encode(), key.encode()) for key in api_keys]
     if scheme.lower() != "bearer" or not any(matches):
         raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+async def check_query(request: Request) -> None:
+    """A query parameter the route does not declare is refused, as an unknown body field is."""
+    route = request.scope.get("route")
+    known = {param.alias for param in route.dependant.query_params} if route is not None else set()
+    unknown = [name for name in request.query_params if name not in known]
+    if unknown:
+        takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
+        raise APIError(
+            400,
+            f"Unrecognized query parameter: {unknown[0]} ({request.method} {route.path} {takes})",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
 
 
 def check_limits(params: OmniDiffusionSamplingParams, serving: ServingConfig) -> None:
@@ -112,6 +131,26 @@ def selected_adapters(state: ServerState, body) -> list[dict[str, float | str]]:
             code="invalid_value",
         )
     return selection
+
+
+def check_sides(size: str | None, width: Any, height: Any) -> None:
+    """``width`` and ``height`` (upstream vllm-omni's way to give a size) come together, and not with ``size``."""
+    sides = [name for name, value in (("width", width), ("height", height)) if value is not None]
+    if size is not None and sides:
+        raise APIError(
+            400,
+            f"give size or width and height, not both (got size and {' and '.join(sides)})",
+            param=sides[0],
+            code="invalid_value",
+        )
+    if len(sides) == 1:
+        missing = "height" if sides == ["width"] else "width"
+        raise APIError(400, f"{sides[0]} needs {missing} too (or give size)", param=missing, code="invalid_value")
+
+
+def pipeline_extensions(body) -> dict[str, Any]:
+    """The `PIPELINE_EXTENSIONS` the request gave."""
+    return {name: getattr(body, name) for name in PIPELINE_EXTENSIONS if getattr(body, name, None) is not None}
 
 
 def admit(state: ServerState, **fields) -> AdmittedParams:

@@ -74,10 +74,21 @@ def add_error_handlers(app: FastAPI) -> None:
         return validation_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405 and not _is_route(request):
+            # Starlette answers 405 when only a templated route matched (POST /v1/videos/x matches GET
+            # /v1/videos/{video_id}); there is no such route, so 404 says so.
+            return error_response(404, f"No route {request.method} {request.url.path}", code="not_found")
         return error_response(exc.status_code, str(exc.detail), code=HTTP_ERROR_CODE.get(exc.status_code))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("Unhandled error")
         return error_response(500, f"Internal server error: {type(exc).__name__}")
+
+
+def _is_route(request: Request) -> bool:
+    """Whether the request's path is one of the app's own paths as written (not only a template's match)."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    path = path[len(root) :] if root and path.startswith(root) else path
+    return any(getattr(route, "path", None) == path for route in request.app.routes)

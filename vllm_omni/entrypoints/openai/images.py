@@ -10,13 +10,15 @@ import io
 import json
 import time
 import uuid
+import zipfile
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
+from PIL import Image
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,10 +34,13 @@ from vllm_omni.diffusion.request import (
 from vllm_omni.entrypoints.openai.checks import (
     admit,
     check_api_key,
+    check_query,
     check_request,
+    pipeline_extensions,
     refusal_outcome,
     selected_adapters,
 )
+from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
 from vllm_omni.entrypoints.openai.image_usage import quality_steps, response_fields
 from vllm_omni.entrypoints.openai.protocol import (
@@ -52,43 +57,7 @@ from vllm_omni.metrics import prometheus as metrics
 if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams
 
-T = TypeVar("T")
-
 _MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it, which aborts its request and frees its slot.
-
-    vLLM's ``with_cancellation`` decorator does not fit: when the server cancels the handler (at the end of the
-    shutdown timeout) it leaves the work running instead of aborting it, and it answers 200 to a client that is gone.
-    Nor does its ``listen_for_disconnect`` (the same loop as `_disconnected`): importing its module resolves vLLM's
-    platform at import time, before the CLI sets the CPU hint, which then fails vLLM's own parser in that process.
-    """
-    work = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server cancels us (shutdown timeout): abort the request too
-        work.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if work in done:
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work
-    raise ClientDisconnected
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class _ImagesRoute(APIRoute):
@@ -170,7 +139,10 @@ def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
         )
     if body.output_compression is not None and body.output_format == "png":
         raise APIError(
-            400, "output_compression applies to jpeg and webp only", param="output_compression", code="invalid_value"
+            400,
+            "output_compression applies to output_format jpeg and webp only, not png",
+            param="output_compression",
+            code="invalid_value",
         )
     if body.partial_images and not body.stream:
         raise APIError(
@@ -187,7 +159,7 @@ def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
 
 def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "text", **inputs) -> AdmittedParams:
     """The request's complete parameters (model defaults filled in, the steps of its ``quality``, seed drawn), within
-    the operator's limits; ``inputs``: an edit's images, mask, strength and extra arguments, for ``task``."""
+    the operator's limits; ``inputs``: an edit's images, mask and strength, for ``task``."""
     width, height = body.dimensions() or (None, None)
     return admit(
         state,
@@ -200,6 +172,7 @@ def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
         negative_prompt=body.negative_prompt,
         lora=selected_adapters(state, body),
         partial_images=body.partial_images,
+        extra_args=pipeline_extensions(body),
         **inputs,
     )
 
@@ -209,6 +182,31 @@ async def create_image(body: ImageGenerationRequest, raw_request: Request) -> Im
         _check(body, state)
         raw_request.scope[_TIMER].mark("validation")  # FastAPI's schema validation, the API key, these checks
         return _admit(body, state)  # on the loop: admission is local work of ~0.1 ms, with no Ray call
+
+    return await _respond(raw_request, body, prepare)
+
+
+async def generate_images(
+    raw_request: Request,
+    body: ImageGenerationRequest,
+    read_images: Callable[[], Awaitable[list[Image.Image]]] | None,
+    timer: metrics.PhaseTimer,
+) -> ImageGenerationResponse | Response:
+    """An Images request that another API built (chat completions), checked, admitted, run and answered as
+    ``POST /v1/images/generations`` answers it, counted as an image request: an edit when it has input images
+    (``read_images`` reads them once the request passed its checks); ``timer``: its phases so far. The caller
+    observes them once it has answered."""
+    raw_request.scope[_TIMER] = timer
+
+    async def prepare(state: ServerState) -> AdmittedParams:
+        if read_images is None:
+            _check(body, state)
+            timer.mark("validation")
+            return _admit(body, state)
+        _check(body, state, task="image")
+        images = await read_images()
+        timer.mark("validation")
+        return _admit(body, state, "image", image=images, strength=getattr(body, "strength", None))
 
     return await _respond(raw_request, body, prepare)
 
@@ -247,9 +245,8 @@ async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse
         images = await read_images(files, "image", state.serving)
         mask = openai_mask((await read_images(masks, "mask", state.serving))[0], images[0]) if masks else None
         raw_request.scope[_TIMER].mark("validation")
-        extra = {} if body.true_cfg_scale is None else {"true_cfg_scale": body.true_cfg_scale}
         task = "inpaint" if mask is not None else "image"
-        return _admit(body, state, task, image=images, mask_image=mask, strength=body.strength, extra_args=extra)
+        return _admit(body, state, task, image=images, mask_image=mask, strength=body.strength)
 
     return await _respond(raw_request, body, prepare)
 
@@ -322,6 +319,9 @@ async def _respond(
         b64 = body.response_format == "b64_json"
         encoded = await _encode_all(output.images, body, b64)
         timer.mark("encoding")
+        if body.response_format == "file":
+            outcome = "completed"
+            return _files_response(encoded, body.output_format)
         if b64:
             data = [ImageData(b64_json=text, revised_prompt=body.prompt) for text in encoded]
         else:
@@ -337,6 +337,17 @@ async def _respond(
     finally:
         if outcome is not None:
             metrics.image_requests.labels(outcome).inc()
+
+
+def _files_response(files: list[bytes], output_format: str) -> Response:
+    """``response_format: file``: the image itself, or a zip of ``image_0.png``, ``image_1.png``, ... for several."""
+    if len(files) == 1:
+        return Response(files[0], media_type=_MEDIA_TYPES[output_format])
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zipped:  # the images are compressed already
+        for i, data in enumerate(files):
+            zipped.writestr(f"image_{i}.{output_format}", data)
+    return Response(archive.getvalue(), media_type="application/zip")
 
 
 def _failure(exc: RequestFailedError, state: ServerState) -> tuple[str, APIError]:
@@ -431,7 +442,7 @@ async def get_image(image_id: str, raw_request: Request) -> Response:
 
 def build_images_router() -> APIRouter:
     """The /v1/images routes; the server's state holds the image store (``state.store``)."""
-    router = APIRouter(prefix="/v1/images", dependencies=[Depends(check_api_key)])
+    router = APIRouter(prefix="/v1/images", dependencies=[Depends(check_api_key), Depends(check_query)])
     router.add_api_route("/files/{image_id}", get_image, methods=["GET"], name="get_image")
     for path, endpoint, extra in (
         ("/generations", create_image, None),

@@ -48,8 +48,11 @@ class ImageGenerationRequest(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=10)
     size: str = "auto"
     """``WIDTHxHEIGHT`` in pixels, or ``auto`` for the model's default."""
-    response_format: Literal["url", "b64_json"] = "url"
+    response_format: Literal["b64_json", "url", "file"] = "b64_json"
+    """``b64_json`` (as OpenAI's newest image model and upstream vllm-omni answer), ``url`` (a link to the image
+    store), or ``file``: the image's bytes themselves (a zip of them for several images), as upstream's."""
     output_format: Literal["png", "jpeg", "webp"] = "png"
+    """Case-insensitive; ``jpg`` is another name for ``jpeg``."""
     output_compression: StrictInt | None = Field(default=None, ge=0, le=100)
     """Quality for jpeg and webp, 0–100."""
     quality: Literal["auto", "low", "medium", "high", "standard", "hd"] = "auto"
@@ -72,6 +75,11 @@ class ImageGenerationRequest(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: StrictInt | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    """True classifier-free guidance with ``negative_prompt`` (Flux and Qwen-Image families)."""
+    flow_shift: float | None = Field(default=None, gt=0.0, le=100.0)
+    """The timestep shift of a flow-matching scheduler with a fixed one (SD3, Wan); refused where the scheduler
+    shifts by image size (Flux) or is not flow matching."""
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
     lora: LoraField = None
     """LoRA adapters to apply (docs/lora.md); ``model: "<adapter>"`` selects one at scale 1."""
@@ -82,6 +90,14 @@ class ImageGenerationRequest(BaseModel):
         if size != "auto" and not SIZE_PATTERN.match(size):
             raise ValueError("size must be 'auto' or WIDTHxHEIGHT in pixels, such as '512x512'")
         return size
+
+    @field_validator("output_format", mode="before")
+    @classmethod
+    def _format_name(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.lower()
+            return "jpeg" if value == "jpg" else value
+        return value
 
     def dimensions(self) -> tuple[int, int] | None:
         """``(width, height)``, or ``None`` for ``auto``."""
@@ -103,8 +119,6 @@ class ImageEditRequest(ImageGenerationRequest):
     # Extensions.
     strength: float | None = Field(default=None, gt=0.0, le=1.0)
     """How far the input image is noised (image-to-image, inpainting); the model's variant's default when unset."""
-    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
-    """True classifier-free guidance with ``negative_prompt`` (Flux and Qwen-Image families)."""
 
     _lora_from_form = field_validator("lora", mode="before")(lora_from_form)
 
@@ -180,7 +194,11 @@ class VideoGenerationRequest(BaseModel):
     prompt: str = Field(min_length=1)
     model: str | None = None
     size: str | None = None
-    """``WIDTHxHEIGHT`` in pixels; unset: the model's default."""
+    """``WIDTHxHEIGHT`` in pixels; unset: the model's default (or ``width`` and ``height``)."""
+    width: int | None = Field(default=None, ge=1)
+    """Extension (upstream vllm-omni's): the width in pixels, given with ``height`` instead of ``size``."""
+    height: int | None = Field(default=None, ge=1)
+    """Extension: the height in pixels, given with ``width`` instead of ``size``."""
     seconds: float | None = Field(default=None, gt=0, le=600)
     """Duration at ``fps``; OpenAI sends it as a string such as ``"4"``."""
     num_frames: int | None = Field(default=None, ge=1)
@@ -189,6 +207,16 @@ class VideoGenerationRequest(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    """True classifier-free guidance with ``negative_prompt``, for pipelines that take it (Wan's ``guidance_scale``
+    is true guidance already: it refuses this)."""
+    flow_shift: float | None = Field(default=None, gt=0.0, le=100.0)
+    """Extension: the timestep shift of the scheduler (Wan's ``flow_shift``), as for images."""
+    guidance_scale_2: float | None = Field(default=None, ge=0.0, le=100.0)
+    """Extension: the low-noise expert's guidance of a two-expert Wan 2.2 folder (``guidance_scale`` when unset)."""
+    boundary_ratio: float | None = Field(default=None, gt=0.0, lt=1.0)
+    """Extension: where a two-expert Wan 2.2 folder's low-noise expert takes over, as a fraction of the training
+    timesteps (the folder's own when unset)."""
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     lora: LoraField = None
     """LoRA adapters to apply (docs/lora.md); JSON text in a form."""
@@ -206,6 +234,10 @@ class VideoGenerationRequest(BaseModel):
         return size
 
     def dimensions(self) -> tuple[int, int] | None:
+        """``(width, height)`` from ``size`` or from ``width`` and ``height`` (the route refuses both ways at
+        once), or ``None`` for the model's default."""
+        if self.width is not None and self.height is not None:
+            return self.width, self.height
         match = SIZE_PATTERN.match(self.size or "")
         return (int(match[1]), int(match[2])) if match else None
 
@@ -256,3 +288,86 @@ class VideoDeleted(BaseModel):
     id: str
     object: Literal["video.deleted"] = "video.deleted"
     deleted: bool = True
+
+
+class ChatImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    """A data URL (``data:image/png;base64,...``): the server fetches no URL."""
+
+
+class ChatContentPart(BaseModel):
+    """One part of a chat message's content: its text, or an input image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ChatImageURL | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    """``user``: the chat adapter refuses the others (a diffusion model has no conversation)."""
+    content: str | list[ChatContentPart]
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` for a diffusion model, in upstream vllm-omni's shape: the prompt is the user
+    messages' text, their ``image_url`` parts are input images, and the generation parameters come at the top level
+    (as openai-python's ``extra_body`` sends them) or in a literal ``extra_body`` object (as upstream's curl examples
+    do). Those are the Images (or Videos) API's fields, checked there; any other key is refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    extra_body: dict[str, Any] | None = None
+    stream: bool = False
+    """Refused when true: a diffusion chat answer comes whole (``/v1/images/generations`` streams previews)."""
+
+
+class ChatMediaURL(BaseModel):
+    url: str
+    """``data:<media type>;base64,<bytes>``."""
+
+
+class ChatMediaPart(BaseModel):
+    """One generated image (``image_url``) or video (``video_url``) of the answer, as upstream's."""
+
+    type: Literal["image_url", "video_url"]
+    image_url: ChatMediaURL | None = None
+    video_url: ChatMediaURL | None = None
+
+
+class ChatAnswer(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: list[ChatMediaPart]
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatAnswer
+    finish_reason: Literal["stop"] = "stop"
+    logprobs: None = None
+
+
+class ChatUsage(BaseModel):
+    prompt_tokens: int
+    """The Images API's ``input_tokens``."""
+    completion_tokens: int
+    """The Images API's ``output_tokens``: denoiser positions of the images made."""
+    total_tokens: int
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage | None = None
+    """As the Images API counts it; unset for a video, or a model folder without a tokenizer."""

@@ -21,8 +21,9 @@ from vllm_omni.entrypoints.openai.errors import APIError
 FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp"}
 """Image formats an upload may have (Pillow's names → the API's)."""
 
-UPLOAD_PATHS = ("/v1/images/edits", "/v1/videos")
-"""Routes whose bodies carry image files: their body limit has room for them (`upload_body_limit`)."""
+UPLOAD_PATHS = ("/v1/images/edits", "/v1/videos", "/v1/videos/sync", "/v1/chat/completions")
+"""Routes whose bodies carry image files (chat completions: as data URLs): their body limit has room for them
+(`upload_body_limit`)."""
 
 
 def upload_body_limit(serving: ServingConfig) -> int:

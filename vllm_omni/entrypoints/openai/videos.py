@@ -7,6 +7,7 @@ import io
 import secrets
 import time
 from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -14,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from PIL import Image
 from pydantic import ValidationError
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.request import ImageTask, RequestFailedError, StageUnavailableError
@@ -21,10 +23,14 @@ from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
 from vllm_omni.entrypoints.openai.checks import (
     admit,
     check_api_key,
+    check_query,
     check_request,
+    check_sides,
+    pipeline_extensions,
     refusal_outcome,
     selected_adapters,
 )
+from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.uploads import form_files, read_images
 from vllm_omni.entrypoints.openai.protocol import (
@@ -183,7 +189,7 @@ async def _run(state: ServerState, job: VideoJob) -> None:
 
 def build_videos_router() -> APIRouter:
     """The /v1/videos routes; the server's state holds the jobs (``state.videos``)."""
-    router = APIRouter(prefix="/v1/videos", dependencies=[Depends(check_api_key)])
+    router = APIRouter(prefix="/v1/videos", dependencies=[Depends(check_api_key), Depends(check_query)])
 
     def _job(state: ServerState, video_id: str) -> VideoJob:
         job = state.videos.get(video_id)
@@ -200,33 +206,12 @@ def build_videos_router() -> APIRouter:
         timer = metrics.PhaseTimer()
         outcome = "invalid"
         try:
-            references = []
-            if raw_request.headers.get("content-type", "").lower().startswith(_FORM_TYPES):
-                try:
-                    form = await raw_request.form(max_files=1, max_fields=64)
-                except StarletteHTTPException as exc:  # a malformed body, or more than one file
-                    raise APIError(400, f"The form could not be read: {exc.detail}", code="invalid_form") from None
-                references = form_files(form, "input_reference")
-                data = {k: v for k, v in form.items() if k != "input_reference"}
-            else:
-                try:
-                    data = await raw_request.json()
-                except ValueError:
-                    raise APIError(400, "The request body is not valid JSON", code="invalid_json") from None
-            timer.mark("parse")
+            body, references = await _read(raw_request, timer)
             try:
-                body = VideoGenerationRequest.model_validate(data)
-            except ValidationError as exc:
-                raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-            try:
-                _check(state, body, task="image" if references else "text")
-                image = await read_images(references, "input_reference", state.serving) if references else None
+                admitted = await accept(state, body, _upload_reader(state, references), timer)
             finally:
                 for upload in references:  # its spooled file
                     await upload.close()
-            timer.mark("validation")
-            admitted = _admit(state, body, image)  # on the loop, as in images.py
-            timer.mark("completion")
             job = VideoJob(
                 id=f"video_{secrets.token_hex(16)}",
                 model=body.model or state.serving.served_model_names[0],
@@ -240,17 +225,43 @@ def build_videos_router() -> APIRouter:
             return job.view(state.omni)
         except Exception as exc:
             if outcome is not None:
-                if isinstance(exc, APIError):
-                    outcome = refusal_outcome(exc)
-                metrics.video_requests.labels(outcome).inc()
+                metrics.video_requests.labels(refusal_outcome(exc) if isinstance(exc, APIError) else outcome).inc()
             raise
 
+    @router.post("/sync", response_class=Response, responses={200: {"content": {"video/mp4": {}}}})
+    async def create_video_sync(raw_request: Request) -> Response:
+        """Upstream vllm-omni's synchronous route: the same request as ``POST /v1/videos``, answered with the MP4
+        itself once it is made."""
+        state: ServerState = raw_request.app.state.server
+        timer = metrics.PhaseTimer()
+        try:
+            body, references = await _read(raw_request, timer)
+        except Exception:
+            metrics.video_requests.labels("invalid").inc()
+            raise
+        try:
+            content = await run_sync(raw_request, state, body, _upload_reader(state, references), timer)
+        finally:
+            for upload in references:  # its spooled file
+                await upload.close()
+        if content is None:
+            return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
+        return Response(content, media_type="video/mp4")
+
     @router.get("", response_model=VideoList, response_model_exclude_none=True)
-    async def list_videos(raw_request: Request, limit: int = 20, after: str | None = None) -> VideoList:
+    async def list_videos(
+        raw_request: Request, limit: int = 20, after: str | None = None, order: str = "desc"
+    ) -> VideoList:
+        """The jobs, newest first (``order=desc``, OpenAI's default) or oldest first (``asc``), ``limit`` of them
+        after the job ``after``."""
         state: ServerState = raw_request.app.state.server
         if not 1 <= limit <= 100:
             raise APIError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order", code="invalid_value")
         jobs = state.videos.newest_first()
+        if order == "asc":
+            jobs.reverse()
         if after is not None:
             ids = [j.id for j in jobs]
             if after not in ids:
@@ -299,11 +310,116 @@ def build_videos_router() -> APIRouter:
     return router
 
 
+async def _read(raw_request: Request, timer: metrics.PhaseTimer) -> tuple[VideoGenerationRequest, list[UploadFile]]:
+    """The request's body, JSON or a form, and its ``input_reference`` upload if it has one (read by `accept`, once
+    the request passed its checks; the caller closes it)."""
+    references = []
+    if raw_request.headers.get("content-type", "").lower().startswith(_FORM_TYPES):
+        try:
+            form = await raw_request.form(max_files=1, max_fields=64)
+        except StarletteHTTPException as exc:  # a malformed body, or more than one file
+            raise APIError(400, f"The form could not be read: {exc.detail}", code="invalid_form") from None
+        references = form_files(form, "input_reference")
+        data = {k: v for k, v in form.items() if k != "input_reference"}
+    else:
+        try:
+            data = await raw_request.json()
+        except ValueError:
+            raise APIError(400, "The request body is not valid JSON", code="invalid_json") from None
+    timer.mark("parse")
+    try:
+        body = VideoGenerationRequest.model_validate(data)
+    except ValidationError as exc:
+        for upload in references:
+            await upload.close()
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    return body, references
+
+
+async def accept(
+    state: ServerState,
+    body: VideoGenerationRequest,
+    read_image: Callable[[], Awaitable[list[Image.Image]]] | None,
+    timer: metrics.PhaseTimer,
+    sync: bool = False,
+) -> AdmittedParams:
+    """The request checked, its ``input_reference`` read (``read_image``, only once the checks passed: an image
+    model is refused before any file is decoded) and its parameters admitted (on the loop, as in images.py), timing
+    each phase; ``sync``: answered at once, with no job to show previews on."""
+    _check(state, body, task="image" if read_image else "text")
+    if sync and body.partial_images:
+        raise APIError(
+            400,
+            "a synchronous video answers with the MP4 only: use POST /v1/videos for previews of a running job",
+            param="partial_images",
+            code="invalid_value",
+        )
+    image = await read_image() if read_image else None
+    timer.mark("validation")
+    admitted = _admit(state, body, image)
+    timer.mark("completion")
+    return admitted
+
+
+def _upload_reader(
+    state: ServerState, references: list[UploadFile]
+) -> Callable[[], Awaitable[list[Image.Image]]] | None:
+    """`accept`'s ``read_image`` for an ``input_reference`` upload, if there is one."""
+    if not references:
+        return None
+    return lambda: read_images(references, "input_reference", state.serving)
+
+
+async def run_sync(
+    raw_request: Request,
+    state: ServerState,
+    body: VideoGenerationRequest,
+    read_image: Callable[[], Awaitable[list[Image.Image]]] | None,
+    timer: metrics.PhaseTimer,
+) -> bytes | None:
+    """Admit the request, run it and return its MP4 (``/v1/videos/sync``, and chat completions of a video model),
+    counted as a video request; ``None`` when the client went away first (the request was aborted)."""
+    outcome = "invalid"
+    try:
+        admitted = await accept(state, body, read_image, timer, sync=True)
+        outcome = "failed"
+        generation = state.omni.generate(body.prompt, admitted, request_id=f"video_{secrets.token_hex(16)}")
+        try:
+            output = await until_disconnect(raw_request, anext(generation, None))
+        except ClientDisconnected:
+            outcome = "cancelled"
+            return None
+        except StageUnavailableError as exc:
+            outcome = "unavailable"
+            raise APIError(503, str(exc), code="service_unavailable") from None
+        except RequestFailedError as exc:
+            raise APIError(500, str(exc), code="generation_failed") from None
+        if output is None:
+            outcome = "cancelled"
+            raise APIError(503, "The request was aborted", code="aborted")
+        timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
+        content = await asyncio.to_thread(encode_mp4, output.videos[0], admitted.params.fps)  # off the loop
+        timer.mark("encoding")
+        timer.observe("videos")
+        outcome = "completed"
+        return content
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    except APIError as exc:
+        if outcome == "invalid":
+            outcome = refusal_outcome(exc)
+        raise
+    finally:
+        metrics.video_requests.labels(outcome).inc()
+
+
 def _check(state: ServerState, body: VideoGenerationRequest, task: ImageTask) -> None:
     """The job's own checks (`check_request` reads only this process's state: it runs on the event loop)."""
     check_request(state, body, kind="video", task=task)
     if body.seconds is not None and body.num_frames is not None:
         raise APIError(400, "give seconds or num_frames, not both", param="seconds", code="invalid_value")
+    check_sides(body.size, body.width, body.height)
 
 
 def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.Image] | None) -> AdmittedParams:
@@ -327,6 +443,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
         image=image,
         lora=selected_adapters(state, body),
         partial_images=body.partial_images,
+        extra_args=pipeline_extensions(body),
     )
     num_frames = admitted.params.num_frames
     if num_frames > state.serving.max_video_frames:
