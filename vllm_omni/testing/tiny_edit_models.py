@@ -11,7 +11,8 @@ import json
 
 import torch
 
-from vllm_omni.testing.tiny_models import WORDS, _tiny_vae, build_tiny_flux, build_tiny_wan
+from vllm_omni.testing.tiny_models import _tiny_vae, build_tiny_flux, build_tiny_wan
+from vllm_omni.testing.tiny_tokenizers import WORDS
 
 # The system part of Qwen-Image-Edit's prompt template, learnt whole by the tiny BPE so that, as with the real
 # Qwen2 vocabulary, the template's prefix up to the user turn is exactly the 64 tokens the pipeline drops.

@@ -13,7 +13,7 @@ from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.image_store import ImageStore
 from vllm_omni.entrypoints.openai.image_usage import load_prompt_tokenizer
-from vllm_omni.entrypoints.openai.videos import VideoJobs
+from vllm_omni.entrypoints.openai.video_jobs import VideoJobs
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 

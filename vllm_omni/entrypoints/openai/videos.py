@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import secrets
 import time
-from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +31,7 @@ from vllm_omni.entrypoints.openai.checks import (
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.uploads import form_files, read_images
+from vllm_omni.entrypoints.openai.video_jobs import VideoJob, encode_mp4, encode_png
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
     VideoDeleted,
@@ -45,112 +44,11 @@ from vllm_omni.metrics import prometheus as metrics
 
 if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams
-    from vllm_omni.entrypoints.async_omni import AsyncOmni
     from vllm_omni.entrypoints.openai.server_state import ServerState
 
 logger = init_logger(__name__)
 
 _FORM_TYPES = ("multipart/form-data", "application/x-www-form")
-
-
-def encode_mp4(frames: list[Any], fps: int) -> bytes:
-    """H.264 (or MPEG-4 Part 2 where the bundled FFmpeg has no x264) in an MP4 container."""
-    import av
-
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
-        stream.width, stream.height = frames[0].size
-        stream.pix_fmt = "yuv420p"
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_image(frame.convert("RGB"))):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
-
-
-def encode_png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-@dataclass(eq=False)
-class VideoJob:
-    id: str
-    model: str
-    prompt: str
-    admitted: AdmittedParams
-    """Its parameters, completed once at creation (the model's defaults filled in, a seed drawn)."""
-    created_at: int = field(default_factory=lambda: int(time.time()))
-    status: str = "queued"
-    completed_at: int | None = None
-    finished_monotonic: float | None = None
-    error: ErrorInfo | None = None
-    content: bytes | None = None
-    thumbnail: bytes | None = None
-    """PNG of its latest preview while it runs (``partial_images``), then of its video's middle frame."""
-    preview_index: int | None = None
-    """Index of the preview in ``thumbnail`` while it runs."""
-    task: asyncio.Task | None = None
-    timer: metrics.PhaseTimer = field(default_factory=metrics.PhaseTimer)
-    """Its phases (creation, engine, MP4 encoding), observed when it completes."""
-
-    def view(self, omni: AsyncOmni) -> VideoObject:
-        status, progress = self.status, 100 if self.status == "completed" else 0
-        if status == "queued" and (found := omni.progress(self.id)) is not None and found[0] == "running":
-            status, progress = "in_progress", int(100 * found[1])
-        params = self.admitted.params
-        return VideoObject(
-            id=self.id,
-            model=self.model,
-            status=status,
-            progress=progress,
-            created_at=self.created_at,
-            completed_at=self.completed_at,
-            size=f"{params.width}x{params.height}",
-            seconds=f"{params.num_frames / params.fps:g}",
-            error=self.error,
-            preview_index=self.preview_index if self.status == "queued" else None,
-        )
-
-
-class VideoJobs:
-    """Jobs in creation order; finished ones expire after ``ttl_s`` or when their MP4s exceed ``max_bytes``."""
-
-    def __init__(self, ttl_s: float, max_bytes: int):
-        self.ttl_s, self.max_bytes = ttl_s, max_bytes
-        self._jobs: dict[str, VideoJob] = {}
-
-    def add(self, job: VideoJob) -> None:
-        self._jobs[job.id] = job
-        self.evict()
-
-    def get(self, job_id: str) -> VideoJob | None:
-        self.evict()
-        return self._jobs.get(job_id)
-
-    def pop(self, job_id: str) -> VideoJob | None:
-        return self._jobs.pop(job_id, None)
-
-    def newest_first(self) -> list[VideoJob]:
-        self.evict()
-        return list(reversed(self._jobs.values()))
-
-    def evict(self) -> None:
-        now = time.monotonic()
-        finished = [j for j in self._jobs.values() if j.finished_monotonic is not None]
-        total = sum(len(j.content or b"") for j in finished)
-        for job in finished:  # oldest first
-            if now - job.finished_monotonic > self.ttl_s or total > self.max_bytes:
-                total -= len(job.content or b"")
-                del self._jobs[job.id]
-
-    def cancel_all(self) -> None:
-        for job in self._jobs.values():
-            if job.task is not None:
-                job.task.cancel()
 
 
 async def _run(state: ServerState, job: VideoJob) -> None:
