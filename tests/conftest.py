@@ -6,6 +6,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``network`` reach the real Hugging Face Hub: only when asked (CI machines have no hub)."""
+    if os.environ.get("VLLM_OMNI_TEST_NETWORK") == "1":
+        return
+    skip = pytest.mark.skip(reason="downloads from huggingface.co; set VLLM_OMNI_TEST_NETWORK=1 to run it")
+    for item in items:
+        if "network" in item.keywords:
+            item.add_marker(skip)
+
+
 def _tiny_model(tmp_path_factory, family: str) -> str:
     from vllm_omni.testing.tiny_models import make_tiny_model
 
@@ -76,6 +86,16 @@ def tiny_qwen_edit_plus(tmp_path_factory) -> str:
 def tiny_wan_i2v(tmp_path_factory) -> str:
     """A tiny random-weight WanImageToVideoPipeline (Wan 2.1 I2V) folder, built offline once per test session."""
     return _tiny_model(tmp_path_factory, "wan-i2v")
+
+
+@pytest.fixture(scope="session")
+def hf_cache(tiny_flux, tmp_path_factory):
+    """A Hugging Face cache holding the tiny Flux as ``tiny-org/flux`` (main), written by ``huggingface_hub`` itself
+    from a local hub; ``(cache_dir, repo_id, commit)``. Load it offline with ``download_dir=cache_dir``."""
+    from vllm_omni.testing.hub import populate_cache
+
+    cache = str(tmp_path_factory.mktemp("hf-cache"))
+    return cache, "tiny-org/flux", populate_cache("tiny-org/flux", tiny_flux, cache)
 
 
 @pytest.fixture

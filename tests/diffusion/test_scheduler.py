@@ -372,3 +372,35 @@ def test_close_fails_pending_calls_and_refuses_new_ones():
     assert ran == []
     with pytest.raises(RuntimeError, match="shut down"):
         scheduler.call(lambda: None)
+
+
+def test_the_pixel_budget_makes_batches_smaller_than_max_num_seqs():
+    scheduler = _scheduler(max_num_seqs=4, max_batch_pixels=2 * 64 * 64)
+    for i in range(4):
+        scheduler.add(_request(f"big{i}", size=64))
+    for i in range(4):
+        scheduler.add(_request(f"small{i}", size=32))
+    sizes = []
+    while batch := scheduler.schedule(timeout=0):
+        sizes.append(_ids(batch))
+        _run(scheduler, batch)
+    # Two 64x64 fill the budget; four 32x32 are within it, so max_num_seqs bounds them.
+    assert sizes == [["big0", "big1"], ["big2", "big3"], ["small0", "small1", "small2", "small3"]]
+
+
+def test_a_request_larger_than_the_budget_runs_alone_and_n_counts():
+    scheduler = _scheduler(max_num_seqs=4, max_batch_pixels=64 * 64)
+    for i in range(2):
+        scheduler.add(_request(f"n2-{i}", size=64, num_outputs_per_prompt=2))  # 2 × 64 × 64: over the budget
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["n2-0"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["n2-1"]
+
+
+def test_a_batch_that_spent_the_budget_starts_without_the_admission_wait():
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=3_600_000, max_batch_pixels=2 * 32 * 32)
+    scheduler.add(_request("a"))
+    assert scheduler.schedule(timeout=0) == []  # room left: the hour-long admission wait holds it
+    scheduler.add(_request("b"))
+    assert _ids(scheduler.schedule(timeout=0)) == ["a", "b"]  # the budget is spent: waiting cannot fill it more

@@ -271,3 +271,15 @@ def test_close_fails_pending_step_calls():
     scheduler.close("the engine stopped")
     with pytest.raises(RuntimeError, match="the engine stopped"):
         future.result(timeout=0)
+
+
+def test_the_pixel_budget_bounds_the_running_batch_and_the_next_joins_when_one_leaves():
+    scheduler = _scheduler(max_num_seqs=4, max_batch_pixels=2 * 64 * 64)
+    requests = [_request(name) for name in "abc"]
+    for request in requests:
+        scheduler.add(request)
+    _encode(scheduler, scheduler.plan(timeout=0))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["a", "b"]  # c is encoded, but a third 64x64 would pass the budget
+    scheduler.retire([requests[0]])
+    assert _ids(scheduler.plan(timeout=0).batch) == ["b", "c"]

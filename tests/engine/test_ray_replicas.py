@@ -35,12 +35,19 @@ def cluster():
     cluster.shutdown()
 
 
+def _loaded_model(replica) -> str:
+    """The folder the replica's engine loaded."""
+    return ray.get(replica._actor.__ray_call__.remote(lambda actor: actor.replica.engine.od_config.model))
+
+
 @pytest.fixture(scope="module")
-def omni(cluster, tiny_flux):
+def omni(cluster, hf_cache):
     """Two replicas of max_num_seqs 2, one per node, with one torch thread each; LoRA on (no adapter until a test
-    adds one)."""
+    adds one). The model is the tiny Flux by repo id, from the Hugging Face cache."""
+    cache, repo, _ = hf_cache
     with Omni(
-        tiny_flux,
+        repo,
+        download_dir=cache,
         num_replicas=2,
         max_num_seqs=2,
         placement_strategy="STRICT_SPREAD",
@@ -99,9 +106,10 @@ def _release_batches(replica) -> None:
     ray.get(replica._actor.__ray_call__.remote(lambda actor: actor.release_batches()))
 
 
-def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tiny_flux):
+def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tiny_flux, hf_cache):
     """Runs before the module's two-replica deploy takes both CPUs: encode inline, denoise and decode one Ray
-    actor each (one per node)."""
+    actor each (one per node), all on the one snapshot of the repo id."""
+    cache, repo, commit = hf_cache
     on_ray = {"ray_address": cluster.address, "distributed_executor_backend": "ray"}
     deploy = DeployConfig(
         stages=[
@@ -117,7 +125,10 @@ def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tin
     prompts = [f"prompt {i}" for i in range(4)]
     with Omni(tiny_flux, max_num_seqs=1) as single:
         want = single.generate(prompts, params)
-    with Omni(tiny_flux, deploy_config=deploy) as omni:
+    with Omni(repo, download_dir=cache, deploy_config=deploy) as omni:
+        snapshot = os.path.join(cache, "models--tiny-org--flux", "snapshots", commit)
+        assert omni.model == snapshot
+        assert [_loaded_model(stage.replicas[0]) for stage in omni.engine.stages[1:]] == [snapshot, snapshot]
         got = omni.generate(prompts, params)
         # The inline encode stage hands its output on by value; the Ray denoise stage leaves its output in the
         # object store for the Ray decode stage, so the latents never come to this process.
@@ -138,6 +149,7 @@ def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tin
 
 def test_replicas_run_on_different_nodes_and_share_the_requests(cluster, omni):
     replicas = omni.engine.stages[0].replicas
+    assert [_loaded_model(replica) for replica in replicas] == [omni.model] * 2  # one snapshot, on both nodes
     nodes = {replica.info.node_id for replica in replicas}
     assert nodes == {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     assert omni.stage_configs[0].capacity == 4

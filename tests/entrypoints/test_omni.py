@@ -136,5 +136,5 @@ def test_stable_diffusion_with_negative_prompt_and_cfg(tiny_sd):
 
 
 def test_not_a_diffusers_folder(tmp_path):
-    with pytest.raises(ValueError, match="is not a diffusers folder: it has no model_index.json"):
+    with pytest.raises(ValueError, match="is a folder but not a diffusers folder: it has no model_index.json"):
         Omni(model=tmp_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from vllm_omni.config.stage import DType, ExecutionMode, LoRAModulePath, StageDeployConfig, StageType
+from vllm_omni.config.stage import CpuOffload, DType, ExecutionMode, LoRAModulePath, StageDeployConfig, StageType
 
 
 class OmniDiffusionConfig(BaseModel):
@@ -58,6 +58,18 @@ class OmniDiffusionConfig(BaseModel):
     max_lora_rank: int
     """Highest adapter rank it loads."""
 
+    max_batch_pixels: int | None
+    """Most ``width × height × frames × n`` in one batch or step-mode forward; ``None``: no budget."""
+
+    vae_tiling: bool
+    """Whether the VAE runs over tiles."""
+
+    vae_slicing: bool
+    """Whether the VAE runs one image of a batch at a time."""
+
+    cpu_offload: CpuOffload
+    """diffusers' CPU offload of the pipeline (CUDA only)."""
+
     @classmethod
     def from_stage(
         cls, model: str, stage: StageDeployConfig, replica: int = 0, torch_threads: int | None = None
@@ -82,4 +94,8 @@ class OmniDiffusionConfig(BaseModel):
             lora_modules=stage.lora_modules,
             max_loras=stage.max_loras,
             max_lora_rank=stage.max_lora_rank,
+            max_batch_pixels=stage.max_batch_pixels,
+            vae_tiling=stage.vae_tiling,
+            vae_slicing=stage.vae_slicing,
+            cpu_offload=stage.cpu_offload,
         )

@@ -181,6 +181,23 @@ def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Map
             f"but {written('execution_mode', 'is ')}: in step mode requests join the running batch at the next step, "
             "so leave it at 0"
         )
+    if values["max_batch_pixels"] is not None and values["max_num_seqs"] == 1:
+        raise ValueError(
+            f"stage {stage_id}: {written('max_batch_pixels')} limits batches of several requests, but "
+            f"{written('max_num_seqs', 'is ')}: a request is never split, so raise max_num_seqs or remove it"
+        )
+    if values["cpu_offload"] != "none":
+        if values["distributed_executor_backend"] == "ray" and values["num_gpus"] == 0:
+            raise ValueError(
+                f"stage {stage_id}: {written('cpu_offload')} moves weights to a GPU while they run, but "
+                f"{written('num_gpus')} gives each replica none: give it a GPU or set cpu_offload to 'none'"
+            )
+        if values["cpu_offload"] == "sequential" and values["devices"] is not None:
+            raise ValueError(
+                f"stage {stage_id}: {written('cpu_offload')} runs every submodule on one GPU, so "
+                f"{written('devices')} cannot place the stage: remove devices (the first visible GPU is used) or "
+                "use cpu_offload 'model'"
+            )
     backend = written("distributed_executor_backend", "is ")
     if values["distributed_executor_backend"] == "inline":
         if values["num_replicas"] > 1:

@@ -27,6 +27,9 @@ Backend = Literal["inline", "ray"]
 StageType = Literal["diffusion", "encode", "denoise", "decode", "llm"]
 """What a stage runs: the whole pipeline, or one part of a split one (docs/stages.md)."""
 
+CpuOffload = Literal["none", "model", "sequential"]
+"""diffusers' CPU offload: none, whole components (``model``) or submodules (``sequential``) moved to the GPU to run."""
+
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 """Ray placement-group strategies: how replicas spread over the cluster's nodes."""
 
@@ -175,6 +178,20 @@ class StageDeployConfig(BaseModel):
 
     max_lora_rank: int = Field(default=64, ge=1)
     """Highest adapter rank served; an adapter above it is refused when it loads."""
+
+    max_batch_pixels: int | None = Field(default=None, ge=1)
+    """Most ``width × height × frames × n`` one batch (in step mode, one forward) holds, summed over its requests;
+    ``None``: no budget. It only makes batches smaller than ``max_num_seqs``; a larger request runs alone."""
+
+    vae_tiling: bool = False
+    """Run the VAE over overlapping tiles (diffusers' ``enable_tiling``): large images in less memory."""
+
+    vae_slicing: bool = False
+    """Run the VAE on one image of a batch at a time (diffusers' ``enable_slicing``): less peak memory."""
+
+    cpu_offload: CpuOffload = "none"
+    """Keep weights in CPU memory and move them to the GPU to run (CUDA only): ``model`` a component at a time,
+    ``sequential`` a submodule at a time (least memory, slowest)."""
 
     provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
     """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""

@@ -4,7 +4,10 @@ schedulers that the steppers drive).
 `BatchScheduler` is the request-level policy (``execution_mode: request``);
 `StepBatchScheduler` the step-level one (``execution_mode: step``, see its docstring).
 
-- Capacity is ``od_config.max_num_seqs`` requests per batch.
+- Capacity is ``od_config.max_num_seqs`` requests per batch, and at most
+  ``od_config.max_batch_pixels`` of ``width × height × frames × n`` summed over
+  them when set (a request larger than that runs alone). The budget only makes
+  batches smaller: the oldest request always goes first.
 - Only requests with the same `BatchKey` share a batch. The oldest waiting
   request's key goes first, so no key starves, and requests with other keys
   never block it (no head-of-line blocking).
@@ -45,6 +48,7 @@ def adapters_of(requests: Iterable[DiffusionRequest]) -> set[str]:
 class BatchScheduler:
     def __init__(self, od_config: OmniDiffusionConfig):
         self.capacity = od_config.max_num_seqs
+        self.max_pixels = od_config.max_batch_pixels
         self.max_wait_s = od_config.request_batch_max_wait_ms / 1000.0
         self.max_loras = od_config.max_loras
         self._waiting: list[DiffusionRequest] = []
@@ -80,20 +84,28 @@ class BatchScheduler:
         with self._cond:
             return adapters_of(self._in_progress())
 
+    def fits(self, batch: list[DiffusionRequest], request: DiffusionRequest) -> bool:
+        """Whether ``request`` may join ``batch`` within the pixel budget (the first request always may)."""
+        return not batch or self.max_pixels is None or sum(r.pixels for r in batch) + request.pixels <= self.max_pixels
+
     def _fitting(self, candidates: list[DiffusionRequest], in_use: set[str]) -> tuple[list[DiffusionRequest], bool]:
-        """The oldest ``candidates`` that fit beside ``in_use`` adapters, up to capacity; and whether one was
-        left out for its adapters alone."""
+        """The oldest ``candidates`` that fit beside ``in_use`` adapters, up to capacity and the pixel budget; and
+        whether waiting cannot make the batch fuller (one was left out for its adapters, or the budget is spent)."""
         chosen, adapters, left_out = [], set(in_use), False
         for request in candidates:
             if len(chosen) == self.capacity:
                 break
+            if not self.fits(chosen, request):
+                return chosen, True
             wanted = adapters | adapters_of([request])
             if len(wanted) > self.max_loras:
                 left_out = True
                 continue
             chosen.append(request)
             adapters = wanted
-        return chosen, left_out
+        # Requests that share a key have the same size: one more like the last would not fit, so none would.
+        spent = bool(chosen) and not self.fits(chosen, chosen[-1])
+        return chosen, left_out or spent
 
     def add(self, request: DiffusionRequest) -> None:
         with self._cond:
@@ -227,7 +239,8 @@ class StepBatchScheduler(BatchScheduler):
     """Step-level policy: requests join and leave the running batch at denoising-step boundaries.
 
     - At every boundary, waiting requests whose prompt is encoded join the running
-      batch, oldest first, while it holds fewer than ``max_num_seqs`` requests.
+      batch, oldest first, while it holds fewer than ``max_num_seqs`` requests
+      and the next one fits the pixel budget.
     - Only requests with the same key share the running batch (what must match
       inside one forward: size, frames, text length). Steps and guidance may differ.
     - Fairness: when the oldest waiting request needs another key, the running key
@@ -301,7 +314,12 @@ class StepBatchScheduler(BatchScheduler):
             return
         key = self._running[0].key if self._running else self._waiting[0].key
         for request in list(self._waiting):
-            if len(self._running) >= self.capacity or request.key != key or request.state is None:
+            if (
+                len(self._running) >= self.capacity
+                or request.key != key
+                or request.state is None
+                or not self.fits(self._running, request)
+            ):
                 break
             self._waiting.remove(request)
             if request.future.set_running_or_notify_cancel():

@@ -275,6 +275,12 @@ class DiffusionRequest:
     """Previews made so far."""
 
     @property
+    def pixels(self) -> int:
+        """``width × height × frames × n``: what the stage's ``max_batch_pixels`` budget counts."""
+        p = self.params
+        return (p.width or 1) * (p.height or 1) * (p.num_frames or 1) * p.num_outputs_per_prompt
+
+    @property
     def progress(self) -> float:
         """Fraction of its denoising steps done."""
         return self.steps_done / (self.total_steps or self.params.num_inference_steps)

@@ -86,8 +86,11 @@ def read_model_index(model: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def load_pipeline(model: str, dtype: torch.dtype, device: torch.device, skips: tuple[str, ...] = ()):
-    """The pipeline on ``device``, without the components named in ``skips``."""
+def load_pipeline(
+    model: str, dtype: torch.dtype, device: torch.device, skips: tuple[str, ...] = (), cpu_offload: str = "none"
+):
+    """The pipeline on ``device`` (or offloaded to the CPU, moving to ``device`` to run), without the components
+    named in ``skips``."""
     from diffusers import DiffusionPipeline
 
     # transformers loads a model's weights on a pool of worker threads unless this is set: torch ops on other
@@ -97,7 +100,31 @@ def load_pipeline(model: str, dtype: torch.dtype, device: torch.device, skips: t
     skipped = {name: None for name in skips if name in components}
     pipeline = DiffusionPipeline.from_pretrained(model, dtype=dtype, local_files_only=True, **skipped)
     pipeline.set_progress_bar_config(disable=True)
-    return pipeline.to(device)
+    if cpu_offload == "none":
+        return pipeline.to(device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"cpu_offload={cpu_offload!r} moves weights from CPU memory to a GPU while they run, and this stage runs "
+            "on the CPU (no CUDA device): set cpu_offload to 'none'"
+        )
+    offload = pipeline.enable_model_cpu_offload if cpu_offload == "model" else pipeline.enable_sequential_cpu_offload
+    offload(device=device)
+    return pipeline
+
+
+def set_vae_memory(pipeline, tiling: bool, slicing: bool) -> None:
+    """diffusers' VAE tiling and slicing, as the stage's ``vae_tiling`` / ``vae_slicing`` ask; refused where the
+    VAE lacks them."""
+    vae = getattr(pipeline, "vae", None)
+    for knob, wanted, method in (("vae_tiling", tiling, "enable_tiling"), ("vae_slicing", slicing, "enable_slicing")):
+        if not wanted:
+            continue
+        if vae is None or not hasattr(vae, method):
+            raise ValueError(
+                f"{knob}=True: the VAE of {type(pipeline).__name__} ({type(vae).__name__}) has no {method}; "
+                f"set {knob} to false"
+            )
+        getattr(vae, method)()
 
 
 class DiffusionRunner:
@@ -108,7 +135,8 @@ class DiffusionRunner:
         self.device = select_device(od_config.devices)
         self.dtype = select_dtype(od_config.dtype, self.device)
         started = time.perf_counter()
-        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips)
+        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips, od_config.cpu_offload)
+        set_vae_memory(self.pipeline, od_config.vae_tiling, od_config.vae_slicing)
         self.card = ModelCard.of(self.pipeline)
         """What admission needs of the pipeline."""
         self._pipelines = {self.card.pipeline_name: self.pipeline}

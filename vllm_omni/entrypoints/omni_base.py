@@ -15,6 +15,8 @@ from vllm_omni.config import (
     legacy,
     resolve_stage_configs,
 )
+from vllm_omni.config.model_source import ModelSource
+from vllm_omni.diffusion.model_files import local_model_folder
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
 
@@ -26,7 +28,10 @@ if TYPE_CHECKING:
 class OmniBase:
     """Resolve the configuration (defaults < deploy YAML < keywords < stage overrides), then start the engine.
 
-    ``engine_kwargs`` are further stage knobs given globally (``dtype``, ``devices``, ...).
+    ``model`` is a diffusers folder, a Hugging Face repo id (fetched through the hub cache with ``revision``,
+    ``download_dir`` and ``hf_token``, as vLLM's flags of those names) or a single-file checkpoint (configs from
+    ``model_config``); see `ModelSource`. ``engine_kwargs`` are further stage knobs given globally (``dtype``,
+    ``devices``, ...).
     The deprecated batch-size keyword of `vllm_omni.config.legacy` is accepted with a
     ``FutureWarning`` and acts as ``max_num_seqs``.
     """
@@ -35,6 +40,10 @@ class OmniBase:
         self,
         model: str | os.PathLike[str],
         *,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        hf_token: str | bool | None = None,
+        model_config: str | None = None,
         deploy_config: str | os.PathLike[str] | DeployConfig | None = None,
         max_num_seqs: int | None = None,
         request_batch_max_wait_ms: float | None = None,
@@ -62,17 +71,22 @@ class OmniBase:
             global_alias_knobs={"max_num_seqs"} if from_alias else set(),
             stage_overrides=stage_overrides,
         )
-        self._start(model, stage_configs)
+        source = ModelSource(
+            os.fspath(model), revision=revision, download_dir=download_dir, hf_token=hf_token, model_config=model_config
+        )
+        self._start(source, stage_configs)
 
     @classmethod
-    def from_stage_configs(cls, model: str | os.PathLike[str], stage_configs: list[StageDeployConfig]):
+    def from_stage_configs(cls, model: str | os.PathLike[str] | ModelSource, stage_configs: list[StageDeployConfig]):
         """Start from stage configs that are resolved already (the CLI resolves its flags before loading)."""
         self = cls.__new__(cls)
-        self._start(model, stage_configs)
+        self._start(model if isinstance(model, ModelSource) else ModelSource(os.fspath(model)), stage_configs)
         return self
 
-    def _start(self, model: str | os.PathLike[str], stage_configs: list[StageDeployConfig]) -> None:
-        self.model = os.fspath(model)
+    def _start(self, source: ModelSource, stage_configs: list[StageDeployConfig]) -> None:
+        self.model_source = source
+        self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs])
+        """The diffusers folder every stage loads (the snapshot or converted folder for a repo id or a file)."""
         self.stage_configs = stage_configs
         self.engine = OmniEngine(self.model, stage_configs)
 

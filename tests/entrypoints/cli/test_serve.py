@@ -35,7 +35,7 @@ def _error(parser, argv, capsys) -> str:
 
 
 def test_vllm_flags_and_omni_flags_resolve_with_cli_provenance(parser, tiny_flux):
-    model, stages, serving = _config(
+    source, stages, serving = _config(
         parser,
         [
             tiny_flux,
@@ -60,7 +60,7 @@ def test_vllm_flags_and_omni_flags_resolve_with_cli_provenance(parser, tiny_flux
         ],
     )
     stage = stages[0]
-    assert model == tiny_flux
+    assert (source.kind, source.model) == ("folder", tiny_flux)
     assert (stage.max_num_seqs, stage.request_batch_max_wait_ms, stage.dtype) == (4, 25.0, "float16")
     assert {k: stage.provenance[k] for k in ("max_num_seqs", "request_batch_max_wait_ms", "dtype", "devices")} == {
         "max_num_seqs": "cli",
@@ -130,9 +130,35 @@ def test_bad_flags_fail_naming_the_flag(parser, tiny_flux, capsys, argv, message
     assert re.search(message, _error(parser, [tiny_flux, *argv], capsys))
 
 
-def test_model_must_be_a_diffusers_folder(parser, tmp_path, capsys):
-    assert "is not a diffusers folder" in _error(parser, [str(tmp_path)], capsys)
-    assert "give the diffusers model folder" in _error(parser, ["--max-num-seqs", "2"], capsys)
+def test_model_must_be_a_diffusers_folder_a_checkpoint_or_a_repo_id(parser, tmp_path, capsys):
+    assert "is a folder but not a diffusers folder" in _error(parser, [str(tmp_path)], capsys)
+    assert "give the model (a diffusers folder" in _error(parser, ["--max-num-seqs", "2"], capsys)
+    (tmp_path / "notes.txt").write_text("not weights")
+    assert "is a file but not a single-file checkpoint" in _error(parser, [str(tmp_path / "notes.txt")], capsys)
+    assert "nor a Hugging Face repo id (org/name): no such path" in _error(parser, ["./no/such/dir"], capsys)
+
+
+def test_a_repo_id_takes_vllms_hub_flags_and_is_the_served_name(parser):
+    source, _, serving = _config(
+        parser, ["org/flux", "--revision", "v1", "--download-dir", "/tmp/hub", "--hf-token", "--port", "9000"]
+    )
+    assert (source.kind, source.model, source.revision, source.download_dir) == ("repo", "org/flux", "v1", "/tmp/hub")
+    assert source.hf_token is True  # vLLM's --hf-token alone: the token `hf auth login` saved
+    assert serving.served_model_names == ["org/flux"]
+    assert _config(parser, ["org/flux", "--hf-token", "hf_abc"])[0].hf_token == "hf_abc"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--revision", "v1"], r"revision \(--revision\) applies to a Hugging Face repo id"),
+        (["--download-dir", "/tmp/hub"], r"download_dir \(--download-dir\) applies to a Hugging Face repo id"),
+        (["--hf-token", "x"], r"hf_token \(--hf-token\) applies to a Hugging Face repo id"),
+        (["--model-config", "org/flux"], r"model_config \(--model-config\) is for a single-file checkpoint"),
+    ],
+)
+def test_hub_flags_with_a_local_folder_are_refused(parser, tiny_flux, capsys, extra, message):
+    assert re.search(message, _error(parser, [tiny_flux, *extra], capsys))
 
 
 def test_help_lists_the_omni_group(parser):

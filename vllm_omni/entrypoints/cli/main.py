@@ -36,10 +36,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="The --lora adapters also carry weights for the CLIP text encoder (sd, sdxl, sd3, flux, kontext).",
     )
+    tiny.add_argument(
+        "--single-file",
+        action="store_true",
+        help="Also write DIR.safetensors, a single-file checkpoint in the original (non-diffusers) key layout: the "
+        "whole pipeline for sd, the transformer alone for flux and flux-schnell. Serve it with --model-config DIR.",
+    )
     tiny.add_argument("--omni", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES
+    from vllm_omni.testing.single_file import SINGLE_FILE_FAMILIES
 
     if args.lora < 0:
         tiny.error(f"argument --lora: N must be 0 or more, not {args.lora}")
@@ -51,9 +58,19 @@ def main(argv: list[str] | None = None) -> None:
             f"(families with one: {', '.join(CLIP_TEXT_ENCODER_FAMILIES)})"
         )
 
+    if args.single_file and args.family not in SINGLE_FILE_FAMILIES:
+        tiny.error(
+            f"argument --single-file: family {args.family!r} has no single-file layout here "
+            f"(families with one: {', '.join(SINGLE_FILE_FAMILIES)})"
+        )
+
     from vllm_omni.testing.tiny_models import make_tiny_model
 
     print(make_tiny_model(args.dir, args.family), flush=True)
+    if args.single_file:
+        from vllm_omni.testing.single_file import write_single_file
+
+        print(write_single_file(args.dir, args.family, args.dir.rstrip("/") + ".safetensors"), flush=True)
     if args.lora:
         import os
 

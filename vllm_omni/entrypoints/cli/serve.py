@@ -15,6 +15,7 @@ import typing
 from pydantic import ValidationError
 
 from vllm_omni.config import StageDeployConfig, resolve_stage_configs
+from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.serving import ServingConfig
 
 # vLLM serve flags that mean something for a diffusion server, by argparse dest.
@@ -39,6 +40,7 @@ _USED_VLLM_FLAGS = frozenset(
         "ssl_certfile",
         "root_path",
         "distributed_executor_backend",
+        *("revision", "download_dir", "hf_token"),
         *("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
     }
 )
@@ -52,6 +54,10 @@ _OMNI_STAGE_FLAGS = (
     "num_cpus",
     "num_gpus",
     "placement_strategy",
+    "max_batch_pixels",
+    "vae_tiling",
+    "vae_slicing",
+    "cpu_offload",
 )
 _METAVARS = {"request_batch_max_wait_ms": "MS", "ray_address": "ADDRESS"}
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
@@ -136,7 +142,11 @@ def make_serve_parser(prog: str):
             return text + "\n" + formatter.format_help()
 
     parser = make_arg_parser(
-        OmniServeParser(prog=prog, description="Serve a diffusers model folder with the OpenAI Images API.")
+        OmniServeParser(
+            prog=prog,
+            description="Serve a diffusion model (a diffusers folder, a Hugging Face repo id or a single-file "
+            "checkpoint) with OpenAI's Images and Videos APIs.",
+        )
     )
     omni = parser.add_argument_group(
         "Omni",
@@ -148,11 +158,25 @@ def make_serve_parser(prog: str):
         "--omni", action="store_true", help="Hand the command to vllm-omni (for `vllm serve ... --omni`)."
     )
     omni.add_argument("--deploy-config", metavar="PATH", help="Deploy YAML with per-stage knobs.")
+    omni.add_argument(
+        "--model-config",
+        metavar="FOLDER_OR_REPO_ID",
+        help="For a single-file checkpoint MODEL: the diffusers folder or Hugging Face repo id that supplies its "
+        "configs and the components the file lacks (default: the repo diffusers infers from the file).",
+    )
     for name in _OMNI_STAGE_FLAGS:
         info = StageDeployConfig.model_fields[name]
         kind = info.annotation
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: the flag gives an X
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        if kind is bool:  # --x / --no-x; unset (None) unless given, so the YAML's value stands
+            omni.add_argument(
+                "--" + name.replace("_", "-"),
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=info.description + " Per stage; see docs/configuration.md.",
+            )
+            continue
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
         omni.add_argument(
             "--" + name.replace("_", "-"),
@@ -211,9 +235,19 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
 
     model = args.model_tag or (args.model if "model" in explicit else None)
     if not model:
-        parser.error("give the diffusers model folder: vllm serve MODEL --omni")
-    if not os.path.isfile(os.path.join(model, "model_index.json")):
-        parser.error(f"model {model!r} is not a diffusers folder (it has no model_index.json)")
+        parser.error(
+            "give the model (a diffusers folder, a Hugging Face repo id or a checkpoint file): vllm serve MODEL"
+        )
+    try:
+        source = ModelSource(
+            model,
+            revision=args.revision,
+            download_dir=args.download_dir,
+            hf_token=args.hf_token,
+            model_config=args.model_config,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
 
     given = {name: getattr(args, name) for name in ("max_num_seqs", "distributed_executor_backend", *_OMNI_STAGE_FLAGS)}
     if "dtype" in explicit:
@@ -264,7 +298,7 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
                 f"--max-waiting-requests {serving.max_waiting_requests} is below max_num_seqs={stage.max_num_seqs} "
                 f"of stage {stage.stage_id}: full batches could never form"
             )
-    return model, stage_configs, serving
+    return source, stage_configs, serving
 
 
 def _flag_problem(error) -> str:
@@ -279,8 +313,8 @@ def _flag_problem(error) -> str:
 def serve(argv: list[str], prog: str = "vllm serve") -> int:
     parser = make_serve_parser(prog)
     args, explicit = parse_serve_args(parser, argv)
-    model, stage_configs, serving = build_serve_config(parser, args, explicit)
+    source, stage_configs, serving = build_serve_config(parser, args, explicit)
 
     from vllm_omni.entrypoints.openai.api_server import run_server
 
-    return run_server(model, stage_configs, serving)
+    return run_server(source, stage_configs, serving)

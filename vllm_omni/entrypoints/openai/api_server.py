@@ -10,6 +10,7 @@ import signal
 import uvicorn
 
 from vllm_omni.config import StageDeployConfig
+from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.app import build_app
 from vllm_omni.entrypoints.openai.server_state import ServerState
@@ -32,7 +33,7 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(model: str, stage_configs: list[StageDeployConfig], serving: ServingConfig) -> int:
+def run_server(source: ModelSource, stage_configs: list[StageDeployConfig], serving: ServingConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
     failure: list[BaseException] = []
 
@@ -40,7 +41,7 @@ def run_server(model: str, stage_configs: list[StageDeployConfig], serving: Serv
         failure.append(exc)
         server.should_exit = True
 
-    app = build_app(model, stage_configs, serving, on_fatal)
+    app = build_app(source, stage_configs, serving, on_fatal)
     config = uvicorn.Config(
         app,
         host=serving.host,
@@ -53,6 +54,8 @@ def run_server(model: str, stage_configs: list[StageDeployConfig], serving: Serv
         timeout_graceful_shutdown=serving.shutdown_timeout_s,
     )
     server = _Server(config, app.state.server)
-    logger.info("Serving %s as %s on %s:%d", model, serving.served_model_names, serving.host or "0.0.0.0", serving.port)
+    logger.info(
+        "Serving %s as %s on %s:%d", source.model, serving.served_model_names, serving.host or "0.0.0.0", serving.port
+    )
     server.run()
     return 1 if failure else 0

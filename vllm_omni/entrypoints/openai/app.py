@@ -11,6 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.config import StageDeployConfig
+from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.basic import build_basic_router
 from vllm_omni.entrypoints.openai.chat import build_chat_router
@@ -61,13 +62,14 @@ def _too_large(limit: int) -> str:
 
 
 def build_app(
-    model: str,
+    source: ModelSource | str,
     stage_configs: list[StageDeployConfig],
     serving: ServingConfig,
     on_fatal: Callable[[BaseException], None],
 ) -> FastAPI:
-    """The app; the model loads in the background once it starts, and ``/health`` turns 200 when it is warm."""
-    state = ServerState.create(model, stage_configs, serving, on_fatal)
+    """The app; the model loads (and downloads, for a repo id) in the background once it starts, and ``/health``
+    turns 200 when it is warm."""
+    state = ServerState.create(source, stage_configs, serving, on_fatal)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

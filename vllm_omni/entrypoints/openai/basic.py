@@ -34,7 +34,8 @@ async def list_models(raw_request: Request) -> ModelList:
     state: ServerState = raw_request.app.state.server
     base = state.serving.served_model_names[0]
     models = [
-        ModelCard(id=name, created=state.loaded_at, root=state.model) for name in state.serving.served_model_names
+        ModelCard(id=name, created=state.loaded_at, root=state.source.model)
+        for name in state.serving.served_model_names
     ]
     adapters = [
         ModelCard(id=m.name, created=state.loaded_at, root=m.path, parent=m.base_model_name or base)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_omni.config import LoRAModulePath, StageDeployConfig
+from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.image_store import ImageStore
@@ -25,7 +26,8 @@ logger = init_logger(__name__)
 
 @dataclass
 class ServerState:
-    model: str
+    source: ModelSource
+    """The model as given (``/v1/models`` reports it as the ``root``)."""
     stage_configs: list[StageDeployConfig]
     serving: ServingConfig
     store: ImageStore
@@ -42,13 +44,13 @@ class ServerState:
     @classmethod
     def create(
         cls,
-        model: str,
+        source: ModelSource | str,
         stage_configs: list[StageDeployConfig],
         serving: ServingConfig,
         on_fatal: Callable[[BaseException], None],
     ) -> ServerState:
         return cls(
-            model=model,
+            source=source if isinstance(source, ModelSource) else ModelSource(source),
             stage_configs=stage_configs,
             serving=serving,
             store=ImageStore(serving.image_url_ttl_s, serving.image_store_max_bytes),
@@ -76,9 +78,9 @@ class ServerState:
 async def load_and_warm_up(state: ServerState) -> None:
     """Load the model (off the event loop), warm it up, then mark the server ready; a failure is fatal."""
     try:
-        state.omni = await asyncio.to_thread(AsyncOmni.from_stage_configs, state.model, state.stage_configs)
+        state.omni = await asyncio.to_thread(AsyncOmni.from_stage_configs, state.source, state.stage_configs)
         if not state.omni.model_card.is_video:
-            state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, state.model)
+            state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, state.omni.model)
         for stage in state.stage_configs:
             metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(
                 stage.max_num_seqs
@@ -86,7 +88,10 @@ async def load_and_warm_up(state: ServerState) -> None:
         started = time.perf_counter()
         await state.omni.warm_up()
         state.ready = True
-        logger.info("Warm-up done in %.2f s; ready to serve %s", time.perf_counter() - started, state.model)
+        logger.info("Warm-up done in %.2f s; ready to serve %s", time.perf_counter() - started, state.source.model)
+    except ModelSourceError as exc:  # the message says it all: no traceback
+        logger.error("Could not load %s: %s", state.source.model, exc)
+        state.on_fatal(exc)
     except Exception as exc:  # noqa: BLE001 - the server cannot serve without its model
-        logger.exception("Could not load and warm up %s", state.model)
+        logger.exception("Could not load and warm up %s", state.source.model)
         state.on_fatal(exc)

@@ -1,0 +1,169 @@
+"""`local_model_folder`: a repo id through the Hugging Face cache (offline here, as the suite runs), its revisions,
+what a download fetches from a local hub, and the errors that name the repo, the revision and the reason."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from huggingface_hub import snapshot_download
+from safetensors.torch import load_file
+
+from vllm_omni.config.model_source import ModelSource, ModelSourceError
+from vllm_omni.diffusion.model_files import local_model_folder
+from vllm_omni.testing.hub import LocalHub, hub_online
+
+REPO = "tiny-org/flux"
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_flux, tmp_path_factory):
+    """``tiny-org/flux`` with two commits on main (the first also tag ``v1``), ``tiny-org/flux-dup`` whose denoiser
+    has a ``.bin`` copy beside its ``.safetensors`` and files no pipeline reads, and a gated ``tiny-org/gated``."""
+    changed = tmp_path_factory.mktemp("flux-v2") / "flux"
+    shutil.copytree(tiny_flux, changed)
+    scheduler = changed / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "shift": 2.5}))
+
+    dup = tmp_path_factory.mktemp("flux-dup") / "flux"
+    shutil.copytree(tiny_flux, dup)
+    weights = load_file(dup / "transformer" / "diffusion_pytorch_model.safetensors")
+    torch.save(weights, dup / "transformer" / "diffusion_pytorch_model.bin")
+    (dup / "README.md").write_text("a model card")
+    (dup / "extras").mkdir()
+    (dup / "extras" / "notes.bin").write_bytes(b"\0" * 64)
+
+    with LocalHub() as hub:
+        hub.v1 = hub.publish(REPO, tiny_flux)
+        hub.tag(REPO, "v1", hub.v1)
+        hub.v2 = hub.publish(REPO, str(changed))
+        hub.publish("tiny-org/flux-dup", str(dup))
+        hub.publish("tiny-org/gated", tiny_flux)
+        hub.gate("tiny-org/gated", "hf_granted")
+        yield hub
+
+
+@pytest.fixture(scope="module")
+def cache(hub, tmp_path_factory):
+    """The cache a user has after ``hf download tiny-org/flux`` and ``hf download tiny-org/flux --revision v1``."""
+    cache = str(tmp_path_factory.mktemp("hf-cache"))
+    with hub_online():
+        for revision in ("main", "v1"):
+            snapshot_download(REPO, revision=revision, cache_dir=cache, endpoint=hub.url, token=False)
+    return cache
+
+
+@pytest.mark.parametrize("revision", [None, "main", "v1", "v1-commit", "v2-commit"])
+def test_offline_a_revision_loads_the_snapshot_of_its_commit(hub, cache, revision):
+    commit = {None: hub.v2, "main": hub.v2, "v1": hub.v1, "v1-commit": hub.v1, "v2-commit": hub.v2}[revision]
+    given = {"v1-commit": hub.v1, "v2-commit": hub.v2}.get(revision, revision)
+    folder = local_model_folder(ModelSource(REPO, revision=given, download_dir=cache), ["diffusion"])
+    assert folder == os.path.join(cache, "models--tiny-org--flux", "snapshots", commit)
+    shift = json.loads(open(os.path.join(folder, "scheduler", "scheduler_config.json")).read())["shift"]
+    assert (shift == 2.5) == (commit == hub.v2)
+
+
+@pytest.mark.parametrize(
+    ("repo", "revision"), [("tiny-org/not-cached", None), (REPO, "a-branch-never-downloaded"), (REPO, "0" * 40)]
+)
+def test_offline_what_is_not_cached_is_a_clear_error(cache, repo, revision):
+    with pytest.raises(ModelSourceError) as info:
+        local_model_folder(ModelSource(repo, revision=revision, download_dir=cache), ["diffusion"])
+    message = str(info.value)
+    assert message.startswith(f"model {repo!r} at revision {revision or 'main'!r}: it is not in the Hugging Face cache")
+    assert "HF_HUB_OFFLINE=1 forbids downloading" in message and cache in message
+
+
+_DOWNLOAD = """
+import json, sys
+from vllm_omni.config.model_source import ModelSource, ModelSourceError
+from vllm_omni.diffusion.model_files import local_model_folder
+for repo, revision, token, stages in json.loads(sys.argv[1]):
+    try:
+        folder = local_model_folder(ModelSource(repo, revision=revision, hf_token=token), stages)
+        print(json.dumps({"folder": folder}), flush=True)
+    except ModelSourceError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+"""
+
+
+def _download(hub, tmp_path, *calls) -> list[dict]:
+    """``local_model_folder`` for each ``(repo, revision, token, stage_types)`` in a process whose
+    ``huggingface_hub`` talks to ``hub`` (it reads ``HF_ENDPOINT`` at import), into a fresh cache."""
+    env = os.environ | {
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _DOWNLOAD, json.dumps(calls)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_a_download_fetches_each_needed_file_once_in_one_format(hub, tmp_path):
+    """A split deployment's decode stage alone first (no text encoder, no denoiser), then all three stages: the
+    rest, and nothing twice; the ``.bin`` copy, the README and the extras are never fetched."""
+    repo = "tiny-org/flux-dup"
+    before = len(hub.downloads)
+    (decode,) = _download(hub, tmp_path, (repo, None, None, ["decode"]))
+    first = [path for _, _, path in hub.downloads[before:]]
+    (split,) = _download(hub, tmp_path, (repo, None, None, ["encode", "denoise", "decode"]))
+    second = [path for _, _, path in hub.downloads[before + len(first) :]]
+
+    assert decode["folder"] == split["folder"]
+    assert "vae/diffusion_pytorch_model.safetensors" in first and "model_index.json" in first
+    assert not [path for path in first if path.startswith(("transformer", "text_encoder"))]
+    assert not set(first) & set(second) and len(first + second) == len(set(first + second))
+    cached = {
+        os.path.relpath(os.path.join(root, name), split["folder"])
+        for root, _, names in os.walk(split["folder"])
+        for name in names
+    }
+    assert set(first + second) == cached
+    assert {"transformer/diffusion_pytorch_model.safetensors", "text_encoder_2/model.safetensors"} <= cached
+    assert not [path for path in cached if path.endswith(".bin") or path.startswith(("README", "extras/"))]
+
+
+def test_hub_failures_name_the_repo_the_revision_and_the_reason(hub, tmp_path):
+    missing, no_revision, gated, granted = _download(
+        hub,
+        tmp_path,
+        ("tiny-org/missing", None, None, ["diffusion"]),
+        (REPO, "v9", None, ["diffusion"]),
+        ("tiny-org/gated", None, None, ["diffusion"]),
+        ("tiny-org/gated", None, "hf_granted", ["diffusion"]),
+    )
+    assert missing["error"].startswith("model 'tiny-org/missing' at revision 'main': no such repo on " + hub.url)
+    assert (
+        no_revision["error"]
+        == f"model {REPO!r} at revision 'v9': the repo has no such revision (a branch, tag or commit)"
+    )
+    assert gated["error"].startswith(
+        f"model 'tiny-org/gated' at revision 'main': the repo is gated: accept its conditions on {hub.url}/tiny-org/gated"
+    )
+    assert "--hf-token" in gated["error"]
+    assert os.path.isfile(os.path.join(granted["folder"], "model_index.json"))
+
+
+@pytest.mark.network
+def test_a_real_hub_repo_downloads_only_its_pipeline_files(tmp_path):
+    """diffusers' own tiny test pipeline from huggingface.co, into an empty cache."""
+    code = (
+        "from vllm_omni.config.model_source import ModelSource\n"
+        "from vllm_omni.diffusion.model_files import local_model_folder\n"
+        "print(local_model_folder(ModelSource('hf-internal-testing/tiny-stable-diffusion-pipe'), ['diffusion']))\n"
+    )
+    env = os.environ | {"HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    folder = out.stdout.strip().splitlines()[-1]
+    assert os.path.isfile(os.path.join(folder, "model_index.json"))
+    files = [name for _, _, names in os.walk(folder) for name in names]
+    assert not (any(f.endswith(".bin") for f in files) and any(f.endswith(".safetensors") for f in files))

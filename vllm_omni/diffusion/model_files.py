@@ -1,0 +1,242 @@
+"""The local diffusers folder a `ModelSource` names, made once on the driver so that every stage and Ray replica
+loads the same files: the folder itself, a Hugging Face snapshot (fetched through the hub cache, only what the
+stages load), or a single-file checkpoint converted into a diffusers folder (kept while the file is unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+
+from vllm_omni.config.model_source import ModelSource, ModelSourceError
+from vllm_omni.diffusion.roles import ROLES
+from vllm_omni.diffusion.runner import DENOISERS, read_model_index
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.ckpt", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.msgpack", "*.h5")
+"""Weight files: what a full single-file checkpoint replaces in the repo that supplies its configs."""
+
+
+def local_model_folder(source: ModelSource, stage_types: Iterable[str]) -> str:
+    """The diffusers folder to load for a deployment of ``stage_types``; downloads and converts as needed."""
+    if source.kind == "folder":
+        return source.model
+    if source.kind == "repo":
+        skips = {ROLES[stage_type].skips for stage_type in stage_types}
+        return hub_snapshot(source.model, source, skips or {()})
+    return single_file_folder(source)
+
+
+def hub_snapshot(repo_id: str, source: ModelSource, skips: Iterable[tuple[str, ...]]) -> str:
+    """The snapshot folder of ``repo_id`` at ``source.revision`` in the hub cache, holding at least the components
+    each stage loads (one ``skips`` tuple per stage). Every stage is pinned to the same commit."""
+    from diffusers import DiffusionPipeline
+    from huggingface_hub import constants, resolve_revision
+
+    where = dict(cache_dir=source.download_dir, token=source.hf_token, local_files_only=constants.HF_HUB_OFFLINE)
+    with _hub_errors(repo_id, source):
+        revision = resolve_revision(repo_id, revision=source.revision, **where)
+        for skipped in sorted(set(skips)):
+            # diffusers fetches only the pipeline's own files, one weight format per component, none of the
+            # components passed in (here: None for those the stage skips).
+            folder = DiffusionPipeline.download(repo_id, revision=revision, **where, **dict.fromkeys(skipped))
+    folder = os.fspath(folder)
+    logger.info("Model %s at revision %s: %s", repo_id, source.revision or "main", folder)
+    return folder
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, source: ModelSource) -> Iterator[None]:
+    """Hub failures as one `ModelSourceError` that names the repo, the revision and the reason."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        LocalTokenNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+        RevisionResolutionError,
+    )
+
+    what = f"model {repo_id!r} at revision {source.revision or 'main'!r}"
+    revision_flag = f" --revision {source.revision}" if source.revision else ""
+    cache = source.download_dir or constants.HF_HUB_CACHE
+    try:
+        yield
+    except Exception as exc:
+        causes = []
+        while exc is not None and exc not in causes:
+            causes.append(exc)
+            exc = exc.__cause__ or exc.__context__
+        for cause in causes:
+            if isinstance(cause, GatedRepoError):
+                reason = (
+                    f"the repo is gated: accept its conditions on {constants.ENDPOINT}/{repo_id}, then give "
+                    "--hf-token (or set HF_TOKEN) for an account that did"
+                )
+            elif isinstance(cause, RevisionNotFoundError):
+                reason = "the repo has no such revision (a branch, tag or commit)"
+            elif isinstance(cause, RepositoryNotFoundError):
+                reason = f"no such repo on {constants.ENDPOINT} (a private one needs --hf-token or HF_TOKEN)"
+            elif isinstance(cause, LocalTokenNotFoundError):
+                reason = "--hf-token was given without a value and no token is saved (run `hf auth login`)"
+            elif isinstance(cause, (LocalEntryNotFoundError, RevisionResolutionError)):
+                reason = (
+                    f"it is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE=1 forbids downloading: "
+                    f"download it first (`hf download {repo_id}{revision_flag}`) or unset HF_HUB_OFFLINE"
+                    if constants.HF_HUB_OFFLINE
+                    else f"the Hub cannot be reached and it is not in the Hugging Face cache {cache} ({cause})"
+                )
+            elif isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                reason = f"the disk is full: free space in {cache} or give --download-dir on a larger disk"
+            else:
+                continue
+            raise ModelSourceError(f"{what}: {reason}") from causes[0]
+        raise
+
+
+def single_file_folder(source: ModelSource) -> str:
+    """A diffusers folder made once from the single-file checkpoint ``source.model``: the whole pipeline when the
+    file holds one (SD, SDXL, SD3 files hold their VAE), else the repo's pipeline with the file as its denoiser."""
+    import diffusers
+    import torch
+    from diffusers.loaders.single_file_utils import (
+        DIFFUSERS_DEFAULT_PIPELINE_PATHS,
+        LDM_VAE_KEYS,
+        infer_diffusers_model_type,
+        load_single_file_checkpoint,
+    )
+
+    checkpoint = load_single_file_checkpoint(source.model, local_files_only=True)
+    model_type = infer_diffusers_model_type(checkpoint)
+    whole = any(key.startswith(tuple(LDM_VAE_KEYS)) for key in checkpoint)
+    dtype = next((t.dtype for t in checkpoint.values() if torch.is_floating_point(t)), torch.float32)
+    del checkpoint  # from_single_file reads the file again; a large one should not be held twice
+    base = source.model_config
+    if base is None:
+        if model_type not in DIFFUSERS_DEFAULT_PIPELINE_PATHS:
+            raise ModelSourceError(
+                f"model {source.model!r}: diffusers cannot tell which model this checkpoint is, so it cannot infer "
+                "its configs; give --model-config with the diffusers folder or repo id of its base model"
+            )
+        base = DIFFUSERS_DEFAULT_PIPELINE_PATHS[model_type]["pretrained_model_name_or_path"]
+        logger.info("Single-file checkpoint %s looks like %s; configs from %s", source.model, model_type, base)
+    try:
+        if os.path.isdir(base):
+            base_folder = base
+        elif whole:
+            base_folder = _config_snapshot(base, source)
+        else:
+            denoisers = tuple(name for name in DENOISERS if name in read_model_index_of(base, source))
+            base_folder = hub_snapshot(base, source, [denoisers])  # all but the denoiser, which the file replaces
+    except ModelSourceError as exc:
+        if source.model_config is not None:
+            raise
+        raise ModelSourceError(
+            f"model {source.model!r}: diffusers takes this {model_type} checkpoint's configs from {exc}; or give "
+            "--model-config with the diffusers folder or repo id of its base model"
+        ) from exc
+    stat = os.stat(source.model)
+    key = f"{os.path.abspath(source.model)}|{stat.st_size}|{stat.st_mtime_ns}|{os.path.abspath(base_folder)}"
+    key += f"|{diffusers.__version__}"
+    folder = os.path.join(_vllm_cache_root(), "omni", "single-file", hashlib.sha256(key.encode()).hexdigest()[:24])
+    if os.path.isfile(os.path.join(folder, "model_index.json")):
+        logger.info("Single-file checkpoint %s: using its diffusers folder %s", source.model, folder)
+        return folder
+
+    partial = f"{folder}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        _convert(source, base_folder, whole, dtype, partial)
+        os.replace(partial, folder)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        if not os.path.isfile(os.path.join(folder, "model_index.json")):
+            raise
+        logger.info("Single-file checkpoint %s was converted meanwhile by another process (%s)", source.model, exc)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # nothing half-written stays behind
+        raise
+    logger.info("Single-file checkpoint %s converted to the diffusers folder %s", source.model, folder)
+    return folder
+
+
+def _convert(source: ModelSource, base_folder: str, whole: bool, dtype, into: str) -> None:
+    """Write the diffusers folder of ``source.model`` into ``into``: a whole pipeline's components, or the
+    denoiser with links to the base's other components."""
+    import diffusers
+
+    components = read_model_index(base_folder)
+    denoisers = [name for name in DENOISERS if name in components]
+    if not whole and len(denoisers) != 1:
+        raise ModelSourceError(
+            f"model {source.model!r}: it holds one denoiser, and its base {base_folder!r} has {len(denoisers)} "
+            f"({', '.join(denoisers)}); serve the diffusers folder or repo instead"
+        )
+    what = components["_class_name"] if whole else components[denoisers[0]][1]
+    try:
+        if whole:
+            pipeline = getattr(diffusers, what).from_single_file(
+                source.model, config=base_folder, torch_dtype=dtype, local_files_only=True
+            )
+            pipeline.save_pretrained(into)
+            return
+        denoiser = getattr(diffusers, what).from_single_file(
+            source.model, config=base_folder, subfolder=denoisers[0], torch_dtype=dtype, local_files_only=True
+        )
+    except Exception as exc:  # noqa: BLE001 - diffusers raises anything from KeyError to RuntimeError here
+        raise ModelSourceError(
+            f"model {source.model!r}: diffusers could not load it as {what} with the configs of {base_folder!r} "
+            f"({type(exc).__name__}: {exc}); check that --model-config names its base model"
+        ) from exc
+    denoiser.save_pretrained(os.path.join(into, denoisers[0]))
+    for other in components:  # the base's own files: linked, not copied
+        if other != denoisers[0] and os.path.isdir(os.path.join(base_folder, other)):
+            os.symlink(os.path.realpath(os.path.join(base_folder, other)), os.path.join(into, other))
+    shutil.copyfile(os.path.join(base_folder, "model_index.json"), os.path.join(into, "model_index.json"))
+
+
+def read_model_index_of(repo_id: str, source: ModelSource) -> dict:
+    """A repo's ``model_index.json``, fetched alone."""
+    from huggingface_hub import constants, hf_hub_download
+
+    with _hub_errors(repo_id, source):
+        path = hf_hub_download(
+            repo_id,
+            "model_index.json",
+            revision=source.revision,
+            cache_dir=source.download_dir,
+            token=source.hf_token,
+            local_files_only=constants.HF_HUB_OFFLINE,
+        )
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _config_snapshot(repo_id: str, source: ModelSource) -> str:
+    """The configs, tokenizers and scheduler of ``repo_id``, without weights (a whole checkpoint has its own)."""
+    from huggingface_hub import constants, snapshot_download
+
+    with _hub_errors(repo_id, source):
+        return snapshot_download(
+            repo_id,
+            revision=source.revision,
+            cache_dir=source.download_dir,
+            token=source.hf_token,
+            local_files_only=constants.HF_HUB_OFFLINE,
+            ignore_patterns=list(_WEIGHT_PATTERNS),
+        )
+
+
+def _vllm_cache_root() -> str:
+    import vllm.envs
+
+    return vllm.envs.VLLM_CACHE_ROOT
