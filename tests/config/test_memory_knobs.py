@@ -103,3 +103,43 @@ def test_sequential_offload_with_devices_is_refused_naming_both_knobs():
 def test_cpu_offload_on_a_cpu_only_host_fails_at_start_up_naming_the_knob(tiny_flux):
     with pytest.raises(ValueError, match=r"cpu_offload='model' moves weights from CPU memory to a GPU while they run"):
         Omni(tiny_flux, cpu_offload="model")
+
+
+def test_compile_knobs_take_the_cli_flags_and_apply_to_the_stages_that_denoise(tmp_path):
+    stage = _serve(["--compile", "regional", "--compile-sizes", "1024x1024, 512x768x33"], tmp_path)
+    assert (stage.compile, stage.compile_sizes) == ("regional", ("1024x1024", "512x768x33"))
+    assert stage.provenance["compile"] == stage.provenance["compile_sizes"] == "cli"
+    split = DeployConfig(
+        stages=[
+            StageDeployConfig(stage_id=0, stage_type="encode", compile="full"),
+            StageDeployConfig(stage_id=1, stage_type="denoise", inputs=[0]),
+            StageDeployConfig(stage_id=2, stage_type="decode", inputs=[1]),
+        ]
+    )
+    with pytest.raises(
+        ValueError, match=r"^stage 0 \(encode\): compile \(deploy_yaml\) applies to diffusion and denoise"
+    ):
+        resolve_stage_configs(split)
+    stages = resolve_stage_configs(
+        DeployConfig(
+            stages=[{**s.model_dump(exclude_unset=True, exclude={"compile", "provenance"})} for s in split.stages]
+        ),
+        global_knobs={"compile": "regional"},
+    )
+    assert [s.compile for s in stages] == ["none", "regional", "none"]  # the global keyword: stages that denoise
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"compile": "full", "compile_sizes": ["1024"]}, r"compile_sizes entries are WxH or WxHxF \(frames\)"),
+        (
+            {"compile_sizes": ["64x64"]},
+            r"stage 0: compile_sizes= \['64x64'\] \(python\) are compiled at warm-up, but compile is 'none' "
+            r"\(default\): set compile to 'regional' or 'full', or remove compile_sizes",
+        ),
+    ],
+)
+def test_bad_compile_knobs_are_refused_naming_them(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        _resolve(knobs=knobs)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from vllm_omni.config.stage import CpuOffload, DType, ExecutionMode, LoRAModulePath, StageDeployConfig, StageType
+from vllm_omni.config.stage import (
+    CompileMode,
+    CpuOffload,
+    DType,
+    ExecutionMode,
+    LoRAModulePath,
+    StageDeployConfig,
+    StageType,
+)
 
 
 class OmniDiffusionConfig(BaseModel):
@@ -70,6 +78,12 @@ class OmniDiffusionConfig(BaseModel):
     cpu_offload: CpuOffload
     """diffusers' CPU offload of the pipeline (CUDA only)."""
 
+    compile: CompileMode
+    """torch.compile of the denoiser."""
+
+    compile_sizes: tuple[str, ...]
+    """Sizes compiled at warm-up (``WxH`` or ``WxHxF``)."""
+
     @classmethod
     def from_stage(
         cls, model: str, stage: StageDeployConfig, replica: int = 0, torch_threads: int | None = None
@@ -98,4 +112,6 @@ class OmniDiffusionConfig(BaseModel):
             vae_tiling=stage.vae_tiling,
             vae_slicing=stage.vae_slicing,
             cpu_offload=stage.cpu_offload,
+            compile=stage.compile,
+            compile_sizes=stage.compile_sizes,
         )

@@ -186,6 +186,11 @@ def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Map
             f"stage {stage_id}: {written('max_batch_pixels')} limits batches of several requests, but "
             f"{written('max_num_seqs', 'is ')}: a request is never split, so raise max_num_seqs or remove it"
         )
+    if values["compile_sizes"] and values["compile"] == "none":
+        raise ValueError(
+            f"stage {stage_id}: {written('compile_sizes')} are compiled at warm-up, but {written('compile', 'is ')}: "
+            "set compile to 'regional' or 'full', or remove compile_sizes"
+        )
     if values["cpu_offload"] != "none":
         if values["distributed_executor_backend"] == "ray" and values["num_gpus"] == 0:
             raise ValueError(

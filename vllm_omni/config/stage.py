@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import graphlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,13 +31,16 @@ StageType = Literal["diffusion", "encode", "denoise", "decode", "llm"]
 CpuOffload = Literal["none", "model", "sequential"]
 """diffusers' CPU offload: none, whole components (``model``) or submodules (``sequential``) moved to the GPU to run."""
 
+CompileMode = Literal["none", "regional", "full"]
+"""torch.compile of the denoiser: none, its repeated blocks (diffusers' ``compile_repeated_blocks``), or whole."""
+
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 """Ray placement-group strategies: how replicas spread over the cluster's nodes."""
 
 RAY_ONLY_KNOBS = ("ray_address", "num_cpus", "num_gpus", "placement_strategy")
 """Knobs that mean something only with ``distributed_executor_backend: ray``."""
 
-DENOISING_ONLY_KNOBS = ("execution_mode",)
+DENOISING_ONLY_KNOBS = ("execution_mode", "compile", "compile_sizes")
 """Knobs of the stages that hold the denoiser (`StageTypeSpec.denoises`)."""
 
 LORA_KNOBS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank")
@@ -193,6 +197,14 @@ class StageDeployConfig(BaseModel):
     """Keep weights in CPU memory and move them to the GPU to run (CUDA only): ``model`` a component at a time,
     ``sequential`` a submodule at a time (least memory, slowest)."""
 
+    compile: CompileMode = "none"
+    """torch.compile the denoiser: ``regional`` its repeated blocks (compiles fast, most of the gain), ``full`` the
+    whole module (``diffusion`` and ``denoise`` stages only)."""
+
+    compile_sizes: tuple[str, ...] = ()
+    """Sizes (``WxH``, or ``WxHxF`` for video) the server compiles during warm-up, before ``/health`` turns 200;
+    another size compiles on first use."""
+
     provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
     """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""
 
@@ -216,6 +228,17 @@ class StageDeployConfig(BaseModel):
     def lora_enabled(self) -> bool:
         """Whether the stage serves LoRA adapters (``enable_lora``, or adapters given)."""
         return self.enable_lora or bool(self.lora_modules)
+
+    @field_validator("compile_sizes", mode="before")
+    @classmethod
+    def _parse_compile_sizes(cls, value: Any) -> Any:
+        if isinstance(value, str):  # the CLI's comma-separated list
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list | tuple):
+            bad = [v for v in value if not isinstance(v, str) or not re.fullmatch(r"[1-9]\d*x[1-9]\d*(x[1-9]\d*)?", v)]
+            if bad:
+                raise ValueError(f"compile_sizes entries are WxH or WxHxF (frames), such as 1024x1024; got {bad}")
+        return value
 
     @field_validator("devices")
     @classmethod

@@ -144,6 +144,7 @@ class EngineCore:
         request = DiffusionRequest.create(
             request_id, prompt, params, key=self.admission.key(params), payload=payload, on_preview=on_preview
         )
+        self.runner.note_size(params)
         self.scheduler.add(request)
         return request.future
 

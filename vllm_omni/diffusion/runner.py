@@ -127,6 +127,30 @@ def set_vae_memory(pipeline, tiling: bool, slicing: bool) -> None:
         getattr(vae, method)()
 
 
+def parse_size(size: str) -> tuple[int, int, int | None]:
+    """``WxH`` or ``WxHxF`` (a `compile_sizes` entry) as ``(width, height, frames)``."""
+    width, height, *frames = map(int, size.split("x"))
+    return width, height, frames[0] if frames else None
+
+
+def compile_denoisers(pipeline, mode: str) -> list[str]:
+    """torch.compile the pipeline's denoisers in place (``regional``: diffusers' ``compile_repeated_blocks``);
+    returns their names. Compilation itself happens on the first forward of each shape."""
+    names = [name for name in DENOISERS if getattr(pipeline, name, None) is not None]
+    for name in names:
+        module = getattr(pipeline, name)
+        if mode == "full":
+            module.compile()
+        elif not getattr(module, "_repeated_blocks", None):
+            raise ValueError(
+                f"compile='regional': {type(module).__name__} lists no repeated blocks for diffusers' "
+                "compile_repeated_blocks; use compile 'full'"
+            )
+        else:
+            module.compile_repeated_blocks()
+    return names
+
+
 class DiffusionRunner:
     """A loaded pipeline, its parameter defaults and checks, and one pipeline call per batch."""
 
@@ -137,6 +161,12 @@ class DiffusionRunner:
         started = time.perf_counter()
         self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips, od_config.cpu_offload)
         set_vae_memory(self.pipeline, od_config.vae_tiling, od_config.vae_slicing)
+        self.compiled: set[tuple[int, int, int | None]] | None = None
+        """The sizes the compiled denoiser has been asked for (warm-up ones first); ``None``: not compiled."""
+        if od_config.compile != "none":
+            names = compile_denoisers(self.pipeline, od_config.compile)
+            self.compiled = {parse_size(size) for size in od_config.compile_sizes}
+            logger.info("Compiling %s (%s) of stage %d", ", ".join(names), od_config.compile, od_config.stage_id)
         self.card = ModelCard.of(self.pipeline)
         """What admission needs of the pipeline."""
         self._pipelines = {self.card.pipeline_name: self.pipeline}
@@ -160,6 +190,16 @@ class DiffusionRunner:
             od_config.stage_id,
             od_config.stage_type,
         )
+
+    def note_size(self, params) -> None:
+        """Log the first request of a size the compiled denoiser was not warmed up for: it compiles on first use."""
+        if self.compiled is None:
+            return
+        size = (params.width, params.height, params.num_frames)
+        if size not in self.compiled:
+            self.compiled.add(size)
+            shown = "x".join(str(n) for n in size if n is not None)
+            logger.info("Stage compiles the denoiser for %s on first use (not in compile_sizes)", shown)
 
     def load_adapters(self, requests: Iterable[DiffusionRequest], keep: Iterable[str] = ()) -> None:
         """Make the adapters of ``requests`` resident, evicting only adapters outside ``keep`` (those of the

@@ -26,6 +26,7 @@ from vllm_omni.diffusion.previews import Preview
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
 from vllm_omni.diffusion.request_engine import RequestEngine
 from vllm_omni.diffusion.roles import ROLES
+from vllm_omni.diffusion.runner import parse_size
 from vllm_omni.diffusion.step_engine import StepEngine
 from vllm_omni.logger import init_logger
 
@@ -45,16 +46,23 @@ class ReplicaInfo:
     """The Ray node it runs on; ``None`` inline."""
 
 
-def warm_up_params(card: ModelCard) -> OmniDiffusionSamplingParams:
+def warm_up_params(card: ModelCard, compile_sizes: tuple[str, ...] = ()) -> list[OmniDiffusionSamplingParams]:
     """One step at the model's default size (a single frame for video models, a grey input image for a model that
-    needs one): it initialises every component, so the first real request does not pay for that."""
-    image = None
-    if "text" not in card.tasks:
-        height, width = card.default_size or (8 * card.size_multiple,) * 2
-        image = Image.new("RGB", (width, height), (128, 128, 128))
-    return OmniDiffusionSamplingParams(
-        num_inference_steps=1, seed=0, num_frames=1 if card.is_video else None, image=image
-    )
+    needs one): it initialises every component, so the first real request does not pay for that. Then one step at
+    each of ``compile_sizes``, so that a compiled denoiser has compiled them."""
+    sizes = [(None, None, 1 if card.is_video else None)] + [parse_size(size) for size in compile_sizes]
+    warm_ups = []
+    for width, height, frames in sizes:
+        image = None
+        if "text" not in card.tasks:
+            default_height, default_width = card.default_size or (8 * card.size_multiple,) * 2
+            image = Image.new("RGB", (width or default_width, height or default_height), (128, 128, 128))
+        warm_ups.append(
+            OmniDiffusionSamplingParams(
+                num_inference_steps=1, seed=0, height=height, width=width, num_frames=frames, image=image
+            )
+        )
+    return warm_ups
 
 
 class ReplicaLostError(RuntimeError):
@@ -198,8 +206,9 @@ class EngineReplica:
         """`Replica.warm_up`, with `warm_up_params`."""
         if self.engine.role.split:
             return
-        params = self.engine.admission.admit(warm_up_params(self.info.card)).params
-        self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", params).result()
+        for warm_up in warm_up_params(self.info.card, self.engine.od_config.compile_sizes):
+            params = self.engine.admission.admit(warm_up).params
+            self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", params).result()
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

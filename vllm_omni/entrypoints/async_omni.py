@@ -65,14 +65,16 @@ class AsyncOmni(OmniBase):
     async def warm_up(self) -> None:
         """Run one step at the model's default size through the whole stage graph, once per replica of the widest
         stage: routing sends each request to the replica with the fewest outstanding requests, so every replica
-        initialises its components before the first real request."""
+        initialises its components before the first real request. Then the same at each of the denoising stage's
+        ``compile_sizes``, so that its compiled denoiser has compiled them."""
 
         async def one() -> None:
             async for _ in self.generate("warm-up", params, request_id=f"warmup-{uuid.uuid4().hex}"):
                 pass
 
-        params = warm_up_params(self.model_card)
-        await asyncio.gather(*(one() for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
+        compile_sizes = next((stage.compile_sizes for stage in self.stage_configs if stage.denoises), ())
+        for params in warm_up_params(self.model_card, compile_sizes):
+            await asyncio.gather(*(one() for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
 
     async def add_lora(self, name: str, path: str) -> None:
         """Serve LoRA adapter ``name`` from ``path`` from now on (needs ``enable_lora``); every replica loads and

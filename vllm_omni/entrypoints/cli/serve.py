@@ -58,8 +58,10 @@ _OMNI_STAGE_FLAGS = (
     "vae_tiling",
     "vae_slicing",
     "cpu_offload",
+    "compile",
+    "compile_sizes",
 )
-_METAVARS = {"request_batch_max_wait_ms": "MS", "ray_address": "ADDRESS"}
+_METAVARS = {"request_batch_max_wait_ms": "MS", "ray_address": "ADDRESS", "compile_sizes": "WxH,..."}
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
 _OMNI_SERVING_FLAGS = (
     "max_waiting_requests",
@@ -178,6 +180,8 @@ def make_serve_parser(prog: str):
             )
             continue
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+        if typing.get_origin(kind) is tuple:  # a comma-separated list, split by the config's validator
+            kind = str
         omni.add_argument(
             "--" + name.replace("_", "-"),
             type=None if choices else kind,
