@@ -4,13 +4,10 @@ out."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import io
 import json
 import time
 import uuid
-import zipfile
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from PIL import Image
 from pydantic import ValidationError
-from starlette.datastructures import FormData, UploadFile
+from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.outputs import OmniRequestOutput
@@ -41,7 +38,9 @@ from vllm_omni.entrypoints.openai.checks import (
     selected_adapters,
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
+from vllm_omni.entrypoints.openai.edit_form import FILE_FIELDS, edit_form_schema, read_edit_form
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
+from vllm_omni.entrypoints.openai.image_files import MEDIA_TYPES, encode_images, files_response
 from vllm_omni.entrypoints.openai.image_usage import quality_steps, response_fields
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
@@ -56,8 +55,6 @@ from vllm_omni.metrics import prometheus as metrics
 
 if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams
-
-_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
 class _ImagesRoute(APIRoute):
@@ -101,29 +98,6 @@ async def _receive_json(request: Request) -> None:
     if body and request.headers.get("content-type", "").startswith("application/json"):
         with contextlib.suppress(Exception):  # FastAPI decodes it again and answers the error
             await request.json()
-
-
-def _encode(image, output_format: str, compression: int | None, b64: bool) -> bytes | str:
-    """One image in its file format (as base64 text for ``b64_json``); runs in a worker thread."""
-    buffer = io.BytesIO()
-    if output_format == "png":
-        image.save(buffer, format="PNG")
-    else:
-        quality = 100 if compression is None else compression
-        image.convert("RGB").save(buffer, format=output_format.upper(), quality=quality)
-    return base64.b64encode(buffer.getbuffer()).decode("ascii") if b64 else buffer.getvalue()
-
-
-async def _encode_all(images: list, body: ImageGenerationRequest, b64: bool) -> list[bytes | str]:
-    """The images in the request's file format, off the event loop: one worker thread per image (Pillow's encoders
-    release the GIL)."""
-    loop = asyncio.get_running_loop()
-    return await asyncio.gather(
-        *(
-            loop.run_in_executor(None, _encode, image, body.output_format, body.output_compression, b64)
-            for image in images
-        )
-    )
 
 
 def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "text") -> None:
@@ -214,7 +188,7 @@ async def generate_images(
 async def edit_image(raw_request: Request) -> ImageGenerationResponse | Response:
     """``POST /v1/images/edits``: multipart/form-data as OpenAI's (``image`` or ``image[]``, ``mask``, fields)."""
     try:
-        form = await _read_edit_form(raw_request)
+        form = await read_edit_form(raw_request)
     except APIError:
         metrics.image_requests.labels("invalid").inc()
         raise
@@ -225,7 +199,7 @@ async def edit_image(raw_request: Request) -> ImageGenerationResponse | Response
 
 
 async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse | Response:
-    fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
+    fields = {k: v for k, v in form.multi_items() if k not in FILE_FIELDS}
     try:
         body = ImageEditRequest.model_validate(fields)
     except ValidationError as exc:  # counted and answered as a JSON body's schema errors are
@@ -249,31 +223,6 @@ async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse
         return _admit(body, state, task, image=images, mask_image=mask, strength=body.strength)
 
     return await _respond(raw_request, body, prepare)
-
-
-_FILE_FIELDS = ("image", "image[]", "mask")
-"""The edit form's file fields (`form_files`)."""
-
-
-async def _read_edit_form(raw_request: Request) -> FormData:
-    """The edit's form, with files only where the form takes files."""
-    media_type = raw_request.headers.get("content-type", "").lower()
-    if not media_type.startswith(("multipart/form-data", "application/x-www-form")):
-        raise APIError(400, "send the edit as multipart/form-data (image files and fields)", code="invalid_form")
-    try:
-        form = await raw_request.form(max_files=MAX_INPUT_IMAGES + 1, max_fields=64)
-    except StarletteHTTPException as exc:  # a malformed body, or too many files or fields
-        raise APIError(400, f"The form could not be read: {exc.detail}", code="invalid_form") from None
-    for name, value in form.multi_items():
-        if isinstance(value, UploadFile) and name not in _FILE_FIELDS:
-            known = name in ImageEditRequest.model_fields
-            raise APIError(
-                400,
-                f"{name} must be a text field, not a file" if known else f"Unrecognized file field: {name}",
-                param=name,
-                code="invalid_value" if known else "unknown_parameter",
-            )
-    return form
 
 
 async def _respond(
@@ -317,17 +266,17 @@ async def _respond(
         timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
 
         b64 = body.response_format == "b64_json"
-        encoded = await _encode_all(output.images, body, b64)
+        encoded = await encode_images(output.images, body, b64)
         timer.mark("encoding")
         if body.response_format == "file":
             outcome = "completed"
-            return _files_response(encoded, body.output_format)
+            return files_response(encoded, body.output_format)
         if b64:
             data = [ImageData(b64_json=text, revised_prompt=body.prompt) for text in encoded]
         else:
             data = []
             for payload in encoded:
-                image_id = state.store.put(payload, _MEDIA_TYPES[body.output_format])
+                image_id = state.store.put(payload, MEDIA_TYPES[body.output_format])
                 if image_id is None:
                     raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
                 url = str(raw_request.url_for("get_image", image_id=image_id))
@@ -337,17 +286,6 @@ async def _respond(
     finally:
         if outcome is not None:
             metrics.image_requests.labels(outcome).inc()
-
-
-def _files_response(files: list[bytes], output_format: str) -> Response:
-    """``response_format: file``: the image itself, or a zip of ``image_0.png``, ``image_1.png``, ... for several."""
-    if len(files) == 1:
-        return Response(files[0], media_type=_MEDIA_TYPES[output_format])
-    archive = io.BytesIO()
-    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zipped:  # the images are compressed already
-        for i, data in enumerate(files):
-            zipped.writestr(f"image_{i}.{output_format}", data)
-    return Response(archive.getvalue(), media_type="application/zip")
 
 
 def _failure(exc: RequestFailedError, state: ServerState) -> tuple[str, APIError]:
@@ -395,7 +333,7 @@ async def _events(
             if output.finished:
                 timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
             fields = response_fields(state, body, params, output)
-            encoded = await _encode_all(output.images, body, True)
+            encoded = await encode_images(output.images, body, True)
             for i, b64 in enumerate(encoded):
                 event = {"b64_json": b64, "created_at": int(time.time()), **fields}
                 if len(encoded) > 1:
@@ -446,7 +384,7 @@ def build_images_router() -> APIRouter:
     router.add_api_route("/files/{image_id}", get_image, methods=["GET"], name="get_image")
     for path, endpoint, extra in (
         ("/generations", create_image, None),
-        ("/edits", edit_image, {"requestBody": _edit_form_schema()}),
+        ("/edits", edit_image, {"requestBody": edit_form_schema()}),
     ):
         router.add_api_route(
             path,
@@ -459,18 +397,3 @@ def build_images_router() -> APIRouter:
             openapi_extra=extra,
         )
     return router
-
-
-def _edit_form_schema() -> dict[str, Any]:
-    """The OpenAPI description of the edit form (the route reads the form itself, so FastAPI cannot infer it)."""
-    schema = ImageEditRequest.model_json_schema()
-    files = {"type": "array", "items": {"type": "string", "format": "binary"}, "maxItems": MAX_INPUT_IMAGES}
-    properties = schema["properties"] | {
-        "image": {"type": "string", "format": "binary"},
-        "image[]": files,
-        "mask": {"type": "string", "format": "binary"},
-        # A form field is text: the adapters arrive as JSON.
-        "lora": {"type": "string", "description": 'LoRA adapters as JSON: {"name": ..., "scale": ...} or a list'},
-    }
-    form = {"type": "object", "properties": properties, "required": ["prompt"]}
-    return {"required": True, "content": {"multipart/form-data": {"schema": form}}}

@@ -1,0 +1,53 @@
+"""The ``/v1/images/edits`` multipart form: reading it (files only where the form takes files) and its OpenAPI
+description (the route reads the form itself, so FastAPI cannot infer one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm_omni.diffusion.request import MAX_INPUT_IMAGES
+from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.protocol import ImageEditRequest
+
+FILE_FIELDS = ("image", "image[]", "mask")
+"""The edit form's file fields (`form_files`)."""
+
+
+async def read_edit_form(raw_request: Request) -> FormData:
+    """The edit's form, with files only where the form takes files."""
+    media_type = raw_request.headers.get("content-type", "").lower()
+    if not media_type.startswith(("multipart/form-data", "application/x-www-form")):
+        raise APIError(400, "send the edit as multipart/form-data (image files and fields)", code="invalid_form")
+    try:
+        form = await raw_request.form(max_files=MAX_INPUT_IMAGES + 1, max_fields=64)
+    except StarletteHTTPException as exc:  # a malformed body, or too many files or fields
+        raise APIError(400, f"The form could not be read: {exc.detail}", code="invalid_form") from None
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile) and name not in FILE_FIELDS:
+            known = name in ImageEditRequest.model_fields
+            raise APIError(
+                400,
+                f"{name} must be a text field, not a file" if known else f"Unrecognized file field: {name}",
+                param=name,
+                code="invalid_value" if known else "unknown_parameter",
+            )
+    return form
+
+
+def edit_form_schema() -> dict[str, Any]:
+    """The OpenAPI description of the edit form (the route reads the form itself, so FastAPI cannot infer it)."""
+    schema = ImageEditRequest.model_json_schema()
+    files = {"type": "array", "items": {"type": "string", "format": "binary"}, "maxItems": MAX_INPUT_IMAGES}
+    properties = schema["properties"] | {
+        "image": {"type": "string", "format": "binary"},
+        "image[]": files,
+        "mask": {"type": "string", "format": "binary"},
+        # A form field is text: the adapters arrive as JSON.
+        "lora": {"type": "string", "description": 'LoRA adapters as JSON: {"name": ..., "scale": ...} or a list'},
+    }
+    form = {"type": "object", "properties": properties, "required": ["prompt"]}
+    return {"required": True, "content": {"multipart/form-data": {"schema": form}}}
