@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
+from vllm_omni.config.cache import CacheBackendName
 from vllm_omni.config.stage import (
     CompileMode,
     CpuOffload,
@@ -84,6 +87,12 @@ class OmniDiffusionConfig(BaseModel):
     compile_sizes: tuple[str, ...]
     """Sizes compiled at warm-up (``WxH`` or ``WxHxF``)."""
 
+    cache_backend: CacheBackendName
+    """Step caching of the denoiser (diffusers' cache hooks), or ``none``."""
+
+    cache_config: dict[str, Any] | None
+    """The cache backend's settings; ``None``: its defaults."""
+
     @classmethod
     def from_stage(
         cls, model: str, stage: StageDeployConfig, replica: int = 0, torch_threads: int | None = None
@@ -114,4 +123,6 @@ class OmniDiffusionConfig(BaseModel):
             cpu_offload=stage.cpu_offload,
             compile=stage.compile,
             compile_sizes=stage.compile_sizes,
+            cache_backend=stage.cache_backend,
+            cache_config=stage.cache_config,
         )

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from vllm_omni.config.cache import cache_hook_config, parse_cache_config
 from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.stage import (
     DENOISING_ONLY_KNOBS,
@@ -191,6 +192,7 @@ def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Map
             f"stage {stage_id}: {written('compile_sizes')} are compiled at warm-up, but {written('compile', 'is ')}: "
             "set compile to 'regional' or 'full', or remove compile_sizes"
         )
+    _check_cache(stage_id, values, written)
     if values["cpu_offload"] != "none":
         if values["distributed_executor_backend"] == "ray" and values["num_gpus"] == 0:
             raise ValueError(
@@ -226,4 +228,31 @@ def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Map
         raise ValueError(
             f"stage {stage_id}: {written('devices')} picks CUDA devices of this process, but {backend}: "
             "Ray gives each replica num_gpus devices of its own, so leave devices unset"
+        )
+
+
+def _check_cache(stage_id: int, values: Mapping[str, Any], written: Callable[..., str]) -> None:
+    """The step cache's knobs: a ``cache_config`` its backend takes, and no LoRA beside it."""
+    if values["cache_backend"] == "none":
+        if values["cache_config"] is not None:
+            raise ValueError(
+                f"stage {stage_id}: {written('cache_config')} configures a step cache, but "
+                f"{written('cache_backend', 'is ')}: set cache_backend or remove cache_config"
+            )
+        return
+    if values["cache_backend"] == "faster_cache":
+        raise ValueError(
+            f"stage {stage_id}: {written('cache_backend')}: diffusers' FasterCache hooks need the negative and "
+            "positive rows of classifier-free guidance in one denoiser call, which no pipeline served here makes "
+            "(Flux and Wan make two calls, and the hooks fail on them); use first_block, taylorseer, magcache or pab"
+        )
+    try:
+        cache_hook_config(values["cache_backend"], parse_cache_config(values["cache_config"]) or {})
+    except ValueError as exc:
+        raise ValueError(f"stage {stage_id}: {exc} (with {written('cache_backend')})") from None
+    if values["enable_lora"] or values["lora_modules"]:
+        lora = written("lora_modules" if values["lora_modules"] else "enable_lora")
+        raise ValueError(
+            f"stage {stage_id}: {written('cache_backend')} runs each request's rows in a denoiser call of its own, "
+            f"and {lora} applies adapters per row of the whole batch's call: use one of them"
         )

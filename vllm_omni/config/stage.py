@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from vllm_omni.config.cache import CacheBackendName, parse_cache_config
+
 Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "legacy_alias"]
 """Where a resolved knob value came from (see docs/configuration.md)."""
 
@@ -40,7 +42,7 @@ PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 RAY_ONLY_KNOBS = ("ray_address", "num_cpus", "num_gpus", "placement_strategy")
 """Knobs that mean something only with ``distributed_executor_backend: ray``."""
 
-DENOISING_ONLY_KNOBS = ("execution_mode", "compile", "compile_sizes")
+DENOISING_ONLY_KNOBS = ("execution_mode", "compile", "compile_sizes", "cache_backend", "cache_config")
 """Knobs of the stages that hold the denoiser (`StageTypeSpec.denoises`)."""
 
 LORA_KNOBS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank")
@@ -205,6 +207,13 @@ class StageDeployConfig(BaseModel):
     """Sizes (``WxH``, or ``WxHxF`` for video) the server compiles during warm-up, before ``/health`` turns 200;
     another size compiles on first use."""
 
+    cache_backend: CacheBackendName = "none"
+    """Step caching of the denoiser with diffusers' cache hooks (``first_block``, ``taylorseer``, ``magcache``,
+    ``faster_cache``, ``pab``): blocks reuse earlier steps' results; each request keeps its own cache state."""
+
+    cache_config: dict[str, Any] | None = None
+    """The backend's settings (its diffusers config's fields, e.g. ``{"threshold": 0.2}``); ``None``: its defaults."""
+
     provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
     """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""
 
@@ -239,6 +248,8 @@ class StageDeployConfig(BaseModel):
             if bad:
                 raise ValueError(f"compile_sizes entries are WxH or WxHxF (frames), such as 1024x1024; got {bad}")
         return value
+
+    _parse_cache_config = field_validator("cache_config", mode="before")(parse_cache_config)
 
     @field_validator("devices")
     @classmethod

@@ -129,6 +129,8 @@ class EngineCore:
         self.metrics.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
         lora = self.runner.lora
         self.metrics.lora_adapters_resident.set_function(lambda: 0 if lora is None else len(lora.resident))
+        if self.runner.step_cache is not None:
+            self.runner.step_cache.on_skip = self.metrics.cache_skipped_steps.inc
 
     def add_request(
         self,

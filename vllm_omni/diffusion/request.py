@@ -96,6 +96,10 @@ class OmniDiffusionSamplingParams(BaseModel):
     """Previews of the running request to hand its caller before the output (0–3), made at evenly spaced steps
     (`AsyncOmni.generate` yields them); requests with different counts share batches."""
 
+    cache: bool = True
+    """Use the stage's step cache (``cache_backend``); ``False``: every block runs at every step. Requests that
+    differ share batches."""
+
     lora: tuple[LoraSelection, ...] = ()
     """LoRA adapters to apply, each ``{"name", "scale"}`` (one, or a list to stack them); requests with different
     adapters share batches."""

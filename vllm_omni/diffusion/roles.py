@@ -66,6 +66,7 @@ class StageRole:
         """The model's `Stepper` when the stage steps or splits the pipeline, else ``None``."""
         if self.stepper is not None:
             self.stepper.lora = runner.lora
+            self.stepper.step_cache = runner.step_cache
         self.previews: Previews | None = None
         """The partial images of its requests: made where the denoiser runs, through the model's stepper (one made
         for them alone in request mode); ``None`` where the model has none (admission refuses them there)."""

@@ -19,6 +19,7 @@ from vllm_omni.diffusion.lora import LoraAdapters
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.step_cache import RequestCache, StepCache
 from vllm_omni.diffusion.steppers.base import fresh_noise_scheduler
 from vllm_omni.logger import init_logger
 
@@ -161,6 +162,11 @@ class DiffusionRunner:
         started = time.perf_counter()
         self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips, od_config.cpu_offload)
         set_vae_memory(self.pipeline, od_config.vae_tiling, od_config.vae_slicing)
+        self.step_cache = None
+        """diffusers' cache hooks on the denoisers (``cache_backend``), run per request; ``None``: no step cache."""
+        if od_config.cache_backend != "none":
+            denoisers = [getattr(self.pipeline, n) for n in DENOISERS if getattr(self.pipeline, n, None) is not None]
+            self.step_cache = StepCache(self.pipeline, denoisers, od_config.cache_backend, od_config.cache_config)
         self.compiled: set[tuple[int, int, int | None]] | None = None
         """The sizes the compiled denoiser has been asked for (warm-up ones first); ``None``: not compiled."""
         if od_config.compile != "none":
@@ -249,6 +255,9 @@ class DiffusionRunner:
         if self.lora is not None:  # the prompt rows of the text encoders, the latent rows of the denoiser
             text = [r.params.lora for r in batch for _ in range(rows)]
             adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
+        if self.step_cache is not None:  # each request's own cache state, for this call only
+            caches = [RequestCache(enabled=r.params.cache) for r in batch]
+            adapters = self.step_cache.rows([cache for cache in caches for _ in range(n)])
         pipeline = self._pipeline(card)
         config = {arg: kwargs.pop(arg) for arg in card.config_args if arg in kwargs}
         kwargs.pop("flow_shift", None)  # the batch's scheduler has it (`ModelCard.scheduler_overrides`)

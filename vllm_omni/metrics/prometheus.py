@@ -52,6 +52,13 @@ class EngineMetrics:
             list(ids),
             registry=self.registry,
         ).labels(**ids)
+        self.cache_skipped_steps = Counter(
+            "vllm_omni:cache_skipped_steps",
+            "Block computations the step cache (cache_backend) skipped: a module under diffusers' cache hooks that "
+            "returned a cached or predicted output instead of running, counted per request and denoiser call.",
+            list(ids),
+            registry=self.registry,
+        ).labels(**ids)
         self.num_requests_running = Gauge(
             "vllm_omni:num_requests_running", "Requests in the batch now running.", list(ids), registry=self.registry
         ).labels(**ids)

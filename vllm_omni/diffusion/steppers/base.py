@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -25,6 +25,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import resca
 from vllm_omni.diffusion.lora import LoraAdapters, Selection
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.request import ImageTask, OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.step_cache import RequestCache, StepCache
 from vllm_omni.diffusion.steppers.images import ImageTasks, Inpainting, encode_image
 
 
@@ -108,6 +109,11 @@ class StepState:
     """Engine steps it took part in."""
     batch_total: int = 0
     """Sum over those steps of the requests in the forward (for its mean batch size)."""
+    cache: RequestCache = field(default_factory=RequestCache)
+    """Its step-cache state (``cache_backend``), its own across its steps."""
+
+    def __post_init__(self):
+        self.cache.enabled = self.params.cache
 
     @property
     def timestep(self) -> torch.Tensor:
@@ -159,6 +165,8 @@ class Stepper(ImageTasks):
         """What the admission classmethods below read of the pipeline."""
         self.lora: LoraAdapters | None = None
         """The stage's LoRA adapters (set by its role); each request's own apply to its rows."""
+        self.step_cache: StepCache | None = None
+        """The stage's step cache (set by its role); each request's own state serves its rows."""
 
     @classmethod
     def check_pipeline(cls, pipeline) -> None:
@@ -170,10 +178,10 @@ class Stepper(ImageTasks):
     @classmethod
     def check_params(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> None:
         if params.task not in cls.tasks:
-            field = "mask_image" if params.task == "inpaint" else "image"
+            name = "mask_image" if params.task == "inpaint" else "image"
             raise SamplingParamsError(
-                field,
-                f"{field} is not supported by {card.pipeline_name} in execution_mode 'step' or split into stages "
+                name,
+                f"{name} is not supported by {card.pipeline_name} in execution_mode 'step' or split into stages "
                 f"(it steps {', '.join(sorted(cls.tasks))} requests)",
             )
         for arg in params.extra_args:
@@ -258,20 +266,23 @@ class Stepper(ImageTasks):
 
     def predict(self, states: list[StepState]) -> list[torch.Tensor]:
         """One forward over every row of ``states``; each request's guided prediction. Changes no state."""
-        inputs, timesteps, rows, spans, adapters = [], [], defaultdict(list), [], []
+        inputs, timesteps, rows, spans, adapters, caches = [], [], defaultdict(list), [], [], []
         start = 0
         for state in states:
             x = self.model_input(state)
+            state.cache.timestep = float(state.timestep)
             groups = (state.cond,) if state.uncond is None else (state.uncond, state.cond)  # stock order
             spans.append((start, len(x)))
             for group in groups:
                 inputs.append(x)
                 timesteps.append(state.timestep.expand(len(x)))
                 adapters += [state.params.lora] * len(x)
+                caches += [state.cache] * len(x)
                 for name, value in group.items():
                     rows[name].append(value)
                 start += len(x)
-        with self._adapters(denoiser=adapters):
+        cached = contextlib.nullcontext() if self.step_cache is None else self.step_cache.rows(caches)
+        with self._adapters(denoiser=adapters), cached:
             output = self.forward(
                 torch.cat(inputs), torch.cat(timesteps), {k: torch.cat(v) for k, v in rows.items()}, states[0].shared
             )

@@ -60,8 +60,15 @@ _OMNI_STAGE_FLAGS = (
     "cpu_offload",
     "compile",
     "compile_sizes",
+    "cache_backend",
+    "cache_config",
 )
-_METAVARS = {"request_batch_max_wait_ms": "MS", "ray_address": "ADDRESS", "compile_sizes": "WxH,..."}
+_METAVARS = {
+    "request_batch_max_wait_ms": "MS",
+    "ray_address": "ADDRESS",
+    "compile_sizes": "WxH,...",
+    "cache_config": "JSON",
+}
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
 _OMNI_SERVING_FLAGS = (
     "max_waiting_requests",
@@ -180,7 +187,7 @@ def make_serve_parser(prog: str):
             )
             continue
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
-        if typing.get_origin(kind) is tuple:  # a comma-separated list, split by the config's validator
+        if typing.get_origin(kind) in (tuple, dict):  # a comma-separated list or JSON, parsed by the config
             kind = str
         omni.add_argument(
             "--" + name.replace("_", "-"),

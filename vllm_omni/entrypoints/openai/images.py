@@ -145,6 +145,7 @@ def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
         seed=body.seed,
         negative_prompt=body.negative_prompt,
         lora=selected_adapters(state, body),
+        cache=body.cache,
         partial_images=body.partial_images,
         extra_args=pipeline_extensions(body),
         **inputs,

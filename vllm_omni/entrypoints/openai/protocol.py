@@ -83,6 +83,8 @@ class ImageGenerationRequest(BaseModel):
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
     lora: LoraField = None
     """LoRA adapters to apply (docs/lora.md); ``model: "<adapter>"`` selects one at scale 1."""
+    cache: bool = True
+    """Use the server's step cache (``--cache-backend``); ``false``: every block runs at every step."""
 
     @field_validator("size")
     @classmethod
@@ -220,6 +222,8 @@ class VideoGenerationRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     lora: LoraField = None
     """LoRA adapters to apply (docs/lora.md); JSON text in a form."""
+    cache: bool = True
+    """Extension: use the server's step cache (``--cache-backend``); ``false``: every block runs at every step."""
     partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
     """Extension: previews of the running job (0–3), each shown by ``GET /v1/videos/{id}/content?variant=thumbnail``
     while it runs (the job's ``preview_index`` counts them)."""

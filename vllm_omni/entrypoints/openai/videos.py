@@ -340,6 +340,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
         negative_prompt=body.negative_prompt,
         image=image,
         lora=selected_adapters(state, body),
+        cache=body.cache,
         partial_images=body.partial_images,
         extra_args=pipeline_extensions(body),
     )

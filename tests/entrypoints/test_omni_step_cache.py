@@ -1,0 +1,105 @@
+"""Step caching (``cache_backend``) against stock diffusers with the same cache config, each request alone: the
+same images within 2/255 inside a batch of four different prompts, in request and step mode; the cache state
+reset between requests; a request that opts out (``cache: false``) equal to the uncached pipeline; the skipped
+computations counted in the engine's metric, the one ``/metrics`` exports."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni import Omni, OmniDiffusionSamplingParams
+from vllm_omni.config.cache import cache_hook_config
+from vllm_omni.diffusion.runner import load_pipeline
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["a red cube", "a blue sphere", "a green cone", "a cat on a mat"]
+STEPS = 8
+BACKENDS = {
+    "first_block": {"threshold": 0.5},
+    "taylorseer": {"cache_interval": 2, "disable_cache_before_step": 2},
+    "magcache": {"mag_ratios": [1.0] * STEPS, "num_inference_steps": STEPS, "threshold": 0.5, "retention_ratio": 0.1},
+    "pab": {"spatial_attention_block_skip_range": 2, "spatial_attention_timestep_skip_range": [-1, 1001]},
+}
+
+
+def _stock(model: str, prompt: str, seed: int, backend: str | None, options: dict | None = None) -> np.ndarray:
+    pipeline = load_pipeline(model, torch.float32, torch.device("cpu"))
+    if backend is not None:
+        pipeline.transformer.enable_cache(cache_hook_config(backend, options, lambda: pipeline.current_timestep))
+    image = pipeline(
+        prompt, height=64, width=64, num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed)
+    ).images[0]
+    return np.asarray(image, dtype=np.int16)
+
+
+def _params(seed: int, cache: bool = True) -> OmniDiffusionSamplingParams:
+    return OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=STEPS, seed=seed, cache=cache)
+
+
+def _together(omni: Omni, prompts: list[str], params: list[OmniDiffusionSamplingParams], tag: str):
+    """The requests queued while the engine thread is held in an engine call, so that they form one batch."""
+    engine = omni.engine.stages[0].replicas[0].engine
+    queued = threading.Event()
+    held = engine.scheduler.call(queued.wait)
+    try:
+        futures = [omni.engine.add_request(f"{tag}-{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))]
+    finally:
+        queued.set()
+    held.result(timeout=600)
+    return [f.result(timeout=600) for f in futures]
+
+
+def _skipped(omni: Omni) -> float:
+    engine = omni.engine.stages[0].replicas[0].engine
+    for metric in engine.metrics.registry.collect():
+        if metric.name == "vllm_omni:cache_skipped_steps":
+            return sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    raise AssertionError("no vllm_omni:cache_skipped_steps metric")
+
+
+def _pixels(output) -> np.ndarray:
+    assert output.error is None
+    return np.asarray(output.images[0], dtype=np.int16)
+
+
+@pytest.mark.parametrize(
+    ("backend", "execution_mode"),
+    [(b, "request") for b in BACKENDS] + [("first_block", "step"), ("pab", "step")],
+)
+def test_each_backend_matches_stock_diffusers_alone_and_in_a_batch_of_four(tiny_flux, backend, execution_mode):
+    options = BACKENDS[backend]
+    want = [_stock(tiny_flux, prompt, seed, backend, options) for seed, prompt in enumerate(PROMPTS)]
+    with Omni(
+        tiny_flux, max_num_seqs=4, execution_mode=execution_mode, cache_backend=backend, cache_config=options
+    ) as omni:
+        first = omni.generate(PROMPTS[:1], [_params(0)])[0]
+        after_first = _skipped(omni)
+        batched = _together(omni, PROMPTS, [_params(seed) for seed in range(4)], backend)
+        again = omni.generate(PROMPTS[:1], [_params(0)])[0]  # after the batch: its state starts empty again
+        assert after_first > 0 and _skipped(omni) > after_first
+    assert [o.metrics["batch_size"] for o in batched] == [4.0] * 4
+    for output, expected in zip([first, *batched, again], [want[0], *want, want[0]], strict=True):
+        assert np.abs(_pixels(output) - expected).max() <= 2
+    uncached = _stock(tiny_flux, PROMPTS[0], 0, None)
+    assert np.abs(_pixels(first) - uncached).max() > 0  # the cache changed what was computed
+
+
+def test_a_request_that_opts_out_runs_every_block_beside_cached_ones(tiny_flux):
+    options = BACKENDS["first_block"]
+    with Omni(tiny_flux, max_num_seqs=2, cache_backend="first_block", cache_config=options) as omni:
+        before = _skipped(omni)
+        alone = omni.generate(PROMPTS[:1], [_params(0, cache=False)])[0]
+        assert _skipped(omni) == before  # nothing was skipped for it
+        mixed = _together(omni, PROMPTS[:2], [_params(0, cache=False), _params(1)], "mixed")
+        assert _skipped(omni) > before
+    assert np.abs(_pixels(alone) - _stock(tiny_flux, PROMPTS[0], 0, None)).max() <= 2
+    assert np.abs(_pixels(mixed[0]) - _stock(tiny_flux, PROMPTS[0], 0, None)).max() <= 2
+    assert np.abs(_pixels(mixed[1]) - _stock(tiny_flux, PROMPTS[1], 1, "first_block", options)).max() <= 2
+
+
+def test_a_denoiser_without_diffusers_cache_hooks_is_refused_at_start_up(tiny_sd):
+    with pytest.raises(ValueError, match=r"cache_backend='first_block': UNet2DConditionModel has no diffusers cache"):
+        Omni(tiny_sd, cache_backend="first_block")

@@ -1,0 +1,198 @@
+"""Step caching (``cache_backend``): diffusers' cache hooks on the denoiser, with each request's cache state its own.
+
+diffusers' hooks keep what they reuse between steps (a residual, Taylor factors, an attention output) in one state
+per hooked module, and decide for the whole input of a call: first-block's check is one mean over the tensor. Run
+as is over a batch, a request's image would depend on the requests beside it, and state would carry over from one
+request to the next. So here:
+
+- every request has a `RequestCache`, the states of all the hooks for that request alone. It is made empty for the
+  request (a request never sees another's state), lives with it (one pipeline call in request mode, the request's
+  `StepState` in step mode) and is emptied when a call fails, whose partial updates cannot be trusted;
+- the denoiser runs once per request in the batch, over that request's rows only, with the hooks holding its
+  states. Each request's decisions are the ones it makes alone, so its image is the same alone or in any batch;
+  the batch still shares text encoding, decoding and the step schedule.
+
+A request that opts out (``cache: false``) runs on an empty state at every call, on which every backend computes
+every block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks.hooks import StateManager
+from diffusers.models.cache_utils import CacheMixin
+
+from vllm_omni.config.cache import cache_hook_config
+
+_SPLIT_HOOK = "vllm_omni_request_split"
+
+
+@dataclass(eq=False)
+class RequestCache:
+    """One request's step-cache state: the state of every cache hook, for this request only."""
+
+    enabled: bool = True
+    """Whether the request uses the cache (``cache: false`` opts out)."""
+
+    states: dict[int, Any] = field(default_factory=dict)
+    """Each hook's state for this request, by the hook's index in `StepCache`."""
+
+    timestep: float | None = None
+    """The request's current timestep in step mode, for the hooks that skip by timestep range; ``None``: the
+    pipeline's own (request mode, where a batch shares its steps)."""
+
+
+class StepCache:
+    """diffusers' cache hooks (``cache_backend``) on a pipeline's denoisers, run per request (module docstring)."""
+
+    def __init__(self, pipeline, denoisers: Sequence[torch.nn.Module], backend: str, options: dict[str, Any] | None):
+        self._timestep: float | None = None
+        config = cache_hook_config(backend, options or {}, self._current_timestep(pipeline))
+        self._holders: list[tuple[Any, str, Any]] = []
+        """Every stateful hook's state holder: (owner, attribute, the empty state a request starts from)."""
+        self._hooked: dict[int, int] = {}
+        """The modules the hooks wrap (by id), each counted once per call when it skips its computation."""
+        self.skipped = 0
+        """Computations of hooked modules that returned a cached or predicted output instead, since start-up."""
+        self.on_skip: Callable[[int], None] | None = None
+        """Called with each call's count of skipped computations (the engine's metric)."""
+        self._rows: list[RequestCache] | None = None
+        for denoiser in denoisers:
+            if not isinstance(denoiser, CacheMixin):
+                raise ValueError(
+                    f"cache_backend={backend!r}: {type(denoiser).__name__} has no diffusers cache hooks (it is not a "
+                    "CacheMixin model); set cache_backend to 'none'"
+                )
+            denoiser.enable_cache(copy.copy(config))
+            for module in denoiser.modules():
+                registry = getattr(module, "_diffusers_hook", None)
+                if registry is None:
+                    continue
+                for name in registry._hook_order:
+                    hook = registry.hooks[name]
+                    for attribute, value in vars(hook).items():
+                        if isinstance(value, StateManager):  # its states by cache context, all of one request
+                            self._holders.append((value, "_state_cache", {}))
+                        elif attribute == "state" and hook._is_stateful:  # pab, faster_cache: one state object
+                            self._holders.append((hook, "state", copy.deepcopy(value)))
+                if module is not denoiser and registry._hook_order:
+                    self._count_computations(module, registry.hooks[registry._hook_order[0]])
+            HookRegistry.check_if_exists_or_initialize(denoiser).register_hook(_RequestSplit(self), _SPLIT_HOOK)
+
+    def _current_timestep(self, pipeline) -> Callable[[], Any]:
+        return lambda: pipeline.current_timestep if self._timestep is None else self._timestep
+
+    def _count_computations(self, module: torch.nn.Module, innermost) -> None:
+        """Count the calls of ``module``'s own forward (the innermost hook's ``original_forward``): a call that
+        does not reach it skipped the module."""
+        key = id(module)
+        self._hooked[key] = 0
+        forward = innermost.fn_ref.original_forward
+
+        def counted(*args, **kwargs):
+            self._hooked[key] += 1
+            return forward(*args, **kwargs)
+
+        innermost.fn_ref.original_forward = counted
+
+    @contextlib.contextmanager
+    def rows(self, rows: Sequence[RequestCache]) -> Iterator[None]:
+        """The denoiser calls inside serve these requests: ``rows`` has one entry per latent row (a call of a
+        multiple of its length is it repeated: classifier-free guidance concatenates negative and positive rows)."""
+        self._rows = list(rows)
+        try:
+            yield
+        finally:
+            self._rows = None
+
+    def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        """One denoiser call: once per request over its rows, each with its own states (`_RequestSplit`)."""
+        batch = _batch_size(args, kwargs)
+        rows = self._rows or [RequestCache(enabled=False)]
+        if batch % len(rows):
+            raise RuntimeError(f"the denoiser got {batch} rows for {len(rows)} requests' rows: they cannot be matched")
+        rows = rows * (batch // len(rows))
+        groups: dict[int, tuple[RequestCache, list[int]]] = {}
+        for index, request in enumerate(rows):
+            groups.setdefault(id(request), (request, []))[1].append(index)
+        if len(groups) == 1:
+            return self._call(next(iter(groups.values()))[0], forward, args, kwargs)
+        outputs, order = [], []
+        for request, indices in groups.values():
+            index = torch.tensor(indices, device=_first_tensor(args, kwargs).device)
+            sub_args = tuple(_take(value, index, batch) for value in args)
+            sub_kwargs = {k: v if k.endswith("_ids") else _take(v, index, batch) for k, v in kwargs.items()}
+            outputs.append(self._call(request, forward, sub_args, sub_kwargs))
+            order += indices
+        inverse = torch.argsort(torch.tensor(order, device=index.device))
+        return _combine(outputs, inverse)
+
+    def _call(self, request: RequestCache, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        states = request.states if request.enabled else {}  # opted out: an empty state computes everything
+        for i, (holder, attribute, empty) in enumerate(self._holders):
+            setattr(holder, attribute, states.setdefault(i, copy.deepcopy(empty)))
+        for key in self._hooked:
+            self._hooked[key] = 0
+        self._timestep = request.timestep
+        try:
+            output = forward(*args, **kwargs)
+        except BaseException:
+            request.states.clear()  # partly updated by the failed call
+            raise
+        finally:
+            self._timestep = None
+        skipped = sum(calls == 0 for calls in self._hooked.values())
+        self.skipped += skipped
+        if skipped and self.on_skip is not None:
+            self.on_skip(skipped)
+        return output
+
+
+class _RequestSplit(ModelHook):
+    """The hook on the denoiser itself, outermost: it hands each call to `StepCache.run`. Without a cache context
+    (step mode calls the denoiser directly), the call runs in diffusers' ``cond`` one."""
+
+    def __init__(self, cache: StepCache):
+        super().__init__()
+        self.cache = cache
+
+    def new_forward(self, module: torch.nn.Module, *args, **kwargs):
+        managers = [holder for holder, attribute, _ in self.cache._holders if attribute == "_state_cache"]
+        if managers and managers[0]._context is None:
+            with module.cache_context("cond"):
+                return self.cache.run(self.fn_ref.original_forward, args, kwargs)
+        return self.cache.run(self.fn_ref.original_forward, args, kwargs)
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    return next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    """The rows of the call: those of its latents (``hidden_states``, or its first tensor)."""
+    latents = kwargs.get("hidden_states", None)
+    return (latents if isinstance(latents, torch.Tensor) else _first_tensor(args, kwargs)).shape[0]
+
+
+def _take(value: Any, index: torch.Tensor, batch: int) -> Any:
+    """The rows ``index`` of a per-row input; anything else (position ids, shared tensors, options) as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return value.index_select(0, index)
+    return value
+
+
+def _combine(outputs: list[Any], inverse: torch.Tensor) -> Any:
+    """The per-request outputs as one, back in the call's row order."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs).index_select(0, inverse)
+    if isinstance(first, dict):  # diffusers' ModelOutput
+        return type(first)(**{k: _combine([o[k] for o in outputs], inverse) for k in first})
+    return type(first)(_combine([o[i] for o in outputs], inverse) for i in range(len(first)))
