@@ -134,10 +134,15 @@ def parse_size(size: str) -> tuple[int, int, int | None]:
     return width, height, frames[0] if frames else None
 
 
+def loaded_denoisers(pipeline) -> list[str]:
+    """The names of the denoisers the pipeline holds (a stage that skips them holds none)."""
+    return [name for name in DENOISERS if getattr(pipeline, name, None) is not None]
+
+
 def compile_denoisers(pipeline, mode: str) -> list[str]:
     """torch.compile the pipeline's denoisers in place (``regional``: diffusers' ``compile_repeated_blocks``);
     returns their names. Compilation itself happens on the first forward of each shape."""
-    names = [name for name in DENOISERS if getattr(pipeline, name, None) is not None]
+    names = loaded_denoisers(pipeline)
     for name in names:
         module = getattr(pipeline, name)
         if mode == "full":
@@ -165,7 +170,7 @@ class DiffusionRunner:
         self.step_cache = None
         """diffusers' cache hooks on the denoisers (``cache_backend``), run per request; ``None``: no step cache."""
         if od_config.cache_backend != "none":
-            denoisers = [getattr(self.pipeline, n) for n in DENOISERS if getattr(self.pipeline, n, None) is not None]
+            denoisers = [getattr(self.pipeline, name) for name in loaded_denoisers(self.pipeline)]
             self.step_cache = StepCache(self.pipeline, denoisers, od_config.cache_backend, od_config.cache_config)
         self.compiled: set[tuple[int, int, int | None]] | None = None
         """The sizes the compiled denoiser has been asked for (warm-up ones first); ``None``: not compiled."""
@@ -255,15 +260,16 @@ class DiffusionRunner:
         if self.lora is not None:  # the prompt rows of the text encoders, the latent rows of the denoiser
             text = [r.params.lora for r in batch for _ in range(rows)]
             adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
+        cached = contextlib.nullcontext()
         if self.step_cache is not None:  # each request's own cache state, for this call only
             caches = [RequestCache(enabled=r.params.cache) for r in batch]
-            adapters = self.step_cache.rows([cache for cache in caches for _ in range(n)])
+            cached = self.step_cache.rows([cache for cache in caches for _ in range(n)])
         pipeline = self._pipeline(card)
         config = {arg: kwargs.pop(arg) for arg in card.config_args if arg in kwargs}
         kwargs.pop("flow_shift", None)  # the batch's scheduler has it (`ModelCard.scheduler_overrides`)
         with _configured(pipeline, config, card.scheduler_overrides(params)):
             watching = contextlib.nullcontext() if previews is None else previews.watching(pipeline.scheduler, batch)
-            with adapters, watching as make_previews:
+            with adapters, cached, watching as make_previews:
                 if "callback_on_step_end" in card.call_args:
                     kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
                 result = pipeline(**kwargs)

@@ -64,13 +64,15 @@ class StepCache:
         self.on_skip: Callable[[int], None] | None = None
         """Called with each call's count of skipped computations (the engine's metric)."""
         self._rows: list[RequestCache] | None = None
+        self._managers: list[StateManager] = []
+        """The hooks' state managers: they hold the cache context a call runs in."""
         for denoiser in denoisers:
             if not isinstance(denoiser, CacheMixin):
                 raise ValueError(
                     f"cache_backend={backend!r}: {type(denoiser).__name__} has no diffusers cache hooks (it is not a "
                     "CacheMixin model); set cache_backend to 'none'"
                 )
-            denoiser.enable_cache(copy.copy(config))
+            denoiser.enable_cache(config)
             for module in denoiser.modules():
                 registry = getattr(module, "_diffusers_hook", None)
                 if registry is None:
@@ -80,6 +82,7 @@ class StepCache:
                     for attribute, value in vars(hook).items():
                         if isinstance(value, StateManager):  # its states by cache context, all of one request
                             self._holders.append((value, "_state_cache", {}))
+                            self._managers.append(value)
                         elif attribute == "state" and hook._is_stateful:  # pab, faster_cache: one state object
                             self._holders.append((hook, "state", copy.deepcopy(value)))
                 if module is not denoiser and registry._hook_order:
@@ -137,7 +140,9 @@ class StepCache:
     def _call(self, request: RequestCache, forward: Callable, args: tuple, kwargs: dict) -> Any:
         states = request.states if request.enabled else {}  # opted out: an empty state computes everything
         for i, (holder, attribute, empty) in enumerate(self._holders):
-            setattr(holder, attribute, states.setdefault(i, copy.deepcopy(empty)))
+            if i not in states:
+                states[i] = copy.deepcopy(empty)
+            setattr(holder, attribute, states[i])
         for key in self._hooked:
             self._hooked[key] = 0
         self._timestep = request.timestep
@@ -164,7 +169,7 @@ class _RequestSplit(ModelHook):
         self.cache = cache
 
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
-        managers = [holder for holder, attribute, _ in self.cache._holders if attribute == "_state_cache"]
+        managers = self.cache._managers
         if managers and managers[0]._context is None:
             with module.cache_context("cond"):
                 return self.cache.run(self.fn_ref.original_forward, args, kwargs)

@@ -270,7 +270,8 @@ class Stepper(ImageTasks):
         start = 0
         for state in states:
             x = self.model_input(state)
-            state.cache.timestep = float(state.timestep)
+            if self.step_cache is not None:  # the hooks that skip by timestep range read each request's own
+                state.cache.timestep = float(state.timestep)
             groups = (state.cond,) if state.uncond is None else (state.uncond, state.cond)  # stock order
             spans.append((start, len(x)))
             for group in groups:
