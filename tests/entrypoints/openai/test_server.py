@@ -66,6 +66,8 @@ def server(tiny_flux, tmp_path_factory):
         *("--max-num-seqs", "4", "--request-batch-max-wait-ms", "300", "--api-key", API_KEY),
         *("--served-model-name", "tiny-flux", "tiny-alias", "--max-waiting-requests", "4"),
         *("--max-image-pixels", str(64 * 64), "--max-inference-steps", "400", "--max-prompt-length", "200"),
+        # The SIGTERM test's request must finish in the drain; a busy machine may need minutes for it.
+        *("--shutdown-timeout-s", "600"),
     ]
     with RemoteOmniServer(tiny_flux, args, log_path=str(log)) as server:
         server.log = log
@@ -342,11 +344,13 @@ def test_a_client_that_disconnects_frees_its_slot(server):
 def test_sigterm_lets_the_running_request_finish_and_exits_0(server):
     """Runs last in this module: it stops the shared server."""
     result = {}
-    running = threading.Thread(target=lambda: result.update(response=_slow_request(server, num_inference_steps=100)))
+    running = threading.Thread(
+        target=lambda: result.update(response=_slow_request(server, timeout=600, num_inference_steps=100))
+    )
     running.start()
     wait_for(lambda: metric(server, "vllm_omni:num_requests_running", stage="0", replica="0") == 1)
     server.process.send_signal(signal.SIGTERM)
-    running.join(timeout=120)
+    running.join(timeout=600)
     assert result["response"].status_code == 200
     assert server.process.wait(timeout=60) == 0
     with pytest.raises(httpx.ConnectError):
