@@ -86,6 +86,15 @@ def png_bytes(image) -> bytes:
     return buffer.getvalue()
 
 
+def add_model_arguments(parser, families: tuple[str, ...]) -> None:
+    """``--model`` (a diffusers folder), or ``--family``: a tiny random-weight model built once into ``--model-dir``."""
+    parser.add_argument("--model", help="diffusers folder (default: build the tiny --family)")
+    parser.add_argument("--family", default=families[0], choices=families, help="tiny model to build when no --model")
+    parser.add_argument(
+        "--model-dir", default=os.path.join(REPO, ".tiny-models"), help="where the tiny models are built, once"
+    )
+
+
 def emit(result: dict, path: str | None) -> None:
     """Print the result as JSON on stdout, and write it to ``path`` when given."""
     print(json.dumps(result, indent=1))

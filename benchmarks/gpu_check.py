@@ -1,8 +1,9 @@
-"""The prepared check for a lent GPU machine: step mode's correctness in each dtype, and step vs request mode
-under Poisson load on the flux-bench model. One command; writes JSON and markdown.
+"""The prepared check for a lent GPU machine: step mode's correctness in each dtype, step vs request mode under
+Poisson load, and the speed knobs against none on the flux-bench model. One command; writes JSON and markdown.
 
     python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
-        [--families flux,sd3,wan,sd,sdxl] [--engine-families flux,wan] [--skip-engine] [--skip-poisson] [--quick]
+        [--families flux,sd3,wan,sd,sdxl] [--engine-families flux,wan] [--skip-engine] [--skip-poisson]
+        [--skip-speed-knobs] [--speed-knobs-args '...'] [--quick]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
    (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it
@@ -23,6 +24,10 @@ under Poisson load on the flux-bench model. One command; writes JSON and markdow
    (request vs step mode, ``--max-num-seqs 4``, loads 50/80/95 %), run as a subprocess with a time limit; its
    own results go to ``results/<name>-poisson.{json,md,png}`` and its targets are copied here (reported, never an
    exit code). The servers use the default dtype (bfloat16 on CUDA).
+4. **Speed knobs** (unless ``--skip-speed-knobs``): ``benchmarks/speed_knobs.py`` on the ``flux-bench`` family
+   (every step-cache backend, ``compile=regional``, VAE tiling and slicing, a two-request pixel budget and model CPU
+   offload, each against none; ``SPEED_KNOBS_FULL``), run the same way; its results go to
+   ``results/<name>-speed-knobs.{json,md}`` and its table is copied here (reported, never an exit code).
 
 Pass bars (worst pixel difference against the stock pipeline alone):
 
@@ -40,8 +45,9 @@ Pass bars (worst pixel difference against the stock pipeline alone):
   update that rounds differently from the scheduler's ``step`` is far outside it (42–48 levels on tiny Wan).
 
 Exit code 1 when a stepper or engine check fails (or raises), 2 on bad arguments (e.g. ``--device cuda`` without
-CUDA); the Poisson part never changes it. ``--quick``: the Poisson part with step_batching's smoke settings
-(32x32, 4 steps, 6 requests, one load); the correctness checks are the same, so
+CUDA); the Poisson and speed-knob parts never change it. ``--quick``: those parts with their own smoke settings
+(step_batching: 32x32, 4 steps, 6 requests, one load; speed_knobs: 4 requests, 2 steps, one rep); the correctness
+checks are the same, so
 ``--device cpu --dtypes float32 --quick`` is the CPU smoke test (tests/benchmarks/test_gpu_check.py).
 """
 
@@ -211,6 +217,8 @@ POISSON_FULL = [  # sized for an H200: the whole check (correctness + this) in a
     "--max-num-seqs",
     "4",
 ]
+SPEED_KNOBS_FULL = ["--size", "512x512", "--steps", "20", "--requests", "16", "--reps", "2"]
+"""speed_knobs.py on an H200: about 5 minutes (the knob variants of one closed loop, start-ups included)."""
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -442,15 +450,14 @@ def _interrupt(process: subprocess.Popen) -> int:
     return process.returncode
 
 
-def run_poisson(args, out_dir: str) -> dict[str, Any]:
-    """step_batching.py on flux-bench as a subprocess with a time limit; its targets and table."""
-    name = f"{args.name}-poisson"
-    command = [sys.executable, os.path.join(HERE, "step_batching.py"), "--families", "flux-bench", "--name", name]
-    command += ["--out-dir", out_dir] + (["--quick"] if args.quick else POISSON_FULL) + args.poisson_args
+def run_script(script: str, script_args: list[str], name: str, timeout: float, keys: tuple[str, ...], args) -> dict:
+    """``script`` (a benchmark writing ``<out-dir>/<name>.{json,md}``) as a subprocess with a time limit; the
+    ``keys`` of its JSON and its table."""
+    command = [sys.executable, os.path.join(HERE, script), "--name", name, "--out-dir", args.out_dir, *script_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     if args.device.type == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the servers pick CUDA whenever they see one
-    print(f"[poisson] {_shown_command(command)}", flush=True)
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the servers and engines pick CUDA whenever they see one
+    print(f"[{name}] {_shown_command(command)}", flush=True)
     started = time.perf_counter()
     result: dict[str, Any] = {"command": _shown_command(command), "name": name}
     # Its own session, so that a timeout can interrupt it without interrupting us; SIGINT handled even where it
@@ -466,32 +473,39 @@ def run_poisson(args, out_dir: str) -> dict[str, Any]:
     ]
     process = subprocess.Popen(launcher, cwd=ROOT, env=env, start_new_session=True)
     try:
-        returncode = process.wait(timeout=args.poisson_timeout)
+        returncode = process.wait(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
         timed_out = True
-        print(f"[poisson] still running after {args.poisson_timeout} s: interrupting it", flush=True)
+        print(f"[{name}] still running after {timeout} s: interrupting it", flush=True)
         returncode = _interrupt(process)
     result |= {"returncode": returncode, "timed_out": timed_out, "wall_s": round(time.perf_counter() - started, 1)}
-    path = os.path.join(out_dir, name + ".json")
+    path = os.path.join(args.out_dir, name + ".json")
     if returncode == 0 and os.path.isfile(path):
         with open(path) as f:
             found = json.load(f)
-        result |= {
-            "ok": True,
-            "device": found.get("device"),
-            "config": found.get("config"),
-            "families": found.get("families"),
-            "ratios": found.get("ratios"),
-            "targets": found.get("targets"),
-            "json": _shown_path(path),
-        }
-        with open(os.path.join(out_dir, name + ".md")) as f:
+        result |= {"ok": True, "device": found.get("device"), "config": found.get("config"), "json": _shown_path(path)}
+        result |= {key: found.get(key) for key in keys}
+        with open(os.path.join(args.out_dir, name + ".md")) as f:
             result["table_md"] = f.read()
     else:
         result["ok"] = False
-        result["error"] = "timed out" if timed_out else f"step_batching.py exited with {returncode}"
+        result["error"] = "timed out" if timed_out else f"{script} exited with {returncode}"
     return result
+
+
+def run_poisson(args) -> dict[str, Any]:
+    """step_batching.py on flux-bench: request vs step mode under Poisson load."""
+    script_args = ["--families", "flux-bench", *(["--quick"] if args.quick else POISSON_FULL), *args.poisson_args]
+    keys = ("families", "ratios", "targets")
+    return run_script("step_batching.py", script_args, f"{args.name}-poisson", args.poisson_timeout, keys, args)
+
+
+def run_speed_knobs(args) -> dict[str, Any]:
+    """speed_knobs.py on flux-bench: every speed and memory knob against none."""
+    script_args = ["--family", "flux-bench", *(["--quick"] if args.quick else SPEED_KNOBS_FULL), *args.speed_knobs_args]
+    name = f"{args.name}-speed-knobs"
+    return run_script("speed_knobs.py", script_args, name, args.speed_knobs_timeout, ("rows",), args)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -539,12 +553,7 @@ def markdown(summary: dict[str, Any]) -> str:
     ]
     lines += [_row_line(row) for row in summary["correctness"]]
     poisson = summary.get("poisson")
-    lines += ["", "## Poisson load: request vs step mode (flux-bench)", ""]
-    if poisson is None:
-        lines.append("Skipped (--skip-poisson).")
-    elif not poisson.get("ok"):
-        lines.append(f"Did not finish: {poisson.get('error')} after {poisson['wall_s']} s (`{poisson['command']}`).")
-    else:
+    if _part(lines, poisson, "Poisson load: request vs step mode (flux-bench)", "--skip-poisson"):
         lines.append(
             f"`{poisson['command']}` ({poisson['wall_s']} s on {poisson['device']}); full results in "
             f"`{poisson['json']}` and its `.md` and `.png`. Targets at 80 % load (reported, never the exit code):"
@@ -558,7 +567,21 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"{verdict}"
             )
         lines += ["", poisson["table_md"].strip()]
+    knobs = summary.get("speed_knobs")
+    if _part(lines, knobs, "Speed and memory knobs against none (flux-bench)", "--skip-speed-knobs"):
+        lines += [f"`{knobs['command']}` ({knobs['wall_s']} s); full results in `{knobs['json']}`.", ""]
+        lines.append(knobs["table_md"].strip())
     return "\n".join(lines) + "\n"
+
+
+def _part(lines: list[str], result: dict[str, Any] | None, title: str, skip_flag: str) -> bool:
+    """Add a subprocess part's heading to ``lines``, and its absence or failure; whether it finished."""
+    lines += ["", f"## {title}", ""]
+    if result is None:
+        lines.append(f"Skipped ({skip_flag}).")
+    elif not result.get("ok"):
+        lines.append(f"Did not finish: {result.get('error')} after {result['wall_s']} s (`{result['command']}`).")
+    return bool(result and result.get("ok"))
 
 
 def write(summary: dict[str, Any], out_dir: str) -> str:
@@ -579,7 +602,9 @@ def _csv(value: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--name", default="gpu-check", help="results/<name>.{json,md} (Poisson: <name>-poisson.*)")
+    parser.add_argument(
+        "--name", default="gpu-check", help="results/<name>.{json,md} (<name>-poisson.*, <name>-speed-knobs.*)"
+    )
     parser.add_argument("--device", default="cuda", help="cuda, cuda:K or cpu")
     parser.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
     parser.add_argument("--families", default=",".join(FAMILIES), help="stepper checks, of " + ", ".join(FAMILIES))
@@ -587,13 +612,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-engine", action="store_true", help="no end-to-end Omni checks")
     parser.add_argument("--skip-poisson", action="store_true", help="no Poisson comparison")
     parser.add_argument(
-        "--quick", action="store_true", help="the Poisson part with step_batching.py --quick (CPU smoke)"
+        "--quick", action="store_true", help="the Poisson and speed-knob parts with their --quick (CPU smoke)"
     )
     parser.add_argument(
         "--poisson-timeout", type=float, default=300.0, help="seconds before the Poisson run is stopped"
     )
     parser.add_argument(
         "--poisson-args", default="", help="further step_batching.py arguments, e.g. '--reps 3' (later ones win)"
+    )
+    parser.add_argument("--skip-speed-knobs", action="store_true", help="no speed-knob comparison")
+    parser.add_argument(
+        "--speed-knobs-timeout", type=float, default=600.0, help="seconds before the speed-knob run is stopped"
+    )
+    parser.add_argument(
+        "--speed-knobs-args", default="", help="further speed_knobs.py arguments, e.g. '--variants none,pab'"
     )
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
@@ -602,7 +634,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _csv(args.families),
         [] if args.skip_engine else _csv(args.engine_families),
     )
-    args.poisson_args = args.poisson_args.split()
+    args.poisson_args, args.speed_knobs_args = args.poisson_args.split(), args.speed_knobs_args.split()
     if unknown := [d for d in args.dtypes if d not in DTYPES]:
         parser.error(f"unknown dtypes {unknown}; choose from {', '.join(DTYPES)}")
     for option, chosen in (("--families", args.families), ("--engine-families", args.engine_families)):
@@ -654,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         "bars": {d: BARS[d] for d in args.dtypes},
         "correctness": [],
         "poisson": None,
+        "speed_knobs": None,
         "pass": True,
         "wall_s": None,
     }
@@ -708,15 +741,21 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     write(summary, args.out_dir)  # the correctness results survive whatever happens to the Poisson run
-    if not args.skip_poisson:
+    for part, skip, run in (
+        ("poisson", args.skip_poisson, run_poisson),
+        ("speed_knobs", args.skip_speed_knobs, run_speed_knobs),
+    ):
+        if skip:
+            continue
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            summary["poisson"] = run_poisson(args, args.out_dir)
+            summary[part] = run(args)
         except Exception:  # noqa: BLE001 - reported, never the exit code
-            summary["poisson"] = {"ok": False, "error": traceback.format_exc(limit=5), "wall_s": None, "command": ""}
-        poisson = summary["poisson"]
-        print(f"[poisson] {'done' if poisson['ok'] else poisson['error']} ({poisson['wall_s']} s)", flush=True)
+            summary[part] = {"ok": False, "error": traceback.format_exc(limit=5), "wall_s": None, "command": ""}
+        done = summary[part]
+        print(f"[{part}] {'done' if done['ok'] else done['error']} ({done['wall_s']} s)", flush=True)
+        write(summary, args.out_dir)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     base = write(summary, args.out_dir)
     print(markdown(summary))

@@ -65,16 +65,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import multiprocessing
 import os
 import shutil
 import statistics
 import tempfile
 import time
-import traceback
 
 import numpy as np
-from common import PROMPTS, publish
+from common import PROMPTS, add_model_arguments, publish
+from engine_workers import Worker
 from step_batching import HERE, _device, _ratio, cached_model
 
 from vllm_omni import AsyncOmni, OmniDiffusionSamplingParams
@@ -87,7 +86,6 @@ MAX_NUM_SEQS = 4
 MAX_LORAS = 4
 RSS_MAX_LORAS = 2
 FAMILIES = ("flux", "sd", "flux-bench")
-SPAWN = multiprocessing.get_context("spawn")
 
 
 class AdapterInKeyAdmission(StageAdmission):
@@ -145,100 +143,10 @@ def prepare(args, root: str) -> dict:
     return {"model": model, "tenants": tenants, "rss": rss}
 
 
-# The workers: one engine each, driven by the main process over a pipe.
-
-
-async def closed_loop(omni: AsyncOmni, clients: list[list[tuple[str, dict]]]) -> dict:
-    """Each client sends its requests one after the other; one rep's figures."""
-
-    async def client(work: list[tuple[str, dict]]) -> list[tuple[float, int, float]]:
-        done = []
-        for prompt, params in work:
-            started = time.perf_counter()
-            outputs = [o async for o in omni.generate(prompt, OmniDiffusionSamplingParams(**params))]
-            if len(outputs) != 1:
-                raise RuntimeError(f"{prompt!r} ended with {len(outputs)} outputs (aborted?)")
-            output = outputs[0]
-            done.append(
-                (time.perf_counter() - started, len(output.images) + len(output.videos), output.metrics.batch_size)
-            )
-        return done
-
-    started = time.perf_counter()
-    per_client = await asyncio.gather(*(client(work) for work in clients))
-    wall = time.perf_counter() - started
-    results = [r for done in per_client for r in done]
-    latencies = [e2e for e2e, _, _ in results]
-    return {
-        "req_per_s": len(results) / wall,
-        "images_per_s": sum(images for _, images, _ in results) / wall,
-        "p50_ms": 1000 * float(np.percentile(latencies, 50)),
-        "p90_ms": 1000 * float(np.percentile(latencies, 90)),
-        "mean_ms": 1000 * statistics.fmean(latencies),
-        "batch_mean": statistics.fmean(batch for _, _, batch in results),
-        "wall_s": wall,
-    }
-
-
-def serve(conn) -> None:
-    """A worker: waits for ``(model, engine knobs)`` (``None``: exit), starts its `AsyncOmni`, then runs
-    ``(variant, clients)`` commands until ``None``, answering each with its figures (or the traceback that failed
-    it)."""
-    omni = None
-    try:
-        if (config := conn.recv()) is None:
-            return
-        model, engine = config
-        omni = AsyncOmni(model, **engine)
-        conn.send(("ready", None))
-        while (command := conn.recv()) is not None:
-            variant, clients = command
-            if engine.get("lora_modules"):
-                set_adapter_in_key(omni, variant == "adapter-in-key")
-            conn.send(("done", asyncio.run(closed_loop(omni, clients))))
-    except BaseException:  # noqa: BLE001 - the main process raises it
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        if omni is not None:
-            omni.shutdown()
-
-
-class Worker:
-    """A worker process: spawned (its imports take a while), then `start`-ed with its engine's knobs."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.conn, theirs = SPAWN.Pipe()
-        self.process = SPAWN.Process(target=serve, args=(theirs,), name=f"lora-bench-{name}", daemon=True)
-        self.process.start()
-        theirs.close()
-
-    def start(self, model: str, engine: dict) -> None:
-        self.conn.send((model, engine))
-
-    def answer(self):
-        try:
-            status, value = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"worker {self.name} exited (code {self.process.exitcode})") from None
-        if status == "error":
-            raise RuntimeError(f"worker {self.name} failed:\n{value}")
-        return value
-
-    def run(self, variant: str, clients: list) -> dict:
-        self.conn.send((variant, clients))
-        return self.answer()
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send(None)
-            except OSError:
-                pass
-            self.process.join(60)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(10)
+def prepare_variant(omni: AsyncOmni, variant: str) -> None:
+    """Before each run in a worker: the LoRA engine keys its requests by adapter for ``adapter-in-key`` only."""
+    if omni.stage_configs[0].lora_modules:
+        set_adapter_in_key(omni, variant == "adapter-in-key")
 
 
 def engine_knobs(mode: str, tenants: dict[str, str] | None, args) -> dict:
@@ -272,7 +180,7 @@ def workload(variant: str, count: int, args, seed: int) -> list[list[tuple[str, 
 
 def spawn_workers(mode: str) -> dict[str, Worker]:
     """The two workers of a mode: ``lora`` (mixed and adapter-in-key) and ``base``."""
-    return {kind: Worker(f"{mode}-{kind}") for kind in ("lora", "base")}
+    return {kind: Worker(f"lora-{mode}-{kind}", prepare_variant) for kind in ("lora", "base")}
 
 
 def measure_mode(mode: str, workers: dict[str, Worker], files: dict, args) -> list[dict]:
@@ -459,13 +367,7 @@ def tables(result: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="diffusers folder (default: build the tiny --family)")
-    parser.add_argument("--family", default="flux", choices=FAMILIES, help="tiny model to build when no --model")
-    parser.add_argument(
-        "--model-dir",
-        default=os.path.join(os.path.dirname(HERE), ".tiny-models"),
-        help="where the tiny models are built, once",
-    )
+    add_model_arguments(parser, FAMILIES)
     parser.add_argument("--execution-mode", default=",".join(MODES), help="comma-separated: request, step")
     parser.add_argument("--requests", type=int, default=32, help="requests per variant and rep (all 4 clients)")
     parser.add_argument("--reps", type=int, default=3, help="runs per variant, interleaved; medians")

@@ -1,6 +1,7 @@
 """The prepared GPU check (benchmarks/gpu_check.py) smoke-run on the CPU: every stepper and the engine in float32
 against the stock pipeline. Its Poisson part is step_batching.py, whose quick run has its own test
-(test_scripts.py), so it is skipped here. Nothing here depends on timing."""
+(test_scripts.py), so it is skipped here; its speed-knob part runs speed_knobs.py with two variants. Nothing here
+depends on timing."""
 
 import json
 import os
@@ -19,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--dtypes", "float32"]
     command += ["--quick", "--skip-poisson", "--name", "smoke", "--out-dir", str(tmp_path)]
+    command += ["--speed-knobs-args", "--variants none,pab --size 64x64"]
     # No CUDA even on a GPU machine: the engine rows (Omni picks CUDA whenever it sees it) then run on the CPU too.
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
@@ -40,6 +42,11 @@ def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(tmp
         assert row["reference_worst"] is not None
 
     assert result["poisson"] is None
+    knobs = result["speed_knobs"]
+    assert knobs["ok"] is True and [r["variant"] for r in knobs["rows"]] == ["none", "pab"]
+    assert knobs["config"]["model_label"] == "flux-bench (tiny)" and knobs["rows"][1]["skipped_per_request"] > 0
+    assert (tmp_path / "smoke-speed-knobs.json").is_file()
     markdown = (tmp_path / "smoke.md").read_text()
     assert markdown.startswith("# GPU check `smoke`: PASS")
     assert "| steppers | flux | float32 |" in markdown
+    assert "## Speed and memory knobs against none (flux-bench)" in markdown and "| request | pab |" in markdown

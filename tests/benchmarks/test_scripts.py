@@ -387,3 +387,18 @@ def test_lora_benchmark_compares_mixed_key_and_base(tiny_flux, tmp_path):
     assert readings | {"lora_weights_start_bytes", "lora_weights_end_bytes", "resident", "resident_count"} <= set(rss)
     assert isinstance(rss["pass"], bool)
     assert (tmp_path / "smoke.md").read_text().startswith("| mode | variant | req/s")
+
+
+def test_speed_knobs_benchmark_reports_each_knob_against_none(tiny_flux, tmp_path):
+    variants = "none,pab,vae_tiling,max_batch_pixels_2,cpu_offload_model"
+    _run("speed_knobs.py", "--quick", "--model", tiny_flux, "--variants", variants, "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "cpu-tiny-speed-knobs.json").read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == variants.split(",") and {r["mode"] for r in rows.values()} == {"request"}
+    for name in ("pab", "vae_tiling", "max_batch_pixels_2"):
+        assert rows[name]["images_per_s"] > 0 and rows[name]["images_per_s_over_none"] > 0
+    assert rows["none"]["skipped_per_request"] == 0 and rows["pab"]["skipped_per_request"] > 0
+    assert rows["max_batch_pixels_2"]["knobs"] == {"max_batch_pixels": 2 * 128 * 128}
+    assert rows["max_batch_pixels_2"]["batch_mean"] <= 2
+    assert "CUDA" in rows["cpu_offload_model"]["refused"]  # this machine has none: refused, named, not measured
+    assert "| request | pab |" in (tmp_path / "cpu-tiny-speed-knobs.md").read_text()

@@ -1,14 +1,15 @@
 """VAE tiling and slicing against stock diffusers with the same settings, alone and in a batch, in request and step
-mode; and the pixel budget's batch sizes for mixed sizes, as the engine's batch histogram records them."""
-
-import threading
+mode; the pixel budget's batch sizes for mixed sizes, as the engine's batch histogram records them; and
+out-of-memory splitting with the memory knobs and a step cache on."""
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.diffusion.runner import load_pipeline
+from vllm_omni.testing.faults import run_together
 
 pytestmark = pytest.mark.slow
 
@@ -57,14 +58,7 @@ def test_the_pixel_budget_sizes_batches_of_mixed_sizes(tiny_flux, execution_mode
     with Omni(tiny_flux, max_num_seqs=4, max_batch_pixels=2 * 64 * 64, execution_mode=execution_mode) as omni:
         engine = omni.engine.stages[0].replicas[0].engine
         before = _batch_counts(engine)
-        queued = threading.Event()
-        held = engine.scheduler.call(queued.wait)  # pending calls run before any batch is formed
-        try:
-            futures = [omni.engine.add_request(f"budget-{i}", "a cat", p) for i, p in enumerate(params)]
-        finally:
-            queued.set()
-        held.result(timeout=600)
-        outputs = [f.result(timeout=600) for f in futures]
+        outputs = run_together(omni, [("a cat", p) for p in params], "budget")
         counts = {size: n - before.get(size, 0) for size, n in _batch_counts(engine).items()}
     assert [o.error for o in outputs] == [None] * 8
     by_size = {s: [o.metrics["batch_size"] for o, size in zip(outputs, sizes) if size == s] for s in (32, 64)}
@@ -88,3 +82,54 @@ def _batch_counts(engine) -> dict[int, float]:
                     cumulative[le] = cumulative.get(le, 0) + sample.value
     bounds = sorted(cumulative)
     return {b: cumulative[b] - (cumulative[a] if a is not None else 0) for a, b in zip([None, *bounds], bounds)}
+
+
+@pytest.mark.parametrize("execution_mode", ["request", "step"])
+def test_out_of_memory_splitting_still_works_with_the_memory_knobs_and_a_step_cache(tiny_flux, execution_mode):
+    """Four requests with VAE tiling and slicing, a pixel budget that holds all four and first-block caching; the
+    denoiser runs out of memory above two requests from the second step on, after the first request of the forward
+    has run its part (the cache runs the denoiser once per request): the retry must find every request's cache
+    state as it was before the failed forward. Each
+    image equals the same request run alone on the same engine."""
+    params = [OmniDiffusionSamplingParams(height=SIZE, width=SIZE, num_inference_steps=6, seed=s) for s in range(4)]
+    prompts = [*PROMPTS, "a yellow torus"]
+    knobs = dict(vae_tiling=True, vae_slicing=True, max_batch_pixels=4 * SIZE * SIZE)
+    cache = dict(cache_backend="taylorseer", cache_config={"cache_interval": 2, "disable_cache_before_step": 1})
+    with Omni(tiny_flux, max_num_seqs=4, execution_mode=execution_mode, **knobs, **cache) as omni:
+        transformer = omni.engine.stages[0].replicas[0].engine.runner.pipeline.transformer
+        forward = {"rows": 0, "parts": 0, "large": 0}
+
+        def on_forward(module, args, kwargs):
+            rows = kwargs["hidden_states"].shape[0]
+            forward.update(rows=rows, parts=0, large=forward["large"] + (rows > 2))
+
+        def on_first_block(module, args, kwargs):  # one call per request of the forward
+            forward["parts"] += 1
+            if forward["rows"] > 2 and forward["large"] >= 2 and forward["parts"] == 2:  # from the second step on
+                raise torch.OutOfMemoryError("simulated: out of memory above 2 requests")
+
+        handles = [
+            transformer.register_forward_pre_hook(on_forward, with_kwargs=True),
+            transformer.transformer_blocks[0].register_forward_pre_hook(on_first_block, with_kwargs=True),
+        ]
+        splits, skipped = _engine_count("oom_batch_splits"), _engine_count("cache_skipped_steps")
+        together = run_together(omni, list(zip(prompts, params)), "oom")
+        assert _engine_count("oom_batch_splits") > splits
+        for handle in handles:
+            handle.remove()
+        skipped_together = _engine_count("cache_skipped_steps") - skipped
+        alone = [omni.generate([prompt], [p])[0] for prompt, p in zip(prompts, params)]
+        skipped_alone = _engine_count("cache_skipped_steps") - skipped - skipped_together
+    assert [o.error for o in together + alone] == [None] * 8
+    # The same cache decisions as alone (a tiny model's image barely shows them): a retry that found a request's
+    # state moved, or emptied, would skip a different number of computations.
+    assert skipped_together == skipped_alone > 0
+    if execution_mode == "request":
+        assert [o.metrics["batch_size"] for o in together] == [2, 2, 2, 2]
+    for batched, single in zip(together, alone):
+        diff = np.abs(np.asarray(batched.images[0], dtype=np.int16) - np.asarray(single.images[0], dtype=np.int16))
+        assert diff.max() <= 2
+
+
+def _engine_count(counter: str) -> float:
+    return REGISTRY.get_sample_value(f"vllm_omni:{counter}_total", {"stage": "0", "replica": "0"}) or 0.0

@@ -272,11 +272,15 @@ class StageDeployConfig(BaseModel):
         """Most requests the stage runs at once, over all its replicas."""
         return self.num_replicas * self.max_num_seqs
 
+    def applied_knobs(self) -> dict[str, tuple[Any, Source]]:
+        """Every knob that applies to this stage, with its value and the layer it came from: what the start-up
+        line and the ``vllm_omni:stage_knob_info`` gauge report."""
+        return {k: (getattr(self, k), self.provenance.get(k, "default")) for k in STAGE_KNOBS if knob_applies(k, self)}
+
     def describe(self) -> str:
         """The start-up line for this stage: every knob that applies, its value and where it came from,
         then the stage's total capacity."""
-        shown = [k for k in STAGE_KNOBS if knob_applies(k, self)]
-        knobs = ", ".join(f"{k}={getattr(self, k)!r} ({self.provenance.get(k, 'default')})" for k in shown)
+        knobs = ", ".join(f"{k}={value!r} ({source})" for k, (value, source) in self.applied_knobs().items())
         inputs = f" <- stage(s) {', '.join(map(str, self.inputs))}" if self.inputs else ""
         return (
             f"stage {self.stage_id} ({self.stage_type}{inputs}): {knobs}; capacity {self.capacity} requests at once "

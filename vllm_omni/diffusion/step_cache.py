@@ -6,8 +6,9 @@ as is over a batch, a request's image would depend on the requests beside it, an
 request to the next. So here:
 
 - every request has a `RequestCache`, the states of all the hooks for that request alone. It is made empty for the
-  request (a request never sees another's state), lives with it (one pipeline call in request mode, the request's
-  `StepState` in step mode) and is emptied when a call fails, whose partial updates cannot be trusted;
+  request (a request never sees another's state) and lives with it (one pipeline call in request mode, the
+  request's `StepState` in step mode). A call that fails leaves every request's state as it was before it, so an
+  out-of-memory retry in parts runs each step once;
 - the denoiser runs once per request in the batch, over that request's rows only, with the hooks holding its
   states. Each request's decisions are the ones it makes alone, so its image is the same alone or in any batch;
   the batch still shares text encoding, decoding and the step schedule.
@@ -60,9 +61,12 @@ class StepCache:
         self._hooked: dict[int, int] = {}
         """The modules the hooks wrap (by id), each counted once per call when it skips its computation."""
         self.skipped = 0
-        """Computations of hooked modules that returned a cached or predicted output instead, since start-up."""
+        """Computations of hooked modules that returned a cached or predicted output instead, since start-up, in
+        calls that succeeded (a failed call's are not: its retry makes the decisions again)."""
         self.on_skip: Callable[[int], None] | None = None
-        """Called with each call's count of skipped computations (the engine's metric)."""
+        """Called with each successful call's count of skipped computations (the engine's metric)."""
+        self._unconfirmed = 0
+        """Skips of the calls inside `rows` so far, counted once it has succeeded."""
         self._rows: list[RequestCache] | None = None
         self._managers: list[StateManager] = []
         """The hooks' state managers: they hold the cache context a call runs in."""
@@ -110,10 +114,20 @@ class StepCache:
         """The denoiser calls inside serve these requests: ``rows`` has one entry per latent row (a call of a
         multiple of its length is it repeated: classifier-free guidance concatenates negative and positive rows)."""
         self._rows = list(rows)
+        before = {id(r): (r, _checkpoint(r.states)) for r in self._rows}
         try:
             yield
+        except BaseException:
+            # A failed call (out of memory: the engine retries it in parts) must not move any request's state:
+            # the requests before the failing one have already run their part of it.
+            for request, states in before.values():
+                request.states.clear()
+                request.states.update(states)
+            raise
+        else:
+            self._count_skips(self._unconfirmed)
         finally:
-            self._rows = None
+            self._rows, self._unconfirmed = None, 0
 
     def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
         """One denoiser call: once per request over its rows, each with its own states (`_RequestSplit`)."""
@@ -148,16 +162,19 @@ class StepCache:
         self._timestep = request.timestep
         try:
             output = forward(*args, **kwargs)
-        except BaseException:
-            request.states.clear()  # partly updated by the failed call
-            raise
         finally:
             self._timestep = None
         skipped = sum(calls == 0 for calls in self._hooked.values())
+        if self._rows is None:
+            self._count_skips(skipped)
+        else:
+            self._unconfirmed += skipped
+        return output
+
+    def _count_skips(self, skipped: int) -> None:
         self.skipped += skipped
         if skipped and self.on_skip is not None:
             self.on_skip(skipped)
-        return output
 
 
 class _RequestSplit(ModelHook):
@@ -174,6 +191,20 @@ class _RequestSplit(ModelHook):
             with module.cache_context("cond"):
                 return self.cache.run(self.fn_ref.original_forward, args, kwargs)
         return self.cache.run(self.fn_ref.original_forward, args, kwargs)
+
+
+def _checkpoint(value: Any) -> Any:
+    """A copy of hook states that a later call cannot change: new state objects, lists and dicts around the same
+    tensors. diffusers' cache hooks replace the tensors and numbers they keep, and write into none of them."""
+    if isinstance(value, dict):
+        return {k: _checkpoint(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_checkpoint(v) for v in value]
+    if isinstance(value, torch.Tensor) or not hasattr(value, "__dict__"):
+        return value
+    clone = copy.copy(value)
+    vars(clone).update({k: _checkpoint(v) for k, v in vars(value).items()})
+    return clone
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:

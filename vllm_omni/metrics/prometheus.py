@@ -122,6 +122,12 @@ stage_max_num_seqs = Gauge(
     "Resolved max_num_seqs of each stage (per replica), labelled with the layer it came from.",
     ["stage", "source"],
 )
+stage_knob_info = Gauge(
+    "vllm_omni:stage_knob_info",
+    "1 for every knob that applies to a stage, labelled with its resolved value and the layer it came from "
+    "(the start-up line's provenance).",
+    ["stage", "knob", "value", "source"],
+)
 stage_replicas = Gauge(
     "vllm_omni:stage_replicas",
     "Replicas of each stage by state: alive (taking requests) or down (dead or restarting).",

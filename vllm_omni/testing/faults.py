@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 
 def hold_batches(scheduler, then_break: bool = False) -> Callable[[], None]:
@@ -26,3 +27,17 @@ def hold_batches(scheduler, then_break: bool = False) -> Callable[[], None]:
 
     scheduler.finish = finish_when_released
     return release
+
+
+def run_together(omni, requests: list[tuple[str, Any]], tag: str) -> list:
+    """Run ``requests`` (prompt, params) on stage 0's first replica of ``omni`` as queued at one instant: they are
+    added while its engine thread is held in an engine call, so the batches they form are the policy's alone."""
+    engine = omni.engine.stages[0].replicas[0].engine
+    queued = threading.Event()
+    held = engine.scheduler.call(queued.wait)  # pending calls run before any batch is formed
+    try:
+        futures = [omni.engine.add_request(f"{tag}-{i}", prompt, p) for i, (prompt, p) in enumerate(requests)]
+    finally:
+        queued.set()
+    held.result(timeout=600)
+    return [f.result(timeout=600) for f in futures]

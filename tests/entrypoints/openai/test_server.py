@@ -90,6 +90,16 @@ def test_startup_logs_the_resolved_knobs_with_their_sources(server):
     log = server.log.read_text()
     assert "max_num_seqs=4 (cli)" in log and "request_batch_max_wait_ms=300.0 (cli)" in log
     assert metric(server, "vllm_omni:stage_max_num_seqs", stage="0", source="cli") == 4
+    info = {
+        s.labels["knob"]: (s.labels["value"], s.labels["source"])
+        for family in text_string_to_metric_families(httpx.get(server.url_for("metrics"), timeout=60).text)
+        if family.name == "vllm_omni:stage_knob_info"
+        for s in family.samples
+    }
+    assert info["max_num_seqs"] == ("4", "cli") and info["request_batch_max_wait_ms"] == ("300.0", "cli")
+    assert info["execution_mode"] == ("request", "default") and info["cache_backend"] == ("none", "default")
+    assert info["vae_tiling"] == ("false", "default") and info["max_batch_pixels"] == ("null", "default")
+    assert "num_gpus" not in info  # a Ray-only knob does not apply to an inline stage, as in the start-up line
 
 
 def test_four_concurrent_requests_run_as_one_batch(server):

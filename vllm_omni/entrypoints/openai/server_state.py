@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ async def load_and_warm_up(state: ServerState) -> None:
             metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(
                 stage.max_num_seqs
             )
+            for knob, (value, source) in stage.applied_knobs().items():
+                metrics.stage_knob_info.labels(str(stage.stage_id), knob, _label(value), source).set(1)
         started = time.perf_counter()
         await state.omni.warm_up()
         state.ready = True
@@ -95,3 +98,8 @@ async def load_and_warm_up(state: ServerState) -> None:
     except Exception as exc:  # noqa: BLE001 - the server cannot serve without its model
         logger.exception("Could not load and warm up %s", state.source.model)
         state.on_fatal(exc)
+
+
+def _label(value: object) -> str:
+    """A knob's value as a label: strings as they are, everything else as JSON (``true``, ``null``, ``[1, 2]``)."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
