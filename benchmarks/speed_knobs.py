@@ -7,7 +7,8 @@
 
 Every variant is one engine (`AsyncOmni`, ``max_num_seqs 4``, inline) on the same model (``--model``, or the tiny
 random-weight ``--family`` built once into ``--model-dir``) with the stage knobs of `VARIANTS` on top of the same
-base knobs; ``none`` has none. Each engine runs in a worker process of its own (`engine_workers`), started and warmed
+base knobs; ``none`` has none (``cache_dit`` runs at ``max_num_seqs`` 1, the only one it takes: it decides for a
+whole pipeline call). Each engine runs in a worker process of its own (`engine_workers`), started and warmed
 up (`AsyncOmni.warm_up`, which compiles ``compile_sizes``) before any is measured; the seconds that took are its
 ``ready_s``. All run the same closed loop: 4 clients, ``--requests`` requests per rep in all (request j: client
 j mod 4, its own prompt, seed ``--seed`` + j), after one warm-up round of 8. Each of the ``--reps`` reps runs every
@@ -55,6 +56,16 @@ VARIANTS: dict[str, dict] = {
     "pab": {
         "cache_backend": "pab",
         "cache_config": {"spatial_attention_block_skip_range": 2, "spatial_attention_timestep_skip_range": [-1, 1001]},
+    },
+    "cache_dit": {  # one request per pipeline call: cache-dit decides for a whole call
+        "cache_backend": "cache_dit",
+        "cache_config": {
+            "residual_diff_threshold": 0.5,
+            "max_warmup_steps": 1,
+            "Fn_compute_blocks": 1,
+            "Bn_compute_blocks": 0,
+        },
+        "max_num_seqs": 1,
     },
     "compile_regional": {"compile": "regional"},
     "vae_tiling": {"vae_tiling": True},
@@ -140,7 +151,7 @@ def measure_mode(mode: str, model: str, args) -> list[dict]:
     rows = []
     for variant in args.variants:
         base = variant_knobs("none", mode, args)
-        knobs = {k: v for k, v in variant_knobs(variant, mode, args).items() if k not in base}
+        knobs = {k: v for k, v in variant_knobs(variant, mode, args).items() if k not in base or base[k] != v}
         row = {"mode": mode, "variant": variant, "knobs": knobs}
         if variant in refused:
             rows.append(row | {"refused": refused[variant]})

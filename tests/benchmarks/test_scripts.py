@@ -390,7 +390,7 @@ def test_lora_benchmark_compares_mixed_key_and_base(tiny_flux, tmp_path):
 
 
 def test_speed_knobs_benchmark_reports_each_knob_against_none(tiny_flux, tmp_path):
-    variants = "none,pab,vae_tiling,max_batch_pixels_2,cpu_offload_model"
+    variants = "none,pab,cache_dit,vae_tiling,max_batch_pixels_2,cpu_offload_model"
     _run("speed_knobs.py", "--quick", "--model", tiny_flux, "--variants", variants, "--out-dir", str(tmp_path))
     result = json.loads((tmp_path / "cpu-tiny-speed-knobs.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
@@ -398,6 +398,7 @@ def test_speed_knobs_benchmark_reports_each_knob_against_none(tiny_flux, tmp_pat
     for name in ("pab", "vae_tiling", "max_batch_pixels_2"):
         assert rows[name]["images_per_s"] > 0 and rows[name]["images_per_s_over_none"] > 0
     assert rows["none"]["skipped_per_request"] == 0 and rows["pab"]["skipped_per_request"] > 0
+    assert rows["cache_dit"]["knobs"]["max_num_seqs"] == 1 and rows["cache_dit"]["batch_mean"] == 1
     assert rows["max_batch_pixels_2"]["knobs"] == {"max_batch_pixels": 2 * 128 * 128}
     assert rows["max_batch_pixels_2"]["batch_mean"] <= 2
     assert "CUDA" in rows["cpu_offload_model"]["refused"]  # this machine has none: refused, named, not measured

@@ -1,6 +1,8 @@
 """The step-cache knobs through the one resolver: provenance, the CLI's JSON, and every refusal, each naming the
 knob as it was written."""
 
+import sys
+
 import pytest
 
 from vllm_omni.config import resolve_stage_configs
@@ -34,6 +36,26 @@ def test_a_stage_override_sets_the_cache_of_one_stage():
         ({"cache_backend": "pab", "enable_lora": True}, r"--cache-backend 'pab' \(cli\) runs each request's rows"),
         ({"cache_backend": "teacache"}, r"--cache-backend 'teacache'"),
         ({"cache_backend": "first_block", "cache_config": "{threshold"}, r"cache_config must be a JSON object"),
+        (
+            {"cache_backend": "cache_dit", "max_num_seqs": 2},
+            r"'cache_dit' \(cli\) decides for a whole pipeline call .* --max-num-seqs is 2 \(cli\): set max_num_seqs",
+        ),
+        (
+            {"cache_backend": "cache_dit", "execution_mode": "step"},
+            r"'cache_dit' \(cli\) keeps its cache context for one pipeline call, which --execution-mode is 'step'",
+        ),
+        (
+            {"cache_backend": "cache_dit", "enable_lora": True},
+            r"'cache_dit' \(cli\) has not been checked beside --enable-lora True \(cli\)",
+        ),
+        (
+            {"cache_backend": "cache_dit", "cache_config": {"threshold": 0.1}},
+            r"key\(s\) threshold .* allowed: Fn_compute_blocks, Bn_compute_blocks, residual_diff_threshold",
+        ),
+        (  # the engine sets it from each request
+            {"cache_backend": "cache_dit", "cache_config": {"num_inference_steps": 8}},
+            r"key\(s\) num_inference_steps are not taken",
+        ),
     ],
 )
 def test_refusals_name_each_knob_as_written(knobs, message):
@@ -44,6 +66,14 @@ def test_refusals_name_each_knob_as_written(knobs, message):
 def test_callbacks_are_not_cache_config_keys():
     assert "current_timestep_callback" not in cache_config_keys("pab")
     assert "spatial_attention_block_skip_range" in cache_config_keys("pab")
+    assert "cache_type" not in cache_config_keys("cache_dit") and "max_warmup_steps" in cache_config_keys("cache_dit")
+
+
+def test_cache_dit_resolves_with_one_request_per_call():
+    stage = resolve_stage_configs(
+        global_knobs={"cache_backend": "cache_dit", "cache_config": {"residual_diff_threshold": 0.2}}
+    )[0]
+    assert (stage.cache_backend, stage.max_num_seqs, stage.execution_mode) == ("cache_dit", 1, "request")
 
 
 def test_the_cache_knobs_apply_to_stages_that_denoise_only(tmp_path):
@@ -56,3 +86,9 @@ def test_the_cache_knobs_apply_to_stages_that_denoise_only(tmp_path):
     )
     with pytest.raises(ValueError, match=r"stage 0 \(encode\): cache_backend \(deploy_yaml\) applies to"):
         resolve_stage_configs(deploy)
+
+
+def test_cache_dit_without_its_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cache_dit", None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(ValueError, match=r"needs the cache-dit package: pip install 'vllm-omni\[cache-dit\]'"):
+        resolve_stage_configs(global_knobs={"cache_backend": "cache_dit"})

@@ -99,3 +99,42 @@ def test_a_request_that_opts_out_runs_every_block_beside_cached_ones(tiny_flux):
 def test_a_denoiser_without_diffusers_cache_hooks_is_refused_at_start_up(tiny_sd):
     with pytest.raises(ValueError, match=r"cache_backend='first_block': UNet2DConditionModel has no diffusers cache"):
         Omni(tiny_sd, cache_backend="first_block")
+
+
+CACHE_DIT = {"residual_diff_threshold": 0.5, "max_warmup_steps": 1, "Fn_compute_blocks": 1, "Bn_compute_blocks": 0}
+
+
+def _stock_cache_dit(model: str, prompt: str, seed: int) -> np.ndarray:
+    """cache-dit as its users call it: enabled on the whole pipeline, which refreshes its context every call."""
+    import cache_dit
+
+    pipeline = load_pipeline(model, torch.float32, torch.device("cpu"))
+    cache_dit.enable_cache(pipeline, cache_config=cache_dit.DBCacheConfig(**CACHE_DIT))
+    image = pipeline(
+        prompt, height=64, width=64, num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed)
+    ).images[0]
+    return np.asarray(image, dtype=np.int16)
+
+
+def test_cache_dit_matches_stock_cache_dit_request_after_request(tiny_flux):
+    """One request per call (max_num_seqs 1): each request equals stock cache-dit alone, the context starts fresh
+    for each (the first prompt again skips what it skipped first), and an opted-out request skips nothing."""
+    want = [_stock_cache_dit(tiny_flux, prompt, seed) for seed, prompt in enumerate(PROMPTS[:2])]
+    with Omni(tiny_flux, cache_backend="cache_dit", cache_config=CACHE_DIT) as omni:
+        outputs, skipped = [], []
+        for seed in (0, 1, 0):
+            before = _skipped(omni)
+            outputs.append(omni.generate([PROMPTS[seed]], [_params(seed)])[0])
+            skipped.append(_skipped(omni) - before)
+        before = _skipped(omni)
+        opted_out = omni.generate(PROMPTS[:1], [_params(0, cache=False)])[0]
+        assert _skipped(omni) == before
+    assert skipped[0] > 0 and skipped == [skipped[0], skipped[1], skipped[0]]
+    for output, expected in zip(outputs, [want[0], want[1], want[0]], strict=True):
+        assert np.abs(_pixels(output) - expected).max() <= 2
+    assert np.abs(_pixels(opted_out) - _stock(tiny_flux, PROMPTS[0], 0, None)).max() <= 2
+
+
+def test_cache_dit_blocks_to_compute_beyond_the_model_are_refused_at_start_up(tiny_flux):
+    with pytest.raises(ValueError, match=r"Fn_compute_blocks 8 \+ Bn_compute_blocks 0 leave none of the 2 blocks"):
+        Omni(tiny_flux, cache_backend="cache_dit")  # cache-dit's defaults compute the first 8 blocks

@@ -1,27 +1,38 @@
-"""Step-cache backends (``cache_backend``): diffusers' cache hooks, and the ``cache_config`` each one takes.
+"""Step-cache backends (``cache_backend``): diffusers' cache hooks and cache-dit, and the ``cache_config`` each one
+takes.
 
 The resolver checks a stage's ``cache_config`` against its backend here, before anything loads; the engine builds
-the same diffusers config from it (`cache_hook_config`) when it enables the hooks (``diffusion/step_cache.py``).
+the same config from it (`cache_hook_config`) when it enables the cache (``diffusion/step_cache.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import importlib
 import json
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-CacheBackendName = Literal["none", "first_block", "taylorseer", "magcache", "faster_cache", "pab"]
-"""Step caching of the denoiser: none, or one of diffusers' cache hooks (docs/performance.md)."""
+CacheBackendName = Literal["none", "first_block", "taylorseer", "magcache", "faster_cache", "pab", "cache_dit"]
+"""Step caching of the denoiser: none, one of diffusers' cache hooks, or cache-dit (docs/performance.md)."""
 
-CACHE_BACKENDS: dict[str, str] = {
-    "first_block": "FirstBlockCacheConfig",
-    "taylorseer": "TaylorSeerCacheConfig",
-    "magcache": "MagCacheConfig",
-    "faster_cache": "FasterCacheConfig",
-    "pab": "PyramidAttentionBroadcastConfig",
+CACHE_BACKENDS: dict[str, tuple[str, str]] = {
+    "first_block": ("diffusers.hooks", "FirstBlockCacheConfig"),
+    "taylorseer": ("diffusers.hooks", "TaylorSeerCacheConfig"),
+    "magcache": ("diffusers.hooks", "MagCacheConfig"),
+    "faster_cache": ("diffusers.hooks", "FasterCacheConfig"),
+    "pab": ("diffusers.hooks", "PyramidAttentionBroadcastConfig"),
+    "cache_dit": ("cache_dit", "DBCacheConfig"),
 }
-"""Each backend's diffusers config class (in ``diffusers.hooks``)."""
+"""Each backend's config class: (module, class name)."""
+
+WHOLE_CALL_BACKENDS = ("cache_dit",)
+"""Backends whose cache context and decisions cover a whole pipeline call, all its rows together: they can serve one
+request per call only (``max_num_seqs`` 1, request mode)."""
+
+CALL_SUPPLIED_KEYS: dict[str, tuple[str, ...]] = {"cache_dit": ("num_inference_steps",)}
+"""Config fields the engine sets for every call, from the request (not ``cache_config`` keys)."""
 
 TIMESTEP_CALLBACK = "current_timestep_callback"
 """The config field of the hooks that skip by timestep range; the engine supplies it (each request's timestep)."""
@@ -38,24 +49,33 @@ def parse_cache_config(value: Any) -> Any:
 
 
 def _config_class(backend: str) -> type:
-    import diffusers.hooks
-
-    return getattr(diffusers.hooks, CACHE_BACKENDS[backend])
+    module, name = CACHE_BACKENDS[backend]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        raise ValueError(
+            f"cache_backend {backend!r} needs the {module.replace('_', '-')} package: "
+            f"pip install 'vllm-omni[{module.replace('_', '-')}]'"
+        ) from None
 
 
 def cache_config_keys(backend: str) -> list[str]:
-    """The ``cache_config`` keys ``backend`` takes: its diffusers config's fields, less the callbacks (code, which a
-    deploy file cannot hold) and private ones."""
+    """The ``cache_config`` keys ``backend`` takes: its config's fields, less the callbacks (code, which a deploy
+    file cannot hold), the fixed ones (an enum default: cache-dit's ``cache_type``), those the engine sets per call
+    and private ones."""
     return [
         f.name
         for f in dataclasses.fields(_config_class(backend))
-        if not f.name.startswith("_") and not f.name.endswith("_callback")
+        if not f.name.startswith("_")
+        and not f.name.endswith("_callback")
+        and not isinstance(f.default, enum.Enum)
+        and f.name not in CALL_SUPPLIED_KEYS.get(backend, ())
     ]
 
 
 def cache_hook_config(backend: str, options: Mapping[str, Any], current_timestep: Callable[[], Any] | None = None):
-    """The diffusers config of ``backend`` with ``options``; ValueError naming an unknown key, with the allowed
-    ones, or repeating diffusers' own message for a value it refuses."""
+    """The config of ``backend`` with ``options``; ValueError naming an unknown key, with the allowed ones, or
+    repeating the backend's own message for a value it refuses."""
     import torch
 
     allowed = cache_config_keys(backend)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from vllm_omni.config.cache import cache_hook_config, parse_cache_config
+from vllm_omni.config.cache import WHOLE_CALL_BACKENDS, cache_hook_config, parse_cache_config
 from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.stage import (
     DENOISING_ONLY_KNOBS,
@@ -250,9 +250,26 @@ def _check_cache(stage_id: int, values: Mapping[str, Any], written: Callable[...
         cache_hook_config(values["cache_backend"], parse_cache_config(values["cache_config"]) or {})
     except ValueError as exc:
         raise ValueError(f"stage {stage_id}: {exc} (with {written('cache_backend')})") from None
+    if values["cache_backend"] in WHOLE_CALL_BACKENDS:
+        if values["max_num_seqs"] > 1:
+            raise ValueError(
+                f"stage {stage_id}: {written('cache_backend')} decides for a whole pipeline call (one residual check "
+                f"over all its rows), so a request's image would depend on the requests batched with it, and "
+                f"{written('max_num_seqs', 'is ')}: set max_num_seqs to 1, or use first_block, taylorseer, magcache "
+                "or pab, which decide per request"
+            )
+        if values["execution_mode"] == "step":
+            raise ValueError(
+                f"stage {stage_id}: {written('cache_backend')} keeps its cache context for one pipeline call, which "
+                f"{written('execution_mode', 'is ')} does not make (requests join and leave at steps): use "
+                "execution_mode 'request', or first_block, taylorseer, magcache or pab"
+            )
     if values["enable_lora"] or values["lora_modules"]:
         lora = written("lora_modules" if values["lora_modules"] else "enable_lora")
-        raise ValueError(
-            f"stage {stage_id}: {written('cache_backend')} runs each request's rows in a denoiser call of its own, "
-            f"and {lora} applies adapters per row of the whole batch's call: use one of them"
+        why = (
+            f"has not been checked beside {lora} (PEFT's adapter layers)"
+            if values["cache_backend"] in WHOLE_CALL_BACKENDS
+            else "runs each request's rows in a denoiser call of its own, "
+            f"and {lora} applies adapters per row of the whole batch's call"
         )
+        raise ValueError(f"stage {stage_id}: {written('cache_backend')} {why}: use one of them")

@@ -208,11 +208,12 @@ class StageDeployConfig(BaseModel):
     another size compiles on first use."""
 
     cache_backend: CacheBackendName = "none"
-    """Step caching of the denoiser with diffusers' cache hooks (``first_block``, ``taylorseer``, ``magcache``,
-    ``faster_cache``, ``pab``): blocks reuse earlier steps' results; each request keeps its own cache state."""
+    """Step caching of the denoiser: diffusers' cache hooks (``first_block``, ``taylorseer``, ``magcache``,
+    ``faster_cache``, ``pab``) or cache-dit (``cache_dit``); blocks reuse earlier steps' results, and each request
+    keeps its own cache state."""
 
     cache_config: dict[str, Any] | None = None
-    """The backend's settings (its diffusers config's fields, e.g. ``{"threshold": 0.2}``); ``None``: its defaults."""
+    """The backend's settings (its config's fields, e.g. ``{"threshold": 0.2}``); ``None``: its defaults."""
 
     provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
     """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""

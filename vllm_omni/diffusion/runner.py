@@ -14,12 +14,13 @@ from typing import Any
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.config.cache import WHOLE_CALL_BACKENDS
 from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.lora import LoraAdapters
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import DiffusionRequest
-from vllm_omni.diffusion.step_cache import RequestCache, StepCache
+from vllm_omni.diffusion.step_cache import CallCache, RequestCache, StepCache
 from vllm_omni.diffusion.steppers.base import fresh_noise_scheduler
 from vllm_omni.logger import init_logger
 
@@ -168,10 +169,14 @@ class DiffusionRunner:
         self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips, od_config.cpu_offload)
         set_vae_memory(self.pipeline, od_config.vae_tiling, od_config.vae_slicing)
         self.step_cache = None
-        """diffusers' cache hooks on the denoisers (``cache_backend``), run per request; ``None``: no step cache."""
+        """The step cache on the denoisers (``cache_backend``): diffusers' hooks run per request, or cache-dit per
+        call of one request; ``None``: no step cache."""
         if od_config.cache_backend != "none":
             denoisers = [getattr(self.pipeline, name) for name in loaded_denoisers(self.pipeline)]
-            self.step_cache = StepCache(self.pipeline, denoisers, od_config.cache_backend, od_config.cache_config)
+            if od_config.cache_backend in WHOLE_CALL_BACKENDS:
+                self.step_cache = CallCache(denoisers, od_config.cache_config)
+            else:
+                self.step_cache = StepCache(self.pipeline, denoisers, od_config.cache_backend, od_config.cache_config)
         self.compiled: set[tuple[int, int, int | None]] | None = None
         """The sizes the compiled denoiser has been asked for (warm-up ones first); ``None``: not compiled."""
         if od_config.compile != "none":
@@ -262,7 +267,7 @@ class DiffusionRunner:
             adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
         cached = contextlib.nullcontext()
         if self.step_cache is not None:  # each request's own cache state, for this call only
-            caches = [RequestCache(enabled=r.params.cache) for r in batch]
+            caches = [RequestCache(enabled=r.params.cache, steps=r.params.num_inference_steps) for r in batch]
             cached = self.step_cache.rows([cache for cache in caches for _ in range(n)])
         pipeline = self._pipeline(card)
         config = {arg: kwargs.pop(arg) for arg in card.config_args if arg in kwargs}

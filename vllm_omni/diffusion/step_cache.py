@@ -1,4 +1,5 @@
-"""Step caching (``cache_backend``): diffusers' cache hooks on the denoiser, with each request's cache state its own.
+"""Step caching (``cache_backend``): diffusers' cache hooks on the denoiser, with each request's cache state its own;
+and cache-dit, whose context covers a pipeline call of one request (`CallCache`).
 
 diffusers' hooks keep what they reuse between steps (a residual, Taylor factors, an attention output) in one state
 per hooked module, and decide for the whole input of a call: first-block's check is one mean over the tensor. Run
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +51,9 @@ class RequestCache:
     timestep: float | None = None
     """The request's current timestep in step mode, for the hooks that skip by timestep range; ``None``: the
     pipeline's own (request mode, where a batch shares its steps)."""
+
+    steps: int | None = None
+    """The request's denoising steps, which cache-dit sizes its context by (`CallCache`)."""
 
 
 class StepCache:
@@ -172,6 +178,58 @@ class StepCache:
         return output
 
     def _count_skips(self, skipped: int) -> None:
+        self.skipped += skipped
+        if skipped and self.on_skip is not None:
+            self.on_skip(skipped)
+
+
+class CallCache:
+    """cache-dit (``cache_backend: cache_dit``) on the denoisers: its cache context is made fresh for every pipeline
+    call and decides for all the call's rows together, so the resolver lets it serve one request per call
+    (``max_num_seqs`` 1, request mode) and the context is that request's alone. A request that opts out runs with
+    no cached step allowed. Skips are counted as `StepCache` counts them: the calls of the denoiser's repeated
+    blocks that did not run."""
+
+    def __init__(self, denoisers: Sequence[torch.nn.Module], options: dict[str, Any] | None):
+        import cache_dit
+
+        self._config = cache_hook_config("cache_dit", options or {})
+        self._denoisers = list(denoisers)
+        self.skipped = 0
+        self.on_skip: Callable[[int], None] | None = None
+        self._calls = {"expected": 0, "ran": 0}
+        """Block calls of the current pipeline call: those of a full denoiser call, and those that ran."""
+        for denoiser in self._denoisers:
+            names = set(getattr(denoiser, "_repeated_blocks", None) or ())
+            blocks = [m for m in denoiser.modules() if type(m).__name__ in names]
+            computed = self._config.Fn_compute_blocks + self._config.Bn_compute_blocks
+            if blocks and computed >= len(blocks):  # cache-dit would only assert at the first request
+                raise ValueError(
+                    f"cache_backend='cache_dit': cache_config Fn_compute_blocks {self._config.Fn_compute_blocks} + "
+                    f"Bn_compute_blocks {self._config.Bn_compute_blocks} leave none of the {len(blocks)} blocks of "
+                    f"{type(denoiser).__name__} to cache: lower them"
+                )
+            cache_dit.enable_cache(denoiser, cache_config=self._config)
+            denoiser.register_forward_pre_hook(functools.partial(self._count, "expected", len(blocks)))
+            for block in blocks:
+                block.register_forward_pre_hook(functools.partial(self._count, "ran", 1))
+
+    def _count(self, kind: str, calls: int, module, args) -> None:
+        self._calls[kind] += calls
+
+    @contextlib.contextmanager
+    def rows(self, rows: Sequence[RequestCache]) -> Iterator[None]:
+        """The pipeline call inside serves ``rows`` (one request's, the resolver sees to it)."""
+        import cache_dit
+
+        overrides = {"num_inference_steps": rows[0].steps}
+        if not rows[0].enabled:
+            overrides["max_cached_steps"] = 0
+        for denoiser in self._denoisers:
+            cache_dit.refresh_context(denoiser, cache_config=dataclasses.replace(self._config, **overrides))
+        self._calls.update(expected=0, ran=0)
+        yield
+        skipped = self._calls["expected"] - self._calls["ran"]
         self.skipped += skipped
         if skipped and self.on_skip is not None:
             self.on_skip(skipped)
