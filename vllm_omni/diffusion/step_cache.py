@@ -56,7 +56,20 @@ class RequestCache:
     """The request's denoising steps, which cache-dit sizes its context by (`CallCache`)."""
 
 
-class StepCache:
+class _SkipCount:
+    """The computations a step cache skipped, since start-up, in calls that succeeded (a failed call's are not: its
+    retry makes the decisions again); ``on_skip`` gets each call's count (the engine's metric)."""
+
+    skipped: int = 0
+    on_skip: Callable[[int], None] | None = None
+
+    def _count_skips(self, skipped: int) -> None:
+        self.skipped += skipped
+        if skipped and self.on_skip is not None:
+            self.on_skip(skipped)
+
+
+class StepCache(_SkipCount):
     """diffusers' cache hooks (``cache_backend``) on a pipeline's denoisers, run per request (module docstring)."""
 
     def __init__(self, pipeline, denoisers: Sequence[torch.nn.Module], backend: str, options: dict[str, Any] | None):
@@ -66,11 +79,6 @@ class StepCache:
         """Every stateful hook's state holder: (owner, attribute, the empty state a request starts from)."""
         self._hooked: dict[int, int] = {}
         """The modules the hooks wrap (by id), each counted once per call when it skips its computation."""
-        self.skipped = 0
-        """Computations of hooked modules that returned a cached or predicted output instead, since start-up, in
-        calls that succeeded (a failed call's are not: its retry makes the decisions again)."""
-        self.on_skip: Callable[[int], None] | None = None
-        """Called with each successful call's count of skipped computations (the engine's metric)."""
         self._unconfirmed = 0
         """Skips of the calls inside `rows` so far, counted once it has succeeded."""
         self._rows: list[RequestCache] | None = None
@@ -177,26 +185,18 @@ class StepCache:
             self._unconfirmed += skipped
         return output
 
-    def _count_skips(self, skipped: int) -> None:
-        self.skipped += skipped
-        if skipped and self.on_skip is not None:
-            self.on_skip(skipped)
 
-
-class CallCache:
+class CallCache(_SkipCount):
     """cache-dit (``cache_backend: cache_dit``) on the denoisers: its cache context is made fresh for every pipeline
     call and decides for all the call's rows together, so the resolver lets it serve one request per call
     (``max_num_seqs`` 1, request mode) and the context is that request's alone. A request that opts out runs with
-    no cached step allowed. Skips are counted as `StepCache` counts them: the calls of the denoiser's repeated
-    blocks that did not run."""
+    no cached step allowed. Skips are the calls of the denoiser's repeated blocks that did not run."""
 
     def __init__(self, denoisers: Sequence[torch.nn.Module], options: dict[str, Any] | None):
         import cache_dit
 
         self._config = cache_hook_config("cache_dit", options or {})
         self._denoisers = list(denoisers)
-        self.skipped = 0
-        self.on_skip: Callable[[int], None] | None = None
         self._calls = {"expected": 0, "ran": 0}
         """Block calls of the current pipeline call: those of a full denoiser call, and those that ran."""
         for denoiser in self._denoisers:
@@ -229,10 +229,7 @@ class CallCache:
             cache_dit.refresh_context(denoiser, cache_config=dataclasses.replace(self._config, **overrides))
         self._calls.update(expected=0, ran=0)
         yield
-        skipped = self._calls["expected"] - self._calls["ran"]
-        self.skipped += skipped
-        if skipped and self.on_skip is not None:
-            self.on_skip(skipped)
+        self._count_skips(self._calls["expected"] - self._calls["ran"])
 
 
 class _RequestSplit(ModelHook):
