@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -86,6 +88,22 @@ def tiny_qwen_edit_plus(tmp_path_factory) -> str:
 def tiny_wan_i2v(tmp_path_factory) -> str:
     """A tiny random-weight WanImageToVideoPipeline (Wan 2.1 I2V) folder, built offline once per test session."""
     return _tiny_model(tmp_path_factory, "wan-i2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tmp_path_factory) -> str:
+    """A tiny random-weight Llama folder (transformers), the model of an llm stage, built offline once."""
+    return _tiny_model(tmp_path_factory, "llm")
+
+
+@pytest.fixture(scope="session")
+def llm_cpu_python() -> str:
+    """The interpreter of llm stages' Ray actors on this CPU machine: ``.venv-llm-cpu/bin/python``, built by the
+    project's script (`make llm-cpu-venv`, which `make test` runs first; a no-op once built)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "build_llm_cpu_venv.sh")
+    subprocess.run(["sh", script], cwd=root, check=True, env=os.environ | {"PYTHON": sys.executable})
+    return os.path.join(root, ".venv-llm-cpu", "bin", "python")
 
 
 @pytest.fixture(scope="session")

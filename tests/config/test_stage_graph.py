@@ -5,7 +5,7 @@ import re
 import pytest
 
 from vllm_omni.config import DeployConfig, StageDeployConfig, load_deploy_config, resolve_stage_configs
-from vllm_omni.config.stage import check_stage_graph
+from vllm_omni.config.stage_types import check_stage_graph
 
 THREE_STAGES = """\
 stages:
@@ -35,6 +35,15 @@ def test_the_request_order_follows_inputs_not_the_listing():
         StageDeployConfig(stage_id=1, stage_type="denoise", inputs=[0]),
     ]
     assert [s.stage_id for s in check_stage_graph(listed)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("first", ["diffusion", "encode"])
+def test_an_llm_stage_writes_the_prompt_of_a_stage_that_takes_the_request(first):
+    specs = [(0, first, [1]), (1, "llm", [])]
+    if first == "encode":
+        specs += [(2, "denoise", [0]), (3, "decode", [2])]
+    order = [s.stage_id for s in check_stage_graph(_stages(*specs))]
+    assert order[:2] == [1, 0]
 
 
 @pytest.mark.parametrize(
@@ -67,7 +76,21 @@ def test_the_request_order_follows_inputs_not_the_listing():
         ),
         (
             [(0, "encode", []), (1, "diffusion", [0])],
-            "stage 1 (diffusion) takes the request itself, so it has no inputs; it lists [0]",
+            "stage 1 (diffusion) takes the request itself, so it has no inputs (but an llm stage's prompt); "
+            "it lists [0]",
+        ),
+        (
+            [(0, "encode", []), (1, "llm", []), (2, "denoise", [0, 1]), (3, "decode", [2])],
+            "stage 2 (denoise) lists llm stage(s) [1] as inputs; an llm stage's text is the prompt of one stage that "
+            "takes the request itself (diffusion or encode), and such a stage takes at most one",
+        ),
+        (
+            [(0, "llm", []), (1, "llm", []), (2, "diffusion", [0, 1])],
+            "stage 2 (diffusion) lists llm stage(s) [0, 1] as inputs",
+        ),
+        (
+            [(0, "llm", []), (1, "diffusion", [])],
+            "the stages no other stage takes are: 0 (llm), 1 (diffusion)",
         ),
         (
             [(0, "encode", []), (1, "denoise", [0])],
@@ -79,7 +102,6 @@ def test_the_request_order_follows_inputs_not_the_listing():
             "a deploy needs exactly one final stage, a diffusion or decode stage that no other stage takes as input; "
             "the stages no other stage takes are: 0 (diffusion), 1 (diffusion)",
         ),
-        ([(0, "llm", [])], "stage 0 has stage_type 'llm', which this release does not serve"),
     ],
 )
 def test_every_graph_error_names_the_stage_and_the_problem(specs, message):

@@ -34,7 +34,7 @@ def test_a_split_request_reports_the_denoise_stage_and_sums_the_times():
         StageMetrics.of(1, "denoise", _metrics(batch_size=2, queue_ms=3.0, exec_ms=20.0, replica=1, steps=4)),
         StageMetrics.of(2, "decode", _metrics(batch_size=3, queue_ms=5.0, exec_ms=4.0, fps=8)),
     ]
-    combined = across_stages(stages, denoiser=1)
+    combined = across_stages(stages, denoiser_id=1)
     assert (combined.batch_size, combined.replica, combined.steps) == (2, 1, 4)
     assert (combined.queue_ms, combined.exec_ms, combined.fps, combined.seed) == (9.0, 26.0, 8, 7)
     assert [s["stage_type"] for s in combined["stages"]] == ["encode", "denoise", "decode"]

@@ -2,6 +2,7 @@
 
 from vllm_omni.config.diffusion import OmniDiffusionConfig
 from vllm_omni.config.loader import load_deploy_config
+from vllm_omni.config.lora import LoRAModulePath
 from vllm_omni.config.resolver import engine_torch_threads, resolve_stage_configs
 from vllm_omni.config.stage import (
     STAGE_KNOBS,
@@ -9,10 +10,9 @@ from vllm_omni.config.stage import (
     DeployConfig,
     ExecutionMode,
     Source,
-    LoRAModulePath,
     StageDeployConfig,
-    StageTypeSpec,
 )
+from vllm_omni.config.stage_types import StageTypeSpec
 
 __all__ = [
     "STAGE_KNOBS",

@@ -18,10 +18,12 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from vllm_omni.config.cache import WHOLE_CALL_BACKENDS, cache_hook_config, parse_cache_config
+from vllm_omni.config.llm import LLM_KNOBS, check_llm_stage
 from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.stage import (
     DENOISING_ONLY_KNOBS,
     LORA_KNOBS,
+    PIPELINE_KNOBS,
     RAY_ONLY_KNOBS,
     STAGE_KNOBS,
     STAGE_TYPES,
@@ -34,8 +36,13 @@ GlobalSource = Literal["cli", "python"]
 
 DENOISING_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.denoises)
 ADAPTING_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.adapts)
-STAGE_TYPES_OF_KNOB = dict.fromkeys(DENOISING_ONLY_KNOBS, DENOISING_STAGE_TYPES) | dict.fromkeys(
-    LORA_KNOBS, ADAPTING_STAGE_TYPES
+PIPELINE_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "diffusers")
+LLM_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "vllm")
+STAGE_TYPES_OF_KNOB = (
+    dict.fromkeys(DENOISING_ONLY_KNOBS, DENOISING_STAGE_TYPES)
+    | dict.fromkeys(LORA_KNOBS, ADAPTING_STAGE_TYPES)
+    | dict.fromkeys(PIPELINE_KNOBS, PIPELINE_STAGE_TYPES)
+    | dict.fromkeys(LLM_KNOBS, LLM_STAGE_TYPES)
 )
 """The stage types a knob applies to, for the knobs that do not apply to every stage."""
 
@@ -128,15 +135,19 @@ def resolve_stage_configs(
                 if types is not None and stage.stage_type not in types:
                     if layer_values is global_knobs:  # a global flag sets it on the stages it applies to
                         continue
+                    why = " (an llm stage leaves batching to vLLM)" if stage.stage_type in LLM_STAGE_TYPES else ""
                     raise ValueError(
                         f"stage {stage.stage_id} ({stage.stage_type}): {_knob_name(knob, layer_sources[knob])} "
-                        f"({layer_sources[knob]}) applies to {' and '.join(types)} stages only; remove it"
+                        f"({layer_sources[knob]}) applies to {' and '.join(types)} stages only{why}; remove it"
                     )
                 values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
         if values["distributed_executor_backend"] is None:
             use_ray = values["num_replicas"] > 1 or values["ray_address"] is not None
+            use_ray |= stage.stage_type in LLM_STAGE_TYPES  # vLLM's engine runs in an actor of its own
             values["distributed_executor_backend"] = "ray" if use_ray else "inline"
         _check_combination(stage.stage_id, values, provenance)
+        if stage.stage_type in LLM_STAGE_TYPES:
+            check_llm_stage(stage.stage_id, values, _writer(values, provenance))
         resolved.append(
             StageDeployConfig(
                 stage_id=stage.stage_id,
@@ -170,12 +181,19 @@ def engine_torch_threads(stage_configs: list[StageDeployConfig]) -> dict[int, in
     return {s.stage_id: s.num_cpus if s.distributed_executor_backend == "ray" else share for s in stage_configs}
 
 
-def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Mapping[str, Source]) -> None:
-    """Knobs that are valid alone but not together, named as each was written."""
+def _writer(values: Mapping[str, Any], provenance: Mapping[str, Source]) -> Callable[..., str]:
+    """How an error names a knob: as it was written, with its value and its layer."""
 
     def written(knob: str, verb: str = "") -> str:
         return f"{_knob_name(knob, provenance[knob])} {verb}{values[knob]!r} ({provenance[knob]})"
 
+    return written
+
+
+def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Mapping[str, Source]) -> None:
+    """Knobs that are valid alone but not together, named as each was written."""
+
+    written = _writer(values, provenance)
     if values["execution_mode"] == "step" and values["request_batch_max_wait_ms"] > 0:
         raise ValueError(
             f"stage {stage_id}: {written('request_batch_max_wait_ms')} applies to execution_mode 'request' only, "

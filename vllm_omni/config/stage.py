@@ -6,15 +6,15 @@ change a knob (in particular ``max_num_seqs``) behind the user's back.
 
 from __future__ import annotations
 
-import graphlib
-import json
 import re
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vllm_omni.config.cache import CacheBackendName, parse_cache_config
+from vllm_omni.config.llm import LLM_KNOBS, LlmMode, check_engine_args, check_sampling
+from vllm_omni.config.lora import LoRAModulePath
+from vllm_omni.config.stage_types import STAGE_TYPES, StageEngine, check_stage_graph
 
 Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "legacy_alias"]
 """Where a resolved knob value came from (see docs/configuration.md)."""
@@ -48,34 +48,17 @@ DENOISING_ONLY_KNOBS = ("execution_mode", "compile", "compile_sizes", "cache_bac
 LORA_KNOBS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank")
 """Knobs of the stages that hold a component adapters apply to (`StageTypeSpec.adapts`)."""
 
-
-@dataclass(frozen=True)
-class StageTypeSpec:
-    """What the deploy graph knows about one stage type (one entry of `STAGE_TYPES`; its behaviour when it runs is
-    its role in ``vllm_omni.diffusion.roles``)."""
-
-    takes: str | None
-    """The stage type it takes its one input from; ``None``: it takes the request itself and lists no inputs."""
-
-    final: bool
-    """Whether its outputs are images or videos: a deploy ends with exactly one final stage."""
-
-    denoises: bool
-    """Whether it holds the denoiser: it fills in the model's defaults, reports progress and takes
-    ``execution_mode``."""
-
-    adapts: bool
-    """Whether it serves LoRA adapters (it takes the LoRA knobs): it holds the whole pipeline, as diffusers loads an
-    adapter into every component it targets at once."""
-
-
-STAGE_TYPES: dict[str, StageTypeSpec] = {
-    "diffusion": StageTypeSpec(takes=None, final=True, denoises=True, adapts=True),
-    "encode": StageTypeSpec(takes=None, final=False, denoises=False, adapts=False),
-    "denoise": StageTypeSpec(takes="encode", final=False, denoises=True, adapts=False),
-    "decode": StageTypeSpec(takes="denoise", final=True, denoises=False, adapts=False),
-}
-"""The stage types this release serves (``llm`` is a `StageType` that the graph check refuses)."""
+PIPELINE_KNOBS = (
+    "request_batch_max_wait_ms",
+    "devices",
+    "dtype",
+    "max_batch_pixels",
+    "vae_tiling",
+    "vae_slicing",
+    "cpu_offload",
+)
+"""Knobs of the stages that run a diffusers pipeline (``runs: diffusers``); an llm stage sets its engine's through
+``engine_args``, and vLLM forms its batches itself."""
 
 
 def _denoises(stage_type: str) -> bool:
@@ -88,39 +71,9 @@ def _adapts(stage_type: str) -> bool:
     return spec is not None and spec.adapts
 
 
-class LoRAModulePath(BaseModel):
-    """One adapter served from start-up (vLLM's ``--lora-modules`` entry)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    name: str = Field(min_length=1)
-    """The name requests select it by (``model`` or ``lora``)."""
-    path: str = Field(min_length=1)
-    """A diffusers/PEFT LoRA folder or file (``save_lora_weights``), or a kohya-style file."""
-    base_model_name: str | None = None
-    """The base model it was trained for, listed as its ``parent`` in ``/v1/models`` (default: the served model)."""
-
-    def __repr__(self) -> str:  # as --lora-modules takes it, in the start-up line
-        return f"{self.name}={self.path}"
-
-    @classmethod
-    def parse(cls, value: Any) -> Any:
-        """``name=path``, vLLM's JSON form, or a mapping, as an entry (anything else is left to validation)."""
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("{"):
-                try:
-                    return json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"lora_modules entry {value!r} is not valid JSON ({exc})") from None
-            name, sep, path = text.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(
-                    f"lora_modules entry {value!r} is neither name=path nor "
-                    '{"name": ..., "path": ..., "base_model_name": ...}'
-                )
-            return {"name": name, "path": path}
-        return value
+def _runs(stage_type: str) -> StageEngine | None:
+    spec = STAGE_TYPES.get(stage_type)
+    return None if spec is None else spec.runs
 
 
 class StageDeployConfig(BaseModel):
@@ -132,11 +85,12 @@ class StageDeployConfig(BaseModel):
     """Identifier of the stage; ``--stage-overrides`` keys refer to it."""
 
     stage_type: StageType = "diffusion"
-    """``diffusion`` (the whole pipeline), or ``encode`` / ``denoise`` / ``decode`` (a split pipeline); ``llm`` is
-    not served by this release."""
+    """``diffusion`` (the whole pipeline), ``encode`` / ``denoise`` / ``decode`` (a split pipeline), or ``llm`` (an
+    LLM on vLLM's engine that rewrites the prompt)."""
 
     inputs: tuple[int, ...] = ()
-    """Stage ids whose outputs this stage takes (``denoise`` takes an ``encode`` stage, ``decode`` a ``denoise``)."""
+    """Stage ids whose outputs this stage takes (``denoise`` takes an ``encode`` stage, ``decode`` a ``denoise``;
+    a ``diffusion`` or ``encode`` stage may take an ``llm`` stage's text as its prompt)."""
 
     max_num_seqs: int = Field(default=1, ge=1)
     """Most requests the stage runs together in one batch."""
@@ -215,6 +169,31 @@ class StageDeployConfig(BaseModel):
     cache_config: dict[str, Any] | None = None
     """The backend's settings (its config's fields, e.g. ``{"threshold": 0.2}``); ``None``: its defaults."""
 
+    model: str | None = None
+    """``llm`` stages: the LLM's folder or Hugging Face repo id."""
+
+    engine_args: dict[str, Any] | None = None
+    """``llm`` stages: vLLM ``EngineArgs`` fields for the stage's engine (``max_num_seqs`` is the stage's knob)."""
+
+    python_executable: str | None = None
+    """``llm`` stages: the interpreter of the stage's Ray actors (``.venv-llm-cpu/bin/python`` on a CPU host);
+    ``None``: the server's own."""
+
+    mode: LlmMode = "chat"
+    """``llm`` stages: ``chat`` (the tokenizer's chat template, with ``system_prompt``) or ``completion``
+    (``prompt_template``)."""
+
+    system_prompt: str | None = None
+    """``llm`` stages in chat mode: the system message before the user's prompt; ``None``: none."""
+
+    prompt_template: str | None = None
+    """``llm`` stages in completion mode: the LLM's input, with ``{prompt}`` where the request's prompt goes;
+    ``None``: the prompt alone."""
+
+    sampling: dict[str, Any] | None = None
+    """``llm`` stages: vLLM ``SamplingParams`` fields (``temperature``, ``max_tokens``, ...); ``None``: vLLM's
+    defaults."""
+
     provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
     """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""
 
@@ -251,6 +230,8 @@ class StageDeployConfig(BaseModel):
         return value
 
     _parse_cache_config = field_validator("cache_config", mode="before")(parse_cache_config)
+    _check_engine_args = field_validator("engine_args", mode="before")(check_engine_args)
+    _check_sampling = field_validator("sampling", mode="before")(check_sampling)
 
     @field_validator("devices")
     @classmethod
@@ -306,6 +287,10 @@ def knob_applies(knob: str, stage: StageDeployConfig | dict) -> bool:
         return _denoises(get("stage_type"))
     if knob in LORA_KNOBS:
         return _adapts(get("stage_type")) and (knob == "enable_lora" or bool(get("lora_modules") or get("enable_lora")))
+    if knob in PIPELINE_KNOBS:
+        return _runs(get("stage_type")) == "diffusers"
+    if knob in LLM_KNOBS:
+        return _runs(get("stage_type")) == "vllm"
     return True
 
 
@@ -328,51 +313,6 @@ class DeployConfig(BaseModel):
             raise ValueError(f"stage_id values must be unique, repeated: {duplicates}")
         check_stage_graph(stages)
         return stages
-
-
-def check_stage_graph(stages: list[StageDeployConfig]) -> list[StageDeployConfig]:
-    """The stages in the order a request passes them; ValueError naming the stage and the problem for an unknown
-    input, a cycle, an input of the wrong type, or not exactly one final stage."""
-    by_id = {s.stage_id: s for s in stages}
-    for stage in stages:
-        unknown = [i for i in stage.inputs if i not in by_id]
-        if unknown:
-            raise ValueError(f"stage {stage.stage_id} lists unknown input(s) {unknown}; stage ids: {sorted(by_id)}")
-    try:
-        order = [by_id[i] for i in graphlib.TopologicalSorter({s.stage_id: s.inputs for s in stages}).static_order()]
-    except graphlib.CycleError as exc:
-        cycle = exc.args[1][::-1]  # graphlib lists it along the outputs (b, a: a takes b's output); we say a <- b
-        raise ValueError(
-            f"stage {cycle[0]}: inputs form a cycle ({' <- '.join(map(str, cycle))}, where a <- b means "
-            "stage a takes stage b's output)"
-        ) from None
-    for stage in order:
-        if stage.stage_type not in STAGE_TYPES:
-            raise ValueError(
-                f"stage {stage.stage_id} has stage_type {stage.stage_type!r}, which this release does not serve"
-            )
-        wanted = STAGE_TYPES[stage.stage_type].takes
-        if wanted is None and stage.inputs:
-            raise ValueError(
-                f"stage {stage.stage_id} ({stage.stage_type}) takes the request itself, so it has no inputs; "
-                f"it lists {list(stage.inputs)}"
-            )
-        if wanted is not None and (len(stage.inputs) != 1 or by_id[stage.inputs[0]].stage_type != wanted):
-            got = [f"{i} ({by_id[i].stage_type})" for i in stage.inputs]
-            raise ValueError(
-                f"stage {stage.stage_id} ({stage.stage_type}) takes exactly one input, a stage of type {wanted!r}; "
-                f"it lists {got or 'none'}"
-            )
-    consumed = {i for s in stages for i in s.inputs}
-    sinks = [s for s in order if s.stage_id not in consumed]
-    final_types = [t for t, spec in STAGE_TYPES.items() if spec.final]
-    if len(sinks) != 1 or not STAGE_TYPES[sinks[0].stage_type].final:
-        ends = ", ".join(f"{s.stage_id} ({s.stage_type})" for s in sinks)
-        raise ValueError(
-            f"a deploy needs exactly one final stage, a {' or '.join(final_types)} stage that no other stage "
-            f"takes as input; the stages no other stage takes are: {ends}"
-        )
-    return order
 
 
 def describe_validation_error(exc: ValidationError, where: str) -> str:

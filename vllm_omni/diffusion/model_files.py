@@ -29,7 +29,7 @@ def local_model_folder(source: ModelSource, stage_types: Iterable[str]) -> str:
     if source.kind == "folder":
         return source.model
     if source.kind == "repo":
-        skips = {ROLES[stage_type].skips for stage_type in stage_types}
+        skips = {ROLES[stage_type].skips for stage_type in stage_types if stage_type in ROLES}  # not llm stages
         return hub_snapshot(source.model, source, skips or {()})
     return single_file_folder(source)
 

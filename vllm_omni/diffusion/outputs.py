@@ -63,14 +63,16 @@ class StageMetrics(RequestMetrics):
         return cls(stage_id=stage_id, stage_type=stage_type, **{k: v for k, v in metrics.items() if k != "stages"})
 
 
-def across_stages(stages: list[StageMetrics], denoiser: int) -> RequestMetrics:
-    """A split request's metrics: the batch size and replica of the stage that holds the denoiser (index
-    ``denoiser``), the time summed over the stages, and one record per stage."""
+def across_stages(stages: list[StageMetrics], denoiser_id: int) -> RequestMetrics:
+    """A multi-stage request's metrics: the batch size and replica of the stage that holds the denoiser (stage id
+    ``denoiser_id``; a skipped llm stage has no record), the time summed over the stages, and one record per
+    stage."""
     last = stages[-1]
+    denoiser = next(s for s in stages if s.stage_id == denoiser_id)
     return RequestMetrics(
-        batch_size=stages[denoiser].batch_size,
-        replica=stages[denoiser].replica,
-        steps=stages[denoiser].steps,
+        batch_size=denoiser.batch_size,
+        replica=denoiser.replica,
+        steps=denoiser.steps,
         queue_ms=sum(s.queue_ms for s in stages),
         exec_ms=sum(s.exec_ms for s in stages),
         seed=last.seed,
@@ -98,6 +100,9 @@ class OmniRequestOutput:
     preview of each output (for video, one frame of each), and ``metrics`` is ``None``."""
     partial_image_index: int | None = None
     """Which preview a partial result is, from 0."""
+    revised_prompt: str | None = None
+    """The prompt the deploy's llm stage wrote from ``prompt``, which the diffusion stages ran on; ``None`` when no
+    llm stage ran (none is deployed, or the request set ``enhance_prompt=False``)."""
 
 
 @dataclass

@@ -100,6 +100,10 @@ class OmniDiffusionSamplingParams(BaseModel):
     """Use the stage's step cache (``cache_backend``); ``False``: every block runs at every step. Requests that
     differ share batches."""
 
+    enhance_prompt: bool | None = None
+    """Whether the deploy's llm stage rewrites the prompt first (`OmniRequestOutput.revised_prompt`): ``None``, if
+    there is one; ``False`` skips it; ``True`` is refused where none is deployed."""
+
     lora: tuple[LoraSelection, ...] = ()
     """LoRA adapters to apply, each ``{"name", "scale"}`` (one, or a list to stack them); requests with different
     adapters share batches."""

@@ -252,7 +252,7 @@ class StageAdmission:
 
 def check_splittable(model: str, stage_configs: list[StageDeployConfig]) -> None:
     """Fail before anything loads when a split stage is asked of a pipeline that has no split."""
-    split = [s for s in stage_configs if ROLES[s.stage_type].split]
+    split = [s for s in stage_configs if s.stage_type in ROLES and ROLES[s.stage_type].split]
     if not split:
         return
     name = read_model_index(model).get("_class_name")

@@ -1,9 +1,10 @@
 """`OmniEngine`: owns the stage runtimes and, in this process, every request in flight: which stage and replica
 hold it, its route through the stage graph, its re-run after a lost replica, abort and progress.
 
-A deploy is one ``diffusion`` stage, or a split pipeline ``encode → denoise → decode`` (docs/stages.md).
-Each stage has its own runtime, replicas, scheduler and batch key; a request enters the next stage when
-the previous one hands on its output (by reference when both run in this process).
+A deploy is one ``diffusion`` stage, or a split pipeline ``encode → denoise → decode``, optionally after an ``llm``
+stage that rewrites the prompt (docs/stages.md). Each stage has its own runtime, replicas, scheduler and batch key;
+a request enters the next stage when the previous one hands on its output (by reference when both run in this
+process), and an llm stage's output becomes the prompt of the stages after it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.config import LoRAModulePath, StageDeployConfig, engine_torch_threads
-from vllm_omni.config.stage import check_stage_graph
+from vllm_omni.config import STAGE_TYPES, LoRAModulePath, StageDeployConfig, engine_torch_threads
+from vllm_omni.config.stage_types import check_stage_graph
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.outputs import StageMetrics, across_stages
 from vllm_omni.diffusion.previews import Preview
@@ -56,6 +57,8 @@ class _Flight:
     request_id: str
     prompt: str
     admitted: AdmittedParams
+    revised_prompt: str | None = None
+    """The prompt an llm stage wrote for it: the prompt of every stage after that one."""
     future: Future = field(default_factory=Future)
     stage: int = 0
     """Index (in request order) of the stage that holds it."""
@@ -89,6 +92,8 @@ class OmniEngine:
             raise
         self._denoiser = next(i for i, s in enumerate(order) if s.denoises)
         """The stage that holds the denoiser: it fills in the model's defaults and reports progress."""
+        self._prompt_writers = [STAGE_TYPES[s.stage_type].writes_prompt for s in order]
+        """Which stages write the prompt of the stages after them (llm); a request may skip them (enhance_prompt)."""
         self._lora_stage = next((s for s in self.stages if s.stage_config.lora_enabled), None)
         """The stage that serves LoRA adapters (a diffusion stage), if LoRA is enabled."""
         self.loras: dict[str, LoRAModulePath] = {
@@ -107,6 +112,12 @@ class OmniEngine:
         for parameters the model cannot take)."""
         if params.seed is None:
             params = params.model_copy(update={"seed": secrets.randbelow(MAX_SEED)})
+        if params.enhance_prompt and not any(self._prompt_writers):
+            raise SamplingParamsError(
+                "enhance_prompt",
+                "enhance_prompt is true, but this server has no llm stage to enhance prompts with (docs/stages.md); "
+                "leave enhance_prompt unset or false",
+            )
         if params.lora:
             params = params.model_copy(update={"lora": self._adapters(params.lora)})
         first = self.stages[self._denoiser].admit(params)
@@ -212,7 +223,11 @@ class OmniEngine:
             flight.future.set_result(output)
 
     def _enter(self, flight: _Flight, index: int, payload: Any) -> None:
-        """Hand ``flight`` to stage ``index`` with the previous stage's ``payload``."""
+        """Hand ``flight`` to stage ``index`` with the previous stage's ``payload``; past an llm stage the request
+        opted out of (``enhance_prompt=False``)."""
+        if self._prompt_writers[index] and flight.admitted.params.enhance_prompt is False:
+            self._enter(flight, index + 1, payload)
+            return
         with self._lock:
             flight.stage, flight.retried = index, False
         self._dispatch(flight, payload)
@@ -236,7 +251,7 @@ class OmniEngine:
             on_preview = functools.partial(self._preview, flight)
         try:
             inner = stage.replicas[index].submit(
-                flight.request_id, flight.prompt, flight.admitted.params, payload, on_preview
+                flight.request_id, flight.revised_prompt or flight.prompt, flight.admitted.params, payload, on_preview
             )
         except BaseException as exc:  # noqa: BLE001 - the request fails; the caller's future says why
             self._settle(flight, payload, index, exc)
@@ -281,9 +296,13 @@ class OmniEngine:
         config = self.stages[flight.stage].stage_config
         flight.stage_metrics.append(StageMetrics.of(config.stage_id, config.stage_type, output.metrics))
         if flight.stage + 1 < len(self.stages):
-            self._enter(flight, flight.stage + 1, output.payload)
+            payload = output.payload
+            if self._prompt_writers[flight.stage]:
+                flight.revised_prompt, payload = payload, None  # the next stage takes the request itself
+            self._enter(flight, flight.stage + 1, payload)
             return
-        output.metrics = across_stages(flight.stage_metrics, self._denoiser)
+        output.metrics = across_stages(flight.stage_metrics, self.stages[self._denoiser].stage_id)
+        output.prompt, output.revised_prompt = flight.prompt, flight.revised_prompt  # the stages ran on the revised
         self._finish(flight, output)
 
     def progress(self, request_id: str) -> tuple[str, float] | None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,19 +16,10 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-# Ray's failure-signal handler also takes SIGTERM, which the server uses to drain: with it the process
-# aborted (exit -6) once drained. It must be off before Ray is imported (Ray reads this at import).
-os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-# Ray starts its workers at nice 15, below the server; a replica does the serving work, and on a busy machine a
-# niced replica got a few percent of a core. Read by the raylets of a cluster this process starts.
-os.environ.setdefault("RAY_worker_niceness", "0")
-try:
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-except ImportError as exc:  # the resolver checks this first; here for a broken install
-    raise ImportError(f"distributed_executor_backend 'ray' needs Ray: pip install 'vllm-omni[ray]' ({exc})") from exc
+from vllm_omni.engine.ray_cluster import start_actors  # first: it sets Ray's environment, then imports Ray
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
@@ -43,8 +32,6 @@ from vllm_omni.metrics import prometheus as metrics
 
 logger = init_logger(__name__)
 
-PLACEMENT_TIMEOUT_S = 120.0
-"""How long the stage waits for Ray to reserve every replica's resources."""
 CALL_TIMEOUT_S = 10.0
 """Longest wait for a short call to a replica (progress, metrics, health)."""
 WATCH_INTERVAL_S = 0.5
@@ -177,7 +164,7 @@ class RayReplica:
                 ray.kill(self._actor, no_restart=False)  # a process whose engine died is of no use: restart it
             while not self._stopping.wait(WATCH_INTERVAL_S):
                 try:
-                    self.info = ray.get(self._actor.info.remote(), timeout=CALL_TIMEOUT_S)
+                    self.info = self._read_info(ray.get(self._actor.info.remote(), timeout=CALL_TIMEOUT_S))
                     self.warm_up()
                 except (RayActorError, GetTimeoutError):
                     continue
@@ -196,6 +183,19 @@ class RayReplica:
                 )
                 self._alive = True
                 break
+
+    def _read_info(self, info: ReplicaInfo) -> ReplicaInfo:
+        """The replica's info as its actor answers it (an actor that cannot send our types overrides this)."""
+        return info
+
+    def _generate_args(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any) -> tuple:
+        """What the actor's ``generate`` takes for a request."""
+        return request_id, prompt, params, payload, self._by_reference
+
+    def _read_result(self, request_id: str, result: Any) -> Any:
+        """A request's output or error as its actor returns it (an actor that cannot send our types overrides
+        this)."""
+        return result
 
     def warm_up(self) -> None:
         failed = ray.get(self._actor.warm_up.remote())
@@ -220,7 +220,7 @@ class RayReplica:
         future: Future = Future()
         with self._lock:
             self._held += 1
-        args = (request_id, prompt, params, payload, self._by_reference)
+        args = self._generate_args(request_id, prompt, params, payload)
         if on_preview is None:
             ref = self._actor.generate.remote(*args)
             # The callback keeps ``ref`` alive until the result is in.
@@ -243,7 +243,7 @@ class RayReplica:
 
     def _settle(self, request_id: str, future: Future, result_of: Callable[[], Any]) -> None:
         try:
-            result = result_of()
+            result = self._read_result(request_id, result_of())
         except RayActorError as exc:
             result = ReplicaLostError(f"replica {self.info.index} was lost: {exc}")
         except Exception as exc:  # noqa: BLE001 - an error of the actor method itself fails only this request
@@ -308,82 +308,20 @@ class RayReplica:
         self._watcher.join()
 
 
-_started_ray = threading.Lock()
-_ray_users = 0
-"""Stages using a Ray cluster that this process started itself (it is stopped when the last one ends)."""
-
-
-def _connect(address: str | None) -> bool:
-    """Join ``address``, or start a local cluster; returns whether this process started it."""
-    if ray.is_initialized():
-        return False
-    if address is None:  # "local": never a cluster that RAY_ADDRESS or an earlier `ray start` left behind
-        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
-        return True
-    ray.init(address=address, logging_level=logging.WARNING)
-    return False
-
-
 def start_replicas(
     model: str, stage: StageDeployConfig, by_reference: bool, torch_threads: int
 ) -> tuple[list[RayReplica], Callable[[], None]]:
     """Place and start the stage's replicas; returns them and a function that releases what they hold.
     ``by_reference``: the next stage runs on Ray too, so outputs stay in the object store (`_ReplicaActor.generate`).
     ``torch_threads``: of each replica's engine thread (its ``num_cpus``)."""
-    global _ray_users
-    with _started_ray:
-        started = _connect(stage.ray_address)
-        _ray_users += started
-    num_gpus = stage.num_gpus
-    if num_gpus is None:
-        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    bundle = {"CPU": stage.num_cpus} | ({"GPU": num_gpus} if num_gpus else {})
-    group = placement_group([bundle] * stage.num_replicas, strategy=stage.placement_strategy)
-
-    def release() -> None:
-        global _ray_users
-        remove_placement_group(group)
-        with _started_ray:
-            _ray_users -= started
-            if started and _ray_users == 0:
-                ray.shutdown()
-
-    try:
-        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except GetTimeoutError:
-        release()
-        raise RuntimeError(
-            f"stage {stage.stage_id}: Ray could not reserve {stage.num_replicas} replica(s) of {bundle} each with "
-            f"placement_strategy {stage.placement_strategy!r} in {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has "
-            f"{ray.cluster_resources()}. Lower num_replicas, num_cpus or num_gpus, choose another "
-            "placement_strategy, or add nodes"
-        ) from None
-    actor_cls = ray.remote(_ReplicaActor)
-    actors = [
-        actor_cls.options(
-            num_cpus=stage.num_cpus,
-            num_gpus=num_gpus,
-            max_restarts=-1,
-            max_task_retries=0,  # the stage re-runs a lost request itself, on another replica
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-        ).remote(model, stage, index, torch_threads)
-        for index in range(stage.num_replicas)
-    ]
-    try:
-        infos = ray.get([actor.info.remote() for actor in actors])  # a replica that cannot load raises here
-    except BaseException:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-        release()
-        raise
-    for info in infos:
-        logger.info(
-            "stage %d replica %d: pid %d on node %s, %s",
-            stage.stage_id,
-            info.index,
-            info.pid,
-            info.node_id,
-            info.device,
-        )
+    actors, infos, release = start_actors(stage, _ReplicaActor, lambda index: (model, stage, index, torch_threads))
+    log_started(stage.stage_id, infos)
     replicas = [RayReplica(actor, info, stage, by_reference) for actor, info in zip(actors, infos, strict=True)]
     return replicas, release
+
+
+def log_started(stage_id: int, infos: list[ReplicaInfo]) -> None:
+    for info in infos:
+        logger.info(
+            "stage %d replica %d: pid %d on node %s, %s", stage_id, info.index, info.pid, info.node_id, info.device
+        )

@@ -38,8 +38,9 @@ class ReplicaInfo:
     """What the stage and the servers need to know of a replica: its model's card and where it runs."""
 
     index: int
-    card: ModelCard
-    """What admission needs of the model it loaded (the stage admits requests from it, without a call)."""
+    card: ModelCard | None
+    """What admission needs of the model it loaded (the stage admits requests from it, without a call); ``None``
+    for an llm replica, which admits everything."""
     device: str
     pid: int
     node_id: str | None = None

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
+from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, StageUnavailableError
 from vllm_omni.diffusion.roles import ROLES, Admission
 from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo
@@ -61,7 +61,13 @@ class StageRuntime:
         logger.info("Starting %s", stage_config.describe())
         self._release_backend = None
         self.replicas: list[Replica]
-        if stage_config.distributed_executor_backend == "ray":
+        admission = None
+        if STAGE_TYPES[stage_config.stage_type].runs == "vllm":
+            from vllm_omni.engine.llm_replicas import LlmAdmission, start_llm_replicas
+
+            self.replicas, self._release_backend = start_llm_replicas(stage_config)
+            admission = LlmAdmission()
+        elif stage_config.distributed_executor_backend == "ray":
             from vllm_omni.engine.ray_replicas import start_replicas
 
             by_reference = next_stage is not None and next_stage.distributed_executor_backend == "ray"
@@ -69,7 +75,9 @@ class StageRuntime:
         else:
             self.replicas = [EngineReplica(OmniDiffusionConfig.from_stage(model, stage_config, 0, torch_threads))]
         self.info: ReplicaInfo = self.replicas[0].info
-        self.admission = ROLES[stage_config.stage_type].admission(stage_config.execution_mode, self.info.card)
+        self.admission = admission or ROLES[stage_config.stage_type].admission(
+            stage_config.execution_mode, self.info.card
+        )
         """How the stage admits requests: here, from its replicas' model card, without asking a replica."""
         self._lock = threading.Lock()
         self._load = [0] * len(self.replicas)

@@ -320,12 +320,17 @@ FAMILIES = {
     "qwen-image-edit-plus": lambda: import_module(".tiny_edit_models", __package__).build_tiny_qwen_image_edit_plus(),
     "wan-i2v": lambda: import_module(".tiny_edit_models", __package__).build_tiny_wan_i2v(),
 }
+"""The tiny diffusers pipelines, by family."""
+
+MODEL_FAMILIES = FAMILIES | {"llm": lambda: import_module(".tiny_llm", __package__).TinyLlm()}
+"""What ``make-tiny-model`` writes: the pipelines, and the LLM of an ``llm`` stage (a transformers folder)."""
 
 
 def make_tiny_model(path: str | os.PathLike[str], family: str = "flux") -> str:
-    """Write a tiny ``family`` pipeline to ``path`` (a diffusers folder) and return the path."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    """Write a tiny ``family`` model to ``path`` (a diffusers folder, or a transformers one for ``llm``) and return
+    the path."""
+    if family not in MODEL_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(MODEL_FAMILIES)}")
     path = os.fspath(path)
-    FAMILIES[family]().save_pretrained(path)
+    MODEL_FAMILIES[family]().save_pretrained(path)
     return path

@@ -14,16 +14,22 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(serve(argv[1:], prog="vllm serve" if via_vllm else "vllm-omni serve"))
 
-    from vllm_omni.testing.tiny_models import FAMILIES
+    from vllm_omni.testing.tiny_models import MODEL_FAMILIES
 
     parser = argparse.ArgumentParser(prog="vllm-omni", description="Serve diffusion models with vLLM.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("serve", help="Serve a diffusers model folder (see `vllm-omni serve --help`).")
     tiny = commands.add_parser(
-        "make-tiny-model", help="Write a tiny random-weight diffusers pipeline (offline demo and test model)."
+        "make-tiny-model",
+        help="Write a tiny random-weight diffusers pipeline, or an llm stage's tiny Llama (offline demo and test models).",
     )
     tiny.add_argument("dir", help="Folder to write the pipeline to.")
-    tiny.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="Pipeline family (default: flux).")
+    tiny.add_argument(
+        "--family",
+        choices=sorted(MODEL_FAMILIES),
+        default="flux",
+        help="Pipeline family, or llm: a Llama with a byte-level BPE tokenizer for an llm stage (default: flux).",
+    )
     tiny.add_argument(
         "--lora",
         type=int,
@@ -50,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.lora < 0:
         tiny.error(f"argument --lora: N must be 0 or more, not {args.lora}")
+    if args.lora and args.family == "llm":
+        tiny.error("argument --lora: the adapters are for diffusers pipelines; family 'llm' takes none")
     if args.lora_text_encoder and not args.lora:
         tiny.error("argument --lora-text-encoder: needs --lora N with N > 0")
     if args.lora_text_encoder and args.family not in CLIP_TEXT_ENCODER_FAMILIES:

@@ -146,6 +146,7 @@ def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
         negative_prompt=body.negative_prompt,
         lora=selected_adapters(state, body),
         cache=body.cache,
+        enhance_prompt=body.enhance_prompt,
         partial_images=body.partial_images,
         extra_args=pipeline_extensions(body),
         **inputs,
@@ -272,8 +273,10 @@ async def _respond(
         if body.response_format == "file":
             outcome = "completed"
             return files_response(encoded, body.output_format)
+        # The prompt the images were made from: the llm stage's, or the request's own (as DALL·E 3 answers).
+        revised_prompt = output.revised_prompt or body.prompt
         if b64:
-            data = [ImageData(b64_json=text, revised_prompt=body.prompt) for text in encoded]
+            data = [ImageData(b64_json=text, revised_prompt=revised_prompt) for text in encoded]
         else:
             data = []
             for payload in encoded:
@@ -281,7 +284,7 @@ async def _respond(
                 if image_id is None:
                     raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
                 url = str(raw_request.url_for("get_image", image_id=image_id))
-                data.append(ImageData(url=url, revised_prompt=body.prompt))
+                data.append(ImageData(url=url, revised_prompt=revised_prompt))
         outcome = "completed"
         return ImageGenerationResponse(data=data, **response_fields(state, body, admitted.params, output))
     finally:

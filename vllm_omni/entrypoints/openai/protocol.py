@@ -85,6 +85,9 @@ class ImageGenerationRequest(BaseModel):
     """LoRA adapters to apply (docs/lora.md); ``model: "<adapter>"`` selects one at scale 1."""
     cache: bool = True
     """Use the server's step cache (``--cache-backend``); ``false``: every block runs at every step."""
+    enhance_prompt: bool | None = None
+    """Let the deploy's llm stage rewrite the prompt (answered as ``revised_prompt``); ``false`` skips it, ``true``
+    is refused where no llm stage is deployed."""
 
     @field_validator("size")
     @classmethod
@@ -224,6 +227,9 @@ class VideoGenerationRequest(BaseModel):
     """LoRA adapters to apply (docs/lora.md); JSON text in a form."""
     cache: bool = True
     """Extension: use the server's step cache (``--cache-backend``); ``false``: every block runs at every step."""
+    enhance_prompt: bool | None = None
+    """Extension: let the deploy's llm stage rewrite the prompt (the job's ``revised_prompt``); ``false`` skips it,
+    ``true`` is refused where no llm stage is deployed."""
     partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
     """Extension: previews of the running job (0–3), each shown by ``GET /v1/videos/{id}/content?variant=thumbnail``
     while it runs (the job's ``preview_index`` counts them)."""
@@ -278,6 +284,9 @@ class VideoObject(BaseModel):
     error: ErrorInfo | None = None
     preview_index: int | None = None
     """Extension: the index of the latest preview of a running job (``partial_images``), from 0."""
+    revised_prompt: str | None = None
+    """Extension: the prompt the deploy's llm stage wrote, which the video was made from (a completed job of a
+    deploy with an llm stage that the request did not skip)."""
 
 
 class VideoList(BaseModel):

@@ -59,6 +59,8 @@ class VideoJob:
     """PNG of its latest preview while it runs (``partial_images``), then of its video's middle frame."""
     preview_index: int | None = None
     """Index of the preview in ``thumbnail`` while it runs."""
+    revised_prompt: str | None = None
+    """The prompt the llm stage wrote, once it completed (``None`` without an llm stage, or when it was skipped)."""
     task: asyncio.Task | None = None
     timer: metrics.PhaseTimer = field(default_factory=metrics.PhaseTimer)
     """Its phases (creation, engine, MP4 encoding), observed when it completes."""
@@ -79,6 +81,7 @@ class VideoJob:
             seconds=f"{params.num_frames / params.fps:g}",
             error=self.error,
             preview_index=self.preview_index if self.status == "queued" else None,
+            revised_prompt=self.revised_prompt,
         )
 
 

@@ -62,7 +62,7 @@ async def _run(state: ServerState, job: VideoJob) -> None:
         if output is None or not output.finished:
             raise RequestFailedError(job.id, "aborted")
         job.timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
-        frames = output.videos[0]
+        frames, job.revised_prompt = output.videos[0], output.revised_prompt
         job.content = await asyncio.to_thread(encode_mp4, frames, job.admitted.params.fps)
         job.timer.mark("encoding")
         job.thumbnail = await asyncio.to_thread(encode_png, frames[len(frames) // 2])
@@ -341,6 +341,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
         image=image,
         lora=selected_adapters(state, body),
         cache=body.cache,
+        enhance_prompt=body.enhance_prompt,
         partial_images=body.partial_images,
         extra_args=pipeline_extensions(body),
     )

