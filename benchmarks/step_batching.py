@@ -56,9 +56,10 @@ TARGETS = (  # (key, description, comparison, threshold)
 
 
 def cached_model(model_dir: str, family: str) -> str:
-    """The tiny ``family`` model under ``model_dir``, built (atomically) the first time."""
+    """The tiny ``family`` model under ``model_dir`` (a diffusers folder, or a transformers one for ``llm``), built
+    (atomically) the first time."""
     path = os.path.abspath(os.path.join(model_dir, family))
-    if not os.path.isfile(os.path.join(path, "model_index.json")):
+    if not os.path.isfile(os.path.join(path, "config.json" if family == "llm" else "model_index.json")):
         os.makedirs(model_dir, exist_ok=True)
         scratch = tempfile.mkdtemp(dir=model_dir, prefix=f".{family}-")
         make_tiny_model(scratch, family)

@@ -403,3 +403,42 @@ def test_speed_knobs_benchmark_reports_each_knob_against_none(tiny_flux, tmp_pat
     assert rows["max_batch_pixels_2"]["batch_mean"] <= 2
     assert "CUDA" in rows["cpu_offload_model"]["refused"]  # this machine has none: refused, named, not measured
     assert "| request | pab |" in (tmp_path / "cpu-tiny-speed-knobs.md").read_text()
+
+
+def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(tiny_flux, tiny_llm, llm_cpu_python, tmp_path):
+    """Both phases for both deploys, the llm stage's record first in llm-flux, and the summary's fields (values
+    are timings of a shared machine: only their signs are checked)."""
+    _run(
+        "llm_stage.py",
+        *("--model", tiny_flux, "--llm-model", tiny_llm, "--python-executable", llm_cpu_python),
+        *"--size 32x32 --steps 2 --max-tokens 4 --latency-requests 2 --num-requests 4 --reps 1 --warmup 0".split(),
+        *("--out-dir", str(tmp_path), "--name", "smoke"),
+    )
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {(r["phase"], r["deploy"]): r for r in result["rows"]}
+    assert list(rows) == [(p, d) for p in ("latency", "throughput") for d in ("flux", "llm-flux")]
+    for (phase, deploy), row in rows.items():
+        assert row["concurrency"] == (1 if phase == "latency" else 4) and len(row["reps"]) == 1
+        assert row["req_per_s"] > 0 and row["mean_ms"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+        types = [s["stage_type"] for s in row["stages"]]
+        assert types == (["llm", "diffusion"] if deploy == "llm-flux" else ["diffusion"])
+        assert all(s["within_max"] and s["exec_ms_mean"] > 0 for s in row["stages"])
+    assert rows["latency", "llm-flux"]["stages"][0]["batch_max"] == 1
+    summary = result["llm_stage"]
+    assert set(summary) == {
+        "cost_ms_mean",
+        "cost_ms_p50",
+        "cost_share_of_e2e",
+        "llm_queue_ms_mean",
+        "llm_exec_ms_mean",
+        "llm_exec_share_of_e2e",
+        "throughput_ratio",
+        "throughput_ratio_of_medians",
+        "llm_batch_mean_loaded",
+        "llm_batch_max_loaded",
+    }
+    assert summary["llm_exec_ms_mean"] > 0 and summary["llm_queue_ms_mean"] >= 0 and summary["throughput_ratio"] > 0
+    assert 1 <= summary["llm_batch_mean_loaded"] <= summary["llm_batch_max_loaded"] <= 4
+    assert result["config"]["python_executable"] == llm_cpu_python and result["config"]["max_tokens"] == 4
+    assert isinstance(result["example"]["revised_prompt"], str)
+    assert (tmp_path / "smoke.md").read_text().startswith("| phase | deploy | concurrency | req/s")

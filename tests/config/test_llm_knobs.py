@@ -12,7 +12,7 @@ import pytest
 from vllm_omni.config import resolve_stage_configs
 from vllm_omni.config.llm import LLM_KNOBS
 from vllm_omni.config.stage import PIPELINE_KNOBS
-from vllm_omni.entrypoints.cli.serve import build_serve_config, make_serve_parser, parse_serve_args
+from vllm_omni.config.stage_types import check_stage_graph
 
 PIPELINE_TYPES = "diffusion and encode and denoise and decode stages only"
 MAX_NUM_SEQS_OWNER = (
@@ -80,8 +80,6 @@ def test_the_llm_stage_comes_first_in_request_order_even_when_listed_last(tmp_pa
         "  - {stage_id: 0, stage_type: diffusion, inputs: [1]}\n"
         "  - {stage_id: 1, stage_type: llm, model: /models/llm}\n"
     )
-    from vllm_omni.config.stage_types import check_stage_graph
-
     stages = resolve_stage_configs(str(path))
     assert [(s.stage_id, s.stage_type) for s in check_stage_graph(stages)] == [(1, "llm"), (0, "diffusion")]
 
@@ -129,48 +127,6 @@ def test_other_global_diffusion_knobs_skip_the_llm_stage(tmp_path, knobs, absent
         assert knob not in llm.applied_knobs()
         assert llm.provenance[knob] == "default"
         assert diffusion.applied_knobs()[knob] == (knobs[knob], "python")
-
-
-def test_the_real_cli_request_batch_max_wait_ms_flag_is_not_refused_with_an_llm_stage(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "model_index.json").write_text("{}")
-    parser = make_serve_parser("vllm serve")
-    argv = [
-        str(model),
-        "--deploy-config",
-        _deploy(tmp_path),
-        "--request-batch-max-wait-ms",
-        "20",
-        "--max-num-seqs",
-        "2",
-    ]
-    args, explicit = parse_serve_args(parser, argv)
-    llm, diffusion = build_serve_config(parser, args, explicit)[1]
-    assert "request_batch_max_wait_ms" not in llm.applied_knobs()
-    assert llm.applied_knobs()["max_num_seqs"] == (2, "cli")
-    assert diffusion.applied_knobs()["request_batch_max_wait_ms"] == (20.0, "cli")
-
-
-def test_the_real_cli_refuses_request_batch_max_wait_ms_in_the_llm_stages_overrides(tmp_path, capsys):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "model_index.json").write_text("{}")
-    parser = make_serve_parser("vllm serve")
-    argv = [
-        str(model),
-        "--deploy-config",
-        _deploy(tmp_path),
-        "--stage-overrides",
-        '{"0": {"request_batch_max_wait_ms": 5}}',
-    ]
-    args, explicit = parse_serve_args(parser, argv)
-    with pytest.raises(SystemExit) as info:
-        build_serve_config(parser, args, explicit)
-    assert info.value.code == 2
-    assert (
-        "stage 0 (llm): request_batch_max_wait_ms (stage_override) applies to " + PIPELINE_TYPES
-    ) in capsys.readouterr().err
 
 
 def test_describe_of_the_llm_stage_lists_the_llm_keys_and_not_the_pipeline_knobs(tmp_path):
@@ -225,6 +181,11 @@ def test_max_num_seqs_in_engine_args_is_refused_naming_the_stage_knob(tmp_path):
             "nothing: the stage's metrics (vllm_omni:batch_num_requests) come from vLLM's scheduler stats, so they "
             "stay on",
         ),
+        (
+            "enable_logging_iteration_details",
+            "nothing: the stage's batch metric (vllm_omni:batch_num_requests) reads the sequences of each engine "
+            "step from them, so they stay on",
+        ),
     ],
 )
 def test_engine_args_the_stage_sets_itself_are_refused_naming_what_sets_them(tmp_path, key, owner):
@@ -232,17 +193,6 @@ def test_engine_args_the_stage_sets_itself_are_refused_naming_what_sets_them(tmp
     _refused(
         deploy, f"invalid engine_args in stage 0 of {deploy}: engine_args must not set {key!r}: it is set by {owner}"
     )
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: vllm_omni/llm/actor.py sets enable_logging_iteration_details=True itself, but it is not in "
-    "_OWNED_ENGINE_ARGS of vllm_omni/config/llm.py, so engine_args may set it and AsyncEngineArgs then fails with "
-    "'got multiple values for keyword argument' when the replica starts",
-)
-def test_engine_args_enable_logging_iteration_details_is_refused_as_set_by_the_stage(tmp_path):
-    deploy = _deploy(tmp_path, _llm(", engine_args: {enable_logging_iteration_details: false}"))
-    _refused(deploy, "engine_args must not set 'enable_logging_iteration_details'")
 
 
 def test_an_unknown_engine_args_key_is_refused_by_name_listing_the_fields_allowed(tmp_path):
@@ -254,7 +204,8 @@ def test_an_unknown_engine_args_key_is_refused_by_name_listing_the_fields_allowe
     )
     fields = _fields_listed(error)
     assert {"dtype", "max_model_len", "enforce_eager"} <= fields
-    assert not {"max_num_seqs", "model", "disable_log_stats"} & fields  # the stage sets those
+    owned = {"max_num_seqs", "model", "disable_log_stats", "enable_logging_iteration_details"}
+    assert not owned & fields  # the stage sets those
 
 
 def test_engine_args_that_is_not_a_mapping_is_refused(tmp_path):

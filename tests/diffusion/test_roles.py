@@ -7,13 +7,18 @@ from vllm_omni.diffusion.roles import ROLES
 from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS
 
 
-def test_every_stage_type_of_the_graph_has_a_role_and_no_role_is_unreachable():
-    assert set(ROLES) == set(STAGE_TYPES)
+DIFFUSERS_STAGE_TYPES = sorted(t for t, spec in STAGE_TYPES.items() if spec.runs == "diffusers")
+
+
+def test_every_diffusers_stage_type_has_a_role_and_no_role_is_unreachable():
+    """The stage types that run a diffusers pipeline have a role here; an llm stage runs on vLLM's engine
+    (vllm_omni.engine.llm_replicas) and has none."""
+    assert set(ROLES) == set(DIFFUSERS_STAGE_TYPES)
     for stage_type, role in ROLES.items():
         assert role.stage_type == stage_type
 
 
-@pytest.mark.parametrize("stage_type", sorted(STAGE_TYPES))
+@pytest.mark.parametrize("stage_type", DIFFUSERS_STAGE_TYPES)
 def test_the_role_that_completes_parameters_is_the_one_that_denoises(stage_type):
     """The stage that holds the denoiser fills in the model's defaults (its config sizes them)."""
     assert ROLES[stage_type].completes_params == STAGE_TYPES[stage_type].denoises

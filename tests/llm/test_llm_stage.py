@@ -6,46 +6,38 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-
 import numpy as np
 import pytest
+import yaml
 from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
 from vllm_omni.diffusion.request import SamplingParamsError
+from vllm_omni.testing.server import came_true
+from vllm_omni.testing.tiny_llm import llm_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 TEMPLATE = "Describe: {prompt}\n"
 MAX_TOKENS = 12
 MAX_NUM_SEQS = 2
-DEPLOY = """\
-stages:
-  - stage_id: 0
-    stage_type: llm
-    model: {llm}
-    python_executable: {python}
-    num_replicas: 2
-    max_num_seqs: {max_num_seqs}
-    mode: completion
-    prompt_template: "Describe: {{prompt}}\\n"
-    sampling: {{temperature: 0, max_tokens: {max_tokens}, ignore_eos: true}}
-    engine_args: {{dtype: float32, max_model_len: 256, kv_cache_memory_bytes: 67108864}}
-  - stage_id: 1
-    stage_type: diffusion
-    inputs: [0]
-"""
 PARAMS = {"height": 32, "width": 32, "num_inference_steps": 2}
 
 
 @pytest.fixture(scope="module")
 def omni(tiny_flux, tiny_llm, llm_cpu_python, tmp_path_factory):
     """llm (two replicas of max_num_seqs 2, greedy, 12 tokens) -> diffusion (tiny Flux, inline)."""
-    path = tmp_path_factory.mktemp("llm-deploy") / "deploy.yaml"
-    path.write_text(
-        DEPLOY.format(llm=tiny_llm, python=llm_cpu_python, max_num_seqs=MAX_NUM_SEQS, max_tokens=MAX_TOKENS)
+    llm = llm_stage(
+        tiny_llm,
+        llm_cpu_python,
+        num_replicas=2,
+        max_num_seqs=MAX_NUM_SEQS,
+        mode="completion",
+        prompt_template=TEMPLATE,
+        sampling={"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
     )
+    path = tmp_path_factory.mktemp("llm-deploy") / "deploy.yaml"
+    path.write_text(yaml.safe_dump({"stages": [llm, {"stage_id": 1, "stage_type": "diffusion", "inputs": [0]}]}))
     with Omni(tiny_flux, deploy_config=str(path)) as omni:
         yield omni
 
@@ -58,15 +50,6 @@ def flux_alone(tiny_flux):
 
 def _sample(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(f"vllm_omni:{name}", labels) or 0.0
-
-
-def _wait_until(predicate, what: str, timeout_s: float = 600.0):
-    """Poll ``predicate`` until it holds (a state change, never a fixed sleep); the deadline is only a backstop."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.05)
-    return value
 
 
 def _greedy(model_dir: str, prompts: list[str]) -> list[str]:
@@ -136,7 +119,7 @@ def _submit(omni, prefix: str, prompts: list[str], params: list[OmniDiffusionSam
     ids = [f"{prefix}-{i}" for i in range(len(prompts))]
     futures = [omni.engine.add_request(r, p, q) for r, p, q in zip(ids, prompts, params, strict=True)]
     each = len(ids) // len(replicas)
-    _wait_until(lambda: all(_held(r, ids) == each for r in replicas), f"{each} requests held by each replica")
+    assert came_true(lambda: all(_held(r, ids) == each for r in replicas), 600), f"{each} held by each replica"
     return ids, futures
 
 
@@ -232,8 +215,8 @@ def test_a_killed_llm_replica_has_its_requests_rerun_and_restarts(omni):
     assert [o.error for o in outputs] == [None] * 6
     assert {o.metrics["stages"][0].replica for o in outputs} == {0}  # the victim's three were re-run on replica 0
     assert _sample("request_retries_total", stage="0") - retries == 3
-    _wait_until(lambda: _sample("replica_restarts_total", stage="0", replica="1") > restarts, "the victim marked down")
-    _wait_until(lambda: victim.is_alive and victim.info.pid != old_pid, "the victim back in a new process")
+    assert came_true(lambda: _sample("replica_restarts_total", stage="0", replica="1") > restarts, 600), "not down"
+    assert came_true(lambda: victim.is_alive and victim.info.pid != old_pid, 600), "not back in a new process"
     # Back, it serves again, and each re-run request wrote the prompt its seed gives.
     _, futures = _submit(omni, "after-kill", prompts, params)
     for replica in (survivor, victim):

