@@ -471,12 +471,6 @@ def test_a_prompt_template_without_prompt_or_with_another_field_is_refused(tmp_p
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="bug: check_llm_stage (vllm_omni/config/llm.py) catches KeyError, IndexError and ValueError of "
-    "str.format only, so an attribute lookup on the field escapes as a raw AttributeError",
-)
 def test_a_prompt_template_with_an_attribute_of_prompt_is_refused_as_a_value_error(tmp_path):
     deploy = _deploy(tmp_path, _llm(", mode: completion, prompt_template: '{prompt.title_case}'"))
     _refused(deploy, "prompt_template '{prompt.title_case}' (deploy_yaml) must contain {prompt}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import string
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -108,11 +109,13 @@ def check_llm_stage(stage_id: int, values: Mapping[str, Any], written: Callable[
                 f"{where}: {written('system_prompt')} is for mode 'chat', but {written('mode')}: put the "
                 "instructions into prompt_template, or set mode to 'chat'"
             )
-        try:
-            filled = (values["prompt_template"] or "{prompt}").format(prompt="\0")
-        except (KeyError, IndexError, ValueError):
-            filled = ""
-        if "\0" not in filled:
+        try:  # exactly {prompt}: no other field, and no index, attribute, conversion or format spec on it
+            fields = [
+                f[1:] for f in string.Formatter().parse(values["prompt_template"] or "{prompt}") if f[1] is not None
+            ]
+        except ValueError:
+            fields = []
+        if not fields or any(field != ("prompt", "", None) for field in fields):
             raise ValueError(
                 f"{where}: {written('prompt_template')} must contain {{prompt}} (where the request's prompt goes) "
                 "and no other {field}; write a literal brace as {{ or }}"

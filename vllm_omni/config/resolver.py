@@ -135,7 +135,10 @@ def resolve_stage_configs(
                 if types is not None and stage.stage_type not in types:
                     if layer_values is global_knobs:  # a global flag sets it on the stages it applies to
                         continue
-                    why = " (an llm stage leaves batching to vLLM)" if stage.stage_type in LLM_STAGE_TYPES else ""
+                    why = ""
+                    if stage.stage_type in LLM_STAGE_TYPES:
+                        batching = knob in ("request_batch_max_wait_ms", "execution_mode")
+                        why = " (an llm stage leaves batching to vLLM)" if batching else " (set vLLM's in engine_args)"
                     raise ValueError(
                         f"stage {stage.stage_id} ({stage.stage_type}): {_knob_name(knob, layer_sources[knob])} "
                         f"({layer_sources[knob]}) applies to {' and '.join(types)} stages only{why}; remove it"
