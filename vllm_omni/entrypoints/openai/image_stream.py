@@ -1,0 +1,104 @@
+"""The Images API's answers that are not a plain body: a streamed request's server-sent events
+(`image_events`), and how a request that failed in the engine is counted and answered (`failure`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from vllm_omni.diffusion.outputs import OmniRequestOutput
+from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, StageUnavailableError
+from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
+from vllm_omni.entrypoints.openai.errors import APIError, error_info
+from vllm_omni.entrypoints.openai.image_files import encode_images
+from vllm_omni.entrypoints.openai.image_usage import response_fields
+from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
+from vllm_omni.entrypoints.openai.server_state import ServerState
+from vllm_omni.metrics import prometheus as metrics
+
+
+def failure(exc: RequestFailedError, state: ServerState) -> tuple[str, APIError]:
+    """How a request that failed in the engine is counted, and answered."""
+    unavailable = isinstance(exc, StageUnavailableError) or state.unavailable_reason() is not None
+    error = APIError(
+        503 if unavailable else 500,
+        str(exc),
+        code="service_unavailable" if isinstance(exc, StageUnavailableError) else "generation_failed",
+    )
+    return ("unavailable" if unavailable else "failed"), error
+
+
+async def image_events(
+    raw_request: Request,
+    body: ImageGenerationRequest,
+    params: OmniDiffusionSamplingParams,
+    generation: AsyncGenerator[OmniRequestOutput, None],
+    timer: metrics.PhaseTimer,
+) -> AsyncIterator[str]:
+    """A streamed request's server-sent events, as OpenAI's: ``<kind>.partial_image`` per preview of each image,
+    then ``<kind>.completed`` per image, where kind is ``image_generation`` or, for an edit, ``image_edit``. A
+    failure once the stream has begun is an ``error`` event with the error envelope; a client that goes away
+    aborts the request. ``timer``: its phases so far."""
+    state: ServerState = raw_request.app.state.server
+    kind = "image_edit" if isinstance(body, ImageEditRequest) else "image_generation"
+    outcome = "failed"
+    try:
+        while True:
+            try:
+                output = await until_disconnect(raw_request, anext(generation, None))
+            except ClientDisconnected:
+                outcome = "aborted"
+                return
+            except RequestFailedError as exc:
+                outcome, error = failure(exc, state)
+                yield _sse(
+                    "error", {"error": error_info(error.status, error.message, error.param, error.code).model_dump()}
+                )
+                return
+            if output is None:
+                outcome = "aborted"
+                yield _sse("error", {"error": error_info(503, "The request was aborted", code="aborted").model_dump()})
+                return
+            if output.finished:
+                timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
+            fields = response_fields(state, body, params, output)
+            encoded = await encode_images(output.images, body, True)
+            for i, b64 in enumerate(encoded):
+                event = {"b64_json": b64, "created_at": int(time.time()), **fields}
+                if len(encoded) > 1:
+                    event["image_index"] = i
+                if not output.finished:
+                    yield _sse(f"{kind}.partial_image", event | {"partial_image_index": output.partial_image_index})
+                    continue
+                ran = output.metrics
+                event["metrics"] = {
+                    "batch_size": ran.batch_size,
+                    "seed": ran.seed,
+                    "queue_ms": round(ran.queue_ms, 3),
+                    "exec_ms": round(ran.exec_ms, 3),
+                }
+                yield _sse(f"{kind}.completed", event)
+            if output.finished:
+                outcome = "completed"
+                timer.mark("encoding")
+                timer.mark("response")
+                timer.observe("images")
+                return
+    except asyncio.CancelledError:
+        outcome = "aborted"
+        raise
+    finally:
+        metrics.image_requests.labels(outcome).inc()
+        # Aborts the request if it is still running; a cancelled read of the generator (the server cancelled this
+        # stream) leaves it running, and that read's cancellation aborts the request instead.
+        if not generation.ag_running:
+            await generation.aclose()
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps({'type': event, **data}, separators=(',', ':'))}\n\n"
