@@ -195,19 +195,6 @@ def test_engine_args_the_stage_sets_itself_are_refused_naming_what_sets_them(tmp
     )
 
 
-def test_an_unknown_engine_args_key_is_refused_by_name_listing_the_fields_allowed(tmp_path):
-    deploy = _deploy(tmp_path, _llm(", engine_args: {max_num_sequences: 4, dtype: float32}"))
-    error = _refused(
-        deploy,
-        f"invalid engine_args in stage 0 of {deploy}: engine_args has unknown key(s) 'max_num_sequences': not fields "
-        "of vLLM's EngineArgs (fields: ",
-    )
-    fields = _fields_listed(error)
-    assert {"dtype", "max_model_len", "enforce_eager"} <= fields
-    owned = {"max_num_seqs", "model", "disable_log_stats", "enable_logging_iteration_details"}
-    assert not owned & fields  # the stage sets those
-
-
 def test_engine_args_that_is_not_a_mapping_is_refused(tmp_path):
     deploy = _deploy(tmp_path, _llm(", engine_args: [dtype]"))
     _refused(
@@ -230,16 +217,39 @@ def test_sampling_keys_the_stage_sets_per_request_are_refused(tmp_path, key, own
     _refused(deploy, f"invalid sampling in stage 0 of {deploy}: sampling must not set {key!r}: it is set by {owner}")
 
 
-def test_an_unknown_sampling_key_is_refused_by_name_listing_the_fields_allowed(tmp_path):
-    deploy = _deploy(tmp_path, _llm(", sampling: {temprature: 0.5, max_tokens: 8}"))
+@pytest.mark.parametrize(
+    ("knob", "written", "unknown", "owner", "allowed", "owned"),
+    [
+        (
+            "engine_args",
+            "{max_num_sequences: 4, dtype: float32}",
+            "max_num_sequences",
+            "EngineArgs",
+            {"dtype", "max_model_len", "enforce_eager"},
+            {"max_num_seqs", "model", "disable_log_stats", "enable_logging_iteration_details"},
+        ),
+        (
+            "sampling",
+            "{temprature: 0.5, max_tokens: 8}",
+            "temprature",
+            "SamplingParams",
+            {"temperature", "max_tokens", "top_p", "min_tokens"},
+            {"seed", "n", "output_kind"},
+        ),
+    ],
+)
+def test_an_unknown_key_is_refused_by_name_listing_the_fields_allowed(
+    tmp_path, knob, written, unknown, owner, allowed, owned
+):
+    deploy = _deploy(tmp_path, _llm(f", {knob}: {written}"))
     error = _refused(
         deploy,
-        f"invalid sampling in stage 0 of {deploy}: sampling has unknown key(s) 'temprature': not fields of vLLM's "
-        "SamplingParams (fields: ",
+        f"invalid {knob} in stage 0 of {deploy}: {knob} has unknown key(s) '{unknown}': not fields of vLLM's "
+        f"{owner} (fields: ",
     )
     fields = _fields_listed(error)
-    assert {"temperature", "max_tokens", "top_p", "min_tokens"} <= fields
-    assert not {"seed", "n", "output_kind"} & fields
+    assert allowed <= fields
+    assert not owned & fields  # the stage sets those
 
 
 @pytest.mark.parametrize(
