@@ -1,12 +1,17 @@
 """Start a real ``vllm serve MODEL --omni`` process on 127.0.0.1 and wait until it is ready.
 
 Used by the tests, the demo and the benchmarks: they all talk to the server the
-way a user would, through the real CLI.
+way a user would, through the real CLI. A test run asks for preloaded servers
+(`use_preloaded_servers`): the same CLI in a fork of a process that has already
+imported the stack (`vllm_omni.testing.preloaded`), which saves each server the
+imports; a server with an environment of its own, or one asked with ``cli=True``,
+is always a real ``vllm`` process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import shutil
 import signal
@@ -27,6 +32,54 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_preloaded: multiprocessing.context.ForkServerContext | None = None
+
+
+def use_preloaded_servers() -> None:
+    """From now on, `RemoteOmniServer` forks its servers from a forkserver that imports the stack once, when the
+    first server starts. A script that calls this needs the ``if __name__ == "__main__":`` guard, as any
+    `multiprocessing` user does (each fork imports the caller's main module)."""
+    global _preloaded
+    if _preloaded is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["vllm_omni.testing.preloaded"])
+        _preloaded = context
+
+
+def _serve_preloaded(argv: list[str], log_path: str | None, cwd: str) -> None:
+    from vllm_omni.testing.preloaded import serve  # already imported: the forkserver's preload
+
+    serve(argv, log_path, cwd)
+
+
+class _PreloadedProcess:
+    """A preloaded server, with the part of `subprocess.Popen`'s interface that `RemoteOmniServer` and the tests
+    use: ``pid``, ``poll()``, ``wait(timeout)``, ``send_signal(sig)`` and ``returncode`` (negative: killed by that
+    signal, as Popen reports it)."""
+
+    def __init__(self, argv: list[str], log_path: str | None):
+        self._process = _preloaded.Process(target=_serve_preloaded, args=(argv, log_path, os.getcwd()), daemon=True)
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["vllm", "serve"], timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+
 def vllm_executable() -> str:
     """The ``vllm`` script next to this Python (the one that hands ``--omni`` to vllm-omni)."""
     beside = os.path.join(os.path.dirname(sys.executable), "vllm")
@@ -44,8 +97,11 @@ class RemoteOmniServer:
         startup_timeout_s: float = 300.0,
         log_path: str | None = None,
         env: dict[str, str] | None = None,
+        cli: bool = False,
     ):
-        """``env``: variables set for the server on top of this process's environment."""
+        """``env``: variables set for the server on top of this process's environment (the stack reads some at
+        import, so such a server is a real ``vllm`` process). ``cli``: a real ``vllm`` process even when servers
+        are preloaded, for a test whose promise is the executable itself."""
         self.port = free_port()
         self.command = [
             vllm_executable(),
@@ -59,9 +115,10 @@ class RemoteOmniServer:
             *args,
         ]
         self.env = None if env is None else os.environ | env
+        self.preloaded = _preloaded is not None and env is None and not cli
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | _PreloadedProcess | None = None
         self.returncode: int | None = None
         self.health_before_ready: list[tuple[int, dict]] = []
         """``/health`` answers (status, JSON body) seen while the server was listening but not ready."""
@@ -74,10 +131,13 @@ class RemoteOmniServer:
         return "/".join([self.base_url, *parts])
 
     def __enter__(self) -> RemoteOmniServer:
-        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed by the child's exit
-        self.process = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
-        )
+        if self.preloaded:
+            self.process = _PreloadedProcess(["vllm", *self.command[1:]], self.log_path)
+        else:
+            log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed by the child's exit
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+            )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -66,10 +66,11 @@ def server(tiny_flux, tmp_path_factory):
         *("--max-num-seqs", "4", "--request-batch-max-wait-ms", "300", "--api-key", API_KEY),
         *("--served-model-name", "tiny-flux", "tiny-alias", "--max-waiting-requests", "4"),
         *("--max-image-pixels", str(64 * 64), "--max-inference-steps", "400", "--max-prompt-length", "200"),
-        # The SIGTERM test's request must finish in the drain; a busy machine may need minutes for it.
+        # The SIGTERM test's request must finish in the drain (a real `vllm` process: that test is about the
+        # executable's signal handling); a busy machine may need minutes for it.
         *("--shutdown-timeout-s", "600"),
     ]
-    with RemoteOmniServer(tiny_flux, args, log_path=str(log)) as server:
+    with RemoteOmniServer(tiny_flux, args, log_path=str(log), cli=True) as server:
         server.log = log
         yield server
 
