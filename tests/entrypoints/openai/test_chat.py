@@ -14,26 +14,22 @@ import pytest
 from PIL import Image
 
 from vllm_omni.testing.edits import noise_image
-from vllm_omni.testing.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-API_KEY = "sk-chat"
+API_KEY = "sk-test"  # the shared servers' (conftest.py)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FAST = {"height": 32, "width": 32, "num_inference_steps": 2, "seed": 42}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_flux):
-    with RemoteOmniServer(tiny_flux, ["--api-key", API_KEY, "--max-num-seqs", "2"]) as server:
-        yield server
-    assert server.returncode == 0
+@pytest.fixture
+def server(flux_server):
+    return flux_server
 
 
-@pytest.fixture(scope="module")
-def video_server(tiny_wan):
-    with RemoteOmniServer(tiny_wan, ["--api-key", API_KEY]) as server:
-        yield server
+@pytest.fixture
+def video_server(wan_server):
+    return wan_server
 
 
 def chat(server, body: dict) -> httpx.Response:

@@ -16,7 +16,7 @@ from vllm_omni.testing.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-API_KEY = "sk-edits"
+API_KEY = "sk-test"  # the shared Flux server's (conftest.py)
 FAST = {"num_inference_steps": 4, "guidance_scale": 3.0}
 MAX_BYTES = 64 * 1024
 MAX_PIXELS = 128 * 128
@@ -33,15 +33,10 @@ def server(tiny_sd):
         yield server
 
 
-@pytest.fixture(scope="module", params=["sd", "flux"])
-def family_server(request, tiny_flux):
-    """The SD server above, and a Flux one: the stock-equality tests run on both families."""
-    if request.param == "sd":
-        yield request.getfixturevalue("server")
-        return
-    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "4", "--api-key", API_KEY]) as server:
-        server.model = tiny_flux
-        yield server
+@pytest.fixture(params=["sd", "flux"])
+def family_server(request):
+    """The SD server above, and the shared Flux one: the stock-equality tests run on both families."""
+    return request.getfixturevalue("server" if request.param == "sd" else "flux_server")
 
 
 @pytest.fixture

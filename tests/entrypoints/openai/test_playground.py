@@ -15,11 +15,10 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from vllm_omni.entrypoints.cli.serve import build_serve_config, make_serve_parser, parse_serve_args
 from vllm_omni.entrypoints.openai.app import build_app
-from vllm_omni.testing.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-API_KEY = "sk-playground"
+API_KEY = "sk-test"  # the shared servers' (conftest.py)
 PAGES = ("/", "/playground")
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # Headless, as root, on a closed network: no sandbox (root), no GPU, and none of Chromium's own calls home.
@@ -39,11 +38,9 @@ GENERATION_TIMEOUT_S = 300
 """Generous: CI is a busy 2-core machine; the wait ends as soon as the page says it is done."""
 
 
-@pytest.fixture(scope="module")
-def server(tiny_flux, tmp_path_factory):
-    log = tmp_path_factory.mktemp("playground") / "server.log"
-    with RemoteOmniServer(tiny_flux, ["--api-key", API_KEY, "--max-num-seqs", "2"], log_path=str(log)) as server:
-        yield server
+@pytest.fixture
+def server(flux_server):
+    return flux_server
 
 
 @pytest.mark.parametrize("path", PAGES)
@@ -145,11 +142,9 @@ def test_a_browser_shows_the_api_error_of_a_wrong_key(server, browser):
     assert error.is_displayed() and "Missing or invalid API key" in error.text
 
 
-@pytest.fixture(scope="module")
-def video_server(tiny_wan, tmp_path_factory):
-    log = tmp_path_factory.mktemp("playground-video") / "server.log"
-    with RemoteOmniServer(tiny_wan, ["--api-key", API_KEY], log_path=str(log)) as server:
-        yield server
+@pytest.fixture
+def video_server(wan_server):
+    return wan_server
 
 
 @pytest.mark.browser
