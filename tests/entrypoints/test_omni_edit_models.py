@@ -5,11 +5,11 @@ what a model cannot take is refused naming the field."""
 import numpy as np
 import pytest
 import torch
-from diffusers import DiffusionPipeline
 from PIL import Image
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.testing.edits import noise_image, square_mask
+from vllm_omni.testing.stock import stock_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -17,8 +17,7 @@ PROMPTS = ["make it red", "add a hat"]
 
 
 def stock(model: str, prompt: str, image, seed: int, n: int = 1, **kwargs) -> np.ndarray:
-    pipeline = DiffusionPipeline.from_pretrained(model, local_files_only=True)
-    pipeline.set_progress_bar_config(disable=True)
+    pipeline = stock_pipeline(model)
     generator = torch.Generator("cpu").manual_seed(seed)
     return pipeline(
         prompt=[prompt] * n,

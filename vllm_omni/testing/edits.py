@@ -27,10 +27,13 @@ def stock_edit(
 ) -> np.ndarray:
     """The stock image-to-image (or, with ``mask``, inpainting) variant of ``model``'s text-to-image pipeline, built
     with ``from_pipe`` and called alone: its image as float RGB in [0, 1]."""
-    from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
 
-    base = DiffusionPipeline.from_pretrained(model, local_files_only=True)
-    pipeline = (AutoPipelineForImage2Image if mask is None else AutoPipelineForInpainting).from_pipe(base)
+    from vllm_omni.testing.stock import stock_pipeline
+
+    pipeline = (AutoPipelineForImage2Image if mask is None else AutoPipelineForInpainting).from_pipe(
+        stock_pipeline(model)
+    )
     pipeline.set_progress_bar_config(disable=True)
     if mask is not None:
         kwargs["mask_image"] = mask
