@@ -142,7 +142,8 @@ def _start(variants: list[Variant], model: str, n: int, shapes: list[Shape], arg
             variant.workers[thread] = worker
     for variant in variants:
         log = os.path.join(args.log_dir, f"server-{variant.label}-n{n}.log")
-        variant.server = RemoteOmniServer(model, _server_args(n, shapes, args.wait_ms), log_path=log)
+        # cli: a real `vllm serve` process, whose command `in_tree` rewrites to run the variant's checkout.
+        variant.server = RemoteOmniServer(model, _server_args(n, shapes, args.wait_ms), log_path=log, cli=True)
         variant.server.command = in_tree(variant.server.command, variant.tree)
     with ThreadPoolExecutor(len(variants)) as pool:  # the servers start side by side
         starts = [pool.submit(variant.server.__enter__) for variant in variants]
@@ -418,6 +419,7 @@ def plot(rows: list[dict], path: str, title: str, baseline_rows: list[dict] = ()
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def render(summary: dict) -> str:
@@ -448,7 +450,7 @@ def _overheads(rows: list[dict]) -> dict[str, float]:
     return {r["shape"]: r["latency_over_best_call"] for r in rows if r["n"] == 1}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help=f"the fast case: {FAST}, unless given explicitly")
     parser.add_argument("--name", help=f"results/<name>.{{json,md,png}} (default {DEFAULT['name']})")
@@ -463,9 +465,7 @@ def main() -> None:
     parser.add_argument("--wait-ms", type=float, default=100.0, help="--request-batch-max-wait-ms of the servers")
     parser.add_argument("--baseline", help="checkout whose vllm_omni the same cases also run with, interleaved")
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
-    args = parser.parse_args()
-    # SIGTERM (e.g. `kill PID` of a run started with nohup, which ignores SIGINT) stops the servers and workers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args = parser.parse_args(argv)
     for key, value in (FAST if args.fast else DEFAULT).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -516,4 +516,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # SIGTERM (e.g. `kill PID` of a run started with nohup, which ignores SIGINT) stops the servers and workers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

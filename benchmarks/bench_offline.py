@@ -45,10 +45,6 @@ import time
 
 from common import EDIT_STRENGTH, PROMPTS, Shape, edit_image, edit_mask, emit
 
-# transformers loads weights on a pool of worker threads unless this is set, and torch ops on those threads would
-# give the process more OpenMP teams: the ceiling would no longer be the fastest direct call.
-os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
-
 THREADS = ("main", "dedicated")
 
 
@@ -241,7 +237,7 @@ def worker(model: str, dtype: str, thread: str = "main") -> None:
     _on_one_thread(thread, _serve, model, dtype)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="diffusers folder")
     parser.add_argument("--batches", default="1,2,4,8")
@@ -261,7 +257,7 @@ def main() -> None:
     parser.add_argument("--mask", action="store_true", help="edit: inpainting with common.edit_mask")
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--worker", action="store_true", help="serve timed calls over stdin/stdout")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         if args.task != "image":
             parser.error("--worker times generation only")

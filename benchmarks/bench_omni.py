@@ -24,7 +24,7 @@ from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.testing.tiny_models import make_tiny_model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="diffusers folder (default: build a tiny one of --family)")
     parser.add_argument("--family", default="flux", choices=["flux", "sd"])
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the result here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     model = args.model or make_tiny_model(os.path.join(tempfile.mkdtemp(), args.family), args.family)
     prompts = (PROMPTS * args.batch)[: args.batch]

@@ -369,7 +369,7 @@ def with_efficiency(result: dict, ceiling: dict) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     load = parser.add_mutually_exclusive_group()
@@ -397,7 +397,7 @@ def main() -> None:
     parser.add_argument("--model", help="the request's model field (a served model name)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the result here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     shapes = [Shape.parse(s) for s in args.shapes.split(",")]
     if args.offline_model and (args.request_rate or len(shapes) != 1 or args.task == "video"):
         parser.error("--offline-model: a closed loop (--concurrency) with one shape, task image or edit")

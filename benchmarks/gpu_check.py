@@ -669,11 +669,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_omni.testing.tiny_models import make_tiny_model
 
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
     started = time.perf_counter()
     os.makedirs(args.out_dir, exist_ok=True)
     device = args.device
@@ -764,4 +759,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import diffusers
+    import transformers
+
+    # The loading bars of every model load (a process-wide setting: a caller of `main` keeps its own).
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     sys.exit(main())

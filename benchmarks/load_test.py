@@ -87,7 +87,7 @@ async def run_load(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="diffusers folder (default: build the tiny Flux model)")
     parser.add_argument("--requests", type=int, default=1000)
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=16)
     parser.add_argument("--max-rss-growth", type=float, default=0.10)
     parser.add_argument("--json", help="also write the result here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     model = args.model or make_tiny_model(os.path.join(tempfile.mkdtemp(), "flux"), "flux")
     server_args = [
@@ -132,8 +132,8 @@ def main() -> None:
         and server.returncode == 0
     )
     emit(result, args.json)
-    sys.exit(0 if result["ok"] else 1)
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

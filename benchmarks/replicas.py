@@ -197,7 +197,8 @@ def _stop(server: RemoteOmniServer, probe: CpuProbe) -> None:
 
 def run_config(model: str, config: str, label: str, tree: str, args, shapes: list[Shape]) -> dict:
     log = os.path.join(args.log_dir, f"server-{label}-{config}.log")
-    server = RemoteOmniServer(model, _server_args(config, args, shapes), log_path=log, startup_timeout_s=600)
+    # cli: a real `vllm serve` process, whose command `in_tree` rewrites to run the checkout ``tree``.
+    server = RemoteOmniServer(model, _server_args(config, args, shapes), log_path=log, startup_timeout_s=600, cli=True)
     server.command = in_tree(server.command, tree)
     started = time.perf_counter()
     server.__enter__()
@@ -442,7 +443,7 @@ def compare(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="diffusers folder (default: the tiny Flux built into --model-dir)")
     parser.add_argument("--model-dir", default=os.path.join(REPO, ".tiny-models"))
@@ -457,9 +458,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="checkout whose vllm_omni every configuration also runs with")
     parser.add_argument("--out-dir", help="write NAME.json and NAME.md here")
     parser.add_argument("--name", default="replicas")
-    args = parser.parse_args()
-    # SIGTERM (e.g. `kill PID` of a run started with nohup, which ignores SIGINT) stops the servers and workers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args = parser.parse_args(argv)
     shapes = [Shape.parse(s) for s in args.shapes.split(",")]
     configs = args.configs.split(",")
     trees = [("current", check_tree(REPO))] + ([("baseline", check_tree(args.baseline))] if args.baseline else [])
@@ -492,4 +491,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # SIGTERM (e.g. `kill PID` of a run started with nohup, which ignores SIGINT) stops the servers and workers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

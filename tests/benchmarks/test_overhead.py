@@ -4,24 +4,17 @@ Speed targets are the benchmarks' business (docs/performance.md), not asserted h
 """
 
 import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
 PHASES = {"parse", "validation", "completion", "handoff", "queue", "execution", "encoding", "response"}
 
 
-def _run(tmp_path, *args: str) -> dict:
-    command = [sys.executable, str(SCRIPT), "--count", "4", "--block", "2", "--warmup", "1", *args]
-    done = subprocess.run(
-        [*command, "--out-dir", str(tmp_path), "--name", "smoke"], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def _run(bench, tmp_path, *args: str) -> dict:
+    options = ("--count", "4", "--block", "2", "--warmup", "1", "--out-dir", str(tmp_path), "--name", "smoke")
+    bench("overhead", *options, *args)
     assert (tmp_path / "smoke.md").read_text().startswith("| phase (mean ms")
     return json.loads((tmp_path / "smoke.json").read_text())
 
@@ -38,13 +31,13 @@ def _check(result: dict, formats: list[str]) -> None:
         assert len(row["e2e_minus_execution_per_block_ms"]) == 2
 
 
-def test_overhead_on_a_real_server(tiny_flux, tmp_path):
-    result = _run(tmp_path, "--model", tiny_flux, "--size", "32x32", "--steps", "2", "--n", "2")
+def test_overhead_on_a_real_server(bench, tiny_flux, tmp_path):
+    result = _run(bench, tmp_path, "--model", tiny_flux, "--size", "32x32", "--steps", "2", "--n", "2")
     _check(result, ["b64_json", "url"])
     assert all(row["phases_ms"]["execution"] > 0 for row in map(result["results"].get, ("b64_json", "url")))
 
 
-def test_overhead_with_the_stub_engine(tmp_path):
-    result = _run(tmp_path, "--stub-engine", "--formats", "b64_json", "--output-format", "webp")
+def test_overhead_with_the_stub_engine(bench, tmp_path):
+    result = _run(bench, tmp_path, "--stub-engine", "--formats", "b64_json", "--output-format", "webp")
     _check(result, ["b64_json"])
     assert result["results"]["b64_json"]["phases_ms"]["execution"] == 0

@@ -6,8 +6,6 @@ Speed targets are the benchmarks' business (docs/performance.md), not asserted h
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -16,17 +14,9 @@ pytestmark = pytest.mark.slow
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
-def test_batching_sweep_writes_json_table_and_plot(tiny_flux, tmp_path):
-    _run(
-        "batching_sweep.py",
+def test_batching_sweep_writes_json_table_and_plot(bench, tiny_flux, tmp_path):
+    bench(
+        "batching_sweep",
         "--model",
         tiny_flux,
         "--name",
@@ -59,12 +49,12 @@ def test_batching_sweep_writes_json_table_and_plot(tiny_flux, tmp_path):
     assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_batching_sweep_baseline_runs_every_case_with_the_other_checkout(tiny_flux, tmp_path):
+def test_batching_sweep_baseline_runs_every_case_with_the_other_checkout(bench, tiny_flux, tmp_path):
     """``--baseline DIR``: the same cases with servers and workers importing vllm_omni from DIR (this checkout
     here, so the test needs no second one), side by side with the ratio; the targets of both are reported."""
     repo = os.path.realpath(BENCHMARKS.parent)
-    _run(
-        "batching_sweep.py",
+    bench(
+        "batching_sweep",
         "--fast",
         "--model",
         tiny_flux,
@@ -100,59 +90,38 @@ def test_batching_sweep_baseline_runs_every_case_with_the_other_checkout(tiny_fl
     assert "Current vs baseline" in (tmp_path / "smoke.md").read_text()
 
 
-def test_bench_serving_open_loop_with_a_shape_mix(tiny_flux, tmp_path):
+@pytest.fixture(scope="module")
+def flux_server(tiny_flux):
+    """One server for the bench_serving runs: each takes what the server did from the difference of its
+    ``/metrics`` before and after the run."""
     from vllm_omni.testing.server import RemoteOmniServer
 
     with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "2"]) as server:
-        out = tmp_path / "serving.json"
-        _run(
-            "bench_serving.py",
-            "--base-url",
-            server.base_url,
-            "--request-rate",
-            "20",
-            "--num-requests",
-            "8",
-            "--shapes",
-            "32x32:2:3,64x64:2:1",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-        )
+        yield server
+
+
+def test_bench_serving_open_loop_with_a_shape_mix(bench, flux_server, tmp_path):
+    out = tmp_path / "serving.json"
+    bench(
+        "bench_serving",
+        *("--base-url", flux_server.base_url, "--request-rate", "20", "--num-requests", "8"),
+        *("--shapes", "32x32:2:3,64x64:2:1", "--warmup", "1", "--json", str(out)),
+    )
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"]) == (8, 0)
     assert result["server"]["executed_batches"] >= 1 and result["server"]["peak_rss_mb"] > 0
     assert result["latency_p50_s"] <= result["latency_p99_s"]
 
 
-def test_bench_serving_edits_against_the_offline_ceiling(tiny_flux, tmp_path):
+def test_bench_serving_edits_against_the_offline_ceiling(bench, flux_server, tiny_flux, tmp_path):
     """``--task edit``: multipart image-to-image edits, then the stock img2img variant's ceiling at batch C."""
-    from vllm_omni.testing.server import RemoteOmniServer
-
-    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "2"]) as server:
-        out = tmp_path / "edit.json"
-        _run(
-            "bench_serving.py",
-            "--base-url",
-            server.base_url,
-            "--task",
-            "edit",
-            "--concurrency",
-            "2",
-            "--num-requests",
-            "2",
-            "--shapes",
-            "32x32:2",
-            "--warmup",
-            "1",
-            "--offline-model",
-            tiny_flux,
-            "--offline-reps",
-            "1",
-            "--json",
-            str(out),
-        )
+    out = tmp_path / "edit.json"
+    bench(
+        "bench_serving",
+        *("--base-url", flux_server.base_url, "--task", "edit", "--concurrency", "2", "--num-requests", "2"),
+        *("--shapes", "32x32:2", "--warmup", "1", "--offline-model", tiny_flux, "--offline-reps", "1"),
+        *("--json", str(out)),
+    )
     result = json.loads(out.read_text())
     assert (result["task"], result["strength"], result["mask"]) == ("edit", 0.75, False)
     assert (result["completed"], result["failed"]) == (2, 0) and result["images_per_s"] > 0
@@ -163,23 +132,31 @@ def test_bench_serving_edits_against_the_offline_ceiling(tiny_flux, tmp_path):
     assert result["ceiling_images_per_s"] == ceiling["images_per_s"] > 0 and result["efficiency"] > 0
 
 
-def test_bench_offline_and_bench_omni(tiny_flux):
-    offline = json.loads(
-        _run("bench_offline.py", "--model", tiny_flux, "--batches", "1,2", "--shapes", "32x32:2", "--reps", "1").stdout
+def test_bench_offline_and_bench_omni(bench, tiny_flux, tmp_path):
+    bench(
+        "bench_offline",
+        "--model",
+        tiny_flux,
+        *"--batches 1,2 --shapes 32x32:2 --reps 1 --json".split(),
+        str(tmp_path / "offline.json"),
     )
+    offline = json.loads((tmp_path / "offline.json").read_text())
     assert offline["thread"] == "best" and [r["batch"] for r in offline["results"]] == [1, 2]
     for row in offline["results"]:
         assert set(row["batched_call_s_by_thread"]) == {"main", "dedicated"}
         assert row["batched_call_s"] == min(row["batched_call_s_by_thread"].values())
-    omni = json.loads(_run("bench_omni.py", "--model", tiny_flux, "--batch", "2", "--reps", "1", "--steps", "2").stdout)
+    bench(
+        "bench_omni", "--model", tiny_flux, *"--batch 2 --reps 1 --steps 2 --json".split(), str(tmp_path / "omni.json")
+    )
+    omni = json.loads((tmp_path / "omni.json").read_text())
     assert omni["batch"] == 2 and omni["speedup_batched_vs_sequential"] > 0
 
 
-def test_load_test_fast_variant_loses_nothing(tiny_flux, tmp_path):
+def test_load_test_fast_variant_loses_nothing(bench, tiny_flux, tmp_path):
     """100 requests at concurrency 32 (the 1,000-request run is in docs/reliability.md)."""
     out = tmp_path / "load.json"
-    _run(
-        "load_test.py",
+    bench(
+        "load_test",
         "--model",
         tiny_flux,
         "--requests",
@@ -196,12 +173,13 @@ def test_load_test_fast_variant_loses_nothing(tiny_flux, tmp_path):
     assert result["images"] + result["rejected"] == 100 and result["images"] > 0
 
 
-def test_step_batching_quick_writes_rows_per_mode_and_load(tiny_flux, tmp_path):
+def test_step_batching_quick_writes_rows_per_mode_and_load(bench, tiny_flux, tmp_path):
     """The smoke configuration, both modes: one row per mode and load, the ratios and the targets."""
     modes = ["request", "step"]
-    _run(
-        "step_batching.py",
+    bench(
+        "step_batching",
         "--quick",
+        *("--steps", "2", "--capacity-requests", "8"),
         "--model",
         tiny_flux,
         "--families",
@@ -238,9 +216,9 @@ def test_step_batching_quick_writes_rows_per_mode_and_load(tiny_flux, tmp_path):
     assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_replicas_benchmark_compares_one_and_two_ray_replicas(tiny_flux, tmp_path):
-    _run(
-        "replicas.py",
+def test_replicas_benchmark_compares_one_and_two_ray_replicas(bench, tiny_flux, tmp_path):
+    bench(
+        "replicas",
         "--model",
         tiny_flux,
         "--shapes",
@@ -282,11 +260,11 @@ def test_replicas_benchmark_compares_one_and_two_ray_replicas(tiny_flux, tmp_pat
     assert "2 Ray replicas / 1" in (tmp_path / "smoke.md").read_text()
 
 
-def test_replicas_benchmark_baseline_and_inline(tiny_flux, tmp_path):
+def test_replicas_benchmark_baseline_and_inline(bench, tiny_flux, tmp_path):
     """``--baseline DIR`` (this checkout here) runs each configuration twice, side by side with the ratio."""
     repo = os.path.realpath(BENCHMARKS.parent)
-    _run(
-        "replicas.py",
+    bench(
+        "replicas",
         "--model",
         tiny_flux,
         "--configs",
@@ -318,10 +296,10 @@ def test_replicas_benchmark_baseline_and_inline(tiny_flux, tmp_path):
     assert result["speedups"] == []
 
 
-def test_stages_benchmark_compares_single_and_split_deploys(tiny_flux, tmp_path):
+def test_stages_benchmark_compares_single_and_split_deploys(bench, tiny_flux, tmp_path):
     deploys = ["single", "split", "split-step"]
-    _run(
-        "stages.py",
+    bench(
+        "stages",
         "--model",
         tiny_flux,
         "--families",
@@ -361,10 +339,10 @@ def test_stages_benchmark_compares_single_and_split_deploys(tiny_flux, tmp_path)
     assert (tmp_path / "smoke.md").read_text().startswith("| family | deploy | req/s")
 
 
-def test_lora_benchmark_compares_mixed_key_and_base(tiny_flux, tmp_path):
+def test_lora_benchmark_compares_mixed_key_and_base(bench, tiny_flux, tmp_path):
     """``--quick --rss``: one row per variant in request mode, the ratios, and the RSS check's fields (values are
     timings and RSS readings of a shared machine: only the shape is checked)."""
-    _run("lora.py", "--quick", "--rss", "--model", tiny_flux, "--out-dir", str(tmp_path), "--name", "smoke")
+    bench("lora", "--quick", "--rss", "--model", tiny_flux, "--out-dir", str(tmp_path), "--name", "smoke")
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert result["config"]["quick"] and result["config"]["modes"] == ["request"]
     assert [(r["mode"], r["variant"]) for r in result["rows"]] == [
@@ -389,9 +367,9 @@ def test_lora_benchmark_compares_mixed_key_and_base(tiny_flux, tmp_path):
     assert (tmp_path / "smoke.md").read_text().startswith("| mode | variant | req/s")
 
 
-def test_speed_knobs_benchmark_reports_each_knob_against_none(tiny_flux, tmp_path):
+def test_speed_knobs_benchmark_reports_each_knob_against_none(bench, tiny_flux, tmp_path):
     variants = "none,pab,cache_dit,vae_tiling,max_batch_pixels_2,cpu_offload_model"
-    _run("speed_knobs.py", "--quick", "--model", tiny_flux, "--variants", variants, "--out-dir", str(tmp_path))
+    bench("speed_knobs", "--quick", "--model", tiny_flux, "--variants", variants, "--out-dir", str(tmp_path))
     result = json.loads((tmp_path / "cpu-tiny-speed-knobs.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == variants.split(",") and {r["mode"] for r in rows.values()} == {"request"}
@@ -405,11 +383,13 @@ def test_speed_knobs_benchmark_reports_each_knob_against_none(tiny_flux, tmp_pat
     assert "| request | pab |" in (tmp_path / "cpu-tiny-speed-knobs.md").read_text()
 
 
-def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(tiny_flux, tiny_llm, llm_cpu_python, tmp_path):
+def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(
+    bench, tiny_flux, tiny_llm, llm_cpu_python, tmp_path
+):
     """Both phases for both deploys, the llm stage's record first in llm-flux, and the summary's fields (values
     are timings of a shared machine: only their signs are checked)."""
-    _run(
-        "llm_stage.py",
+    bench(
+        "llm_stage",
         *("--model", tiny_flux, "--llm-model", tiny_llm, "--python-executable", llm_cpu_python),
         *"--size 32x32 --steps 2 --max-tokens 4 --latency-requests 2 --num-requests 4 --reps 1 --warmup 0".split(),
         *("--out-dir", str(tmp_path), "--name", "smoke"),
