@@ -1,9 +1,12 @@
-"""Exit 0 when this checkout is installed (editable) with every requirement of pyproject.toml satisfied.
+"""Exit 0 when this checkout is installed (editable) with its dependencies, and those of each ``--extra``, satisfied.
 
-`make install` runs it and calls pip only when it fails, so the README's commands
-install what is missing on a fresh machine and cost nothing on a ready one.
+    python scripts/check_install.py [--extra test]
+
+`make install` (serving: no extra) and `make install-test` (``--extra test``) run it and call pip only when it
+fails, so the README's commands install what is missing on a fresh machine and cost nothing on a ready one.
 """
 
+import argparse
 import importlib.metadata
 import importlib.util
 import pathlib
@@ -12,7 +15,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def problems() -> list[str]:
+def problems(extras_wanted: list[str]) -> list[str]:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10: no TOML reader in the standard library
@@ -21,10 +24,11 @@ def problems() -> list[str]:
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    pending, found = [Requirement(line) for line in project["dependencies"] + extras["test"]], []
+    wanted = project["dependencies"] + [line for extra in extras_wanted for line in extras[extra]]
+    pending, found = [Requirement(line) for line in wanted], []
     while pending:
         requirement = pending.pop(0)
-        if requirement.name == project["name"]:  # the test extra pulls in other extras of this project
+        if requirement.name == project["name"]:  # an extra that pulls in other extras of this project
             pending += [Requirement(line) for extra in requirement.extras for line in extras[extra]]
             continue
         try:
@@ -41,7 +45,9 @@ def problems() -> list[str]:
 
 
 if __name__ == "__main__":
-    missing = problems()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--extra", action="append", default=[], help="also check this optional dependency group")
+    missing = problems(parser.parse_args().extra)
     for problem in missing:
         print(f"install needed: {problem}")
     sys.exit(1 if missing else 0)

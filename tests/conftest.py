@@ -8,6 +8,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_configure(config):
+    """Servers are forked from one process that has imported the stack (each `vllm serve` would import it again,
+    about 20 s); a test whose promise is the ``vllm`` executable itself asks for it with ``cli=True``."""
+    from vllm_omni.testing.server import use_preloaded_servers
+
+    use_preloaded_servers()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``network`` reach the real Hugging Face Hub: only when asked (CI machines have no hub)."""
     if os.environ.get("VLLM_OMNI_TEST_NETWORK") == "1":

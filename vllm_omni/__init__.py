@@ -1,17 +1,39 @@
 """vllm-omni: serve diffusion models with vLLM; ``max_num_seqs`` sets how many requests batch together."""
 
-from vllm_omni.diffusion.outputs import OmniRequestOutput, RequestMetrics
-from vllm_omni.diffusion.request import (
-    OmniDiffusionSamplingParams,
-    RequestAbortedError,
-    RequestFailedError,
-    SamplingParamsError,
-    StageUnavailableError,
-)
-from vllm_omni.entrypoints.async_omni import AsyncOmni
-from vllm_omni.entrypoints.omni import Omni
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from vllm_omni.version import __version__
 
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.outputs import OmniRequestOutput, RequestMetrics
+    from vllm_omni.diffusion.request import (
+        OmniDiffusionSamplingParams,
+        RequestAbortedError,
+        RequestFailedError,
+        SamplingParamsError,
+        StageUnavailableError,
+    )
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+    from vllm_omni.entrypoints.omni import Omni
+
+# The public names resolve on first use: importing the engines pulls in torch, diffusers and vLLM (seconds), which
+# `import vllm_omni.config` (the CLI's argument checks, the deploy YAML loader) and the unit tests do not need.
+_PUBLIC = {
+    "AsyncOmni": "vllm_omni.entrypoints.async_omni",
+    "Omni": "vllm_omni.entrypoints.omni",
+    "OmniDiffusionSamplingParams": "vllm_omni.diffusion.request",
+    "OmniRequestOutput": "vllm_omni.diffusion.outputs",
+    "RequestMetrics": "vllm_omni.diffusion.outputs",
+    "RequestAbortedError": "vllm_omni.diffusion.request",
+    "RequestFailedError": "vllm_omni.diffusion.request",
+    "SamplingParamsError": "vllm_omni.diffusion.request",
+    "StageUnavailableError": "vllm_omni.diffusion.request",
+}
+
+# Spelled out (not derived from the table) so that linters and type checkers read it.
 __all__ = [
     "AsyncOmni",
     "Omni",
@@ -24,3 +46,15 @@ __all__ = [
     "StageUnavailableError",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

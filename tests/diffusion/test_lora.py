@@ -75,6 +75,7 @@ def sd_adapters(tiny_sd):
     return LoraAdapters(load_pipeline(tiny_sd, torch.float32, torch.device("cpu")), max_loras=2, max_lora_rank=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_mixed_call_gives_each_request_the_stock_image(request, lora_file, family):
     model = request.getfixturevalue(f"tiny_{family}")
@@ -99,6 +100,7 @@ def test_one_mixed_call_gives_each_request_the_stock_image(request, lora_file, f
     assert _diff(got[0], _stock(model, family, {}, {}, 0)) > VISIBLE, "adapter a does not change the image"
 
 
+@pytest.mark.slow
 def test_a_kohya_file_loads_and_matches_stock(tiny_sd, lora_file):
     path = lora_file(tiny_sd, "kohya.safetensors", seed=3, text_encoder=True, kohya=True)
     pipeline = load_pipeline(tiny_sd, torch.float32, torch.device("cpu"))
@@ -154,6 +156,7 @@ def test_a_bad_adapter_is_refused_naming_its_file(request, tmp_path, lora_file, 
     assert not any("bad" in layer.lora_A for layer in _lora_layers(sd_adapters.pipeline))
 
 
+@pytest.mark.slow
 def test_residency_is_least_recently_used_first(tiny_sd, lora_file):
     a = lora_file(tiny_sd, "a", seed=1, text_encoder=True)
     b, c = lora_file(tiny_sd, "b", seed=2), lora_file(tiny_sd, "c", seed=3)

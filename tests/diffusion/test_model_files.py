@@ -107,6 +107,7 @@ def _download(hub, tmp_path, *calls) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # each download is a fresh interpreter that imports the stack
 def test_a_download_fetches_each_needed_file_once_in_one_format(hub, tmp_path):
     """A split deployment's decode stage alone first (no text encoder, no denoiser), then all three stages: the
     rest, and nothing twice; the ``.bin`` copy, the README and the extras are never fetched."""
@@ -131,6 +132,7 @@ def test_a_download_fetches_each_needed_file_once_in_one_format(hub, tmp_path):
     assert not [path for path in cached if path.endswith(".bin") or path.startswith(("README", "extras/"))]
 
 
+@pytest.mark.slow
 def test_hub_failures_name_the_repo_the_revision_and_the_reason(hub, tmp_path):
     missing, no_revision, gated, granted = _download(
         hub,

@@ -50,8 +50,9 @@ RED, BLUE, GREEN = _flat_image((200, 30, 30)), _flat_image((30, 30, 200)), _flat
 # off, first resizes the input image to ~1024x1024 px; the Qwen pipelines encode the input at ~1024x1024 px anyway.
 EDIT_CASES = [
     ("tiny_kontext", "FluxKontextPipeline", {"max_area": 64 * 64, "_auto_resize": False}, (1, 64, 64, 3)),
-    ("tiny_qwen_edit", "QwenImageEditPipeline", {}, (1, 64, 64, 3)),
-    ("tiny_qwen_edit_plus", "QwenImageEditPlusPipeline", {}, (1, 64, 64, 3)),
+    # The Qwen pipelines encode the input at ~1024x1024 px: seconds each.
+    pytest.param("tiny_qwen_edit", "QwenImageEditPipeline", {}, (1, 64, 64, 3), marks=pytest.mark.slow),
+    pytest.param("tiny_qwen_edit_plus", "QwenImageEditPlusPipeline", {}, (1, 64, 64, 3), marks=pytest.mark.slow),
     ("tiny_wan_i2v", "WanImageToVideoPipeline", {"height": 32, "width": 32, "num_frames": 5}, (1, 5, 32, 32, 3)),
 ]
 
@@ -88,6 +89,7 @@ def test_tiny_image_conditioned_pipeline_loads_and_uses_its_input_image(request,
     assert not np.array_equal(red, _edit(pipe, BLUE, size)), "two input images gave the same output"
 
 
+@pytest.mark.slow
 def test_tiny_qwen_edit_plus_uses_a_second_input_image(tiny_qwen_edit_plus):
     pipe = _load(tiny_qwen_edit_plus, "QwenImageEditPlusPipeline")
 

@@ -209,12 +209,12 @@ def _healthy(base: str) -> bool:
 
 def came_true(predicate, timeout: float = 120.0) -> bool:
     """Whether ``predicate`` came true within ``timeout``, polled: a bound on a hang, not a timing assumption."""
-    event = threading.Event()
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
+    event, deadline = threading.Event(), time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
         event.wait(0.05)
-    return False
+    return True
 
 
 def outcome_count(base: str, counter: str, outcome: str) -> float:
