@@ -243,7 +243,7 @@ def bar_for(dtype: str, reference_worst: float | None) -> float:
 
 
 def sampling_params(params: dict[str, Any]):
-    from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+    from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
     return OmniDiffusionSamplingParams(output_type="np", **params)
 

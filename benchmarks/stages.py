@@ -40,7 +40,7 @@ from step_batching import DEFAULT_SIZES, HERE, TASKS, _device, _ratio, cached_mo
 
 from vllm_omni import AsyncOmni, OmniDiffusionSamplingParams
 from vllm_omni.config import DeployConfig, StageDeployConfig
-from vllm_omni.diffusion.outputs import RequestMetrics, StageMetrics
+from vllm_omni.outputs import RequestMetrics, StageMetrics
 
 DEPLOYS = ("single", "split", "split-step")
 SINGLE_MAX, ENCODE_MAX, DENOISE_MAX, DECODE_MAX = 4, 16, 4, 8

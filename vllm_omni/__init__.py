@@ -8,29 +8,24 @@ from typing import TYPE_CHECKING
 from vllm_omni.version import __version__
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.outputs import OmniRequestOutput, RequestMetrics
-    from vllm_omni.diffusion.request import (
-        OmniDiffusionSamplingParams,
-        RequestAbortedError,
-        RequestFailedError,
-        SamplingParamsError,
-        StageUnavailableError,
-    )
     from vllm_omni.entrypoints.async_omni import AsyncOmni
     from vllm_omni.entrypoints.omni import Omni
+    from vllm_omni.errors import RequestAbortedError, RequestFailedError, SamplingParamsError, StageUnavailableError
+    from vllm_omni.outputs import OmniRequestOutput, RequestMetrics
+    from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 # The public names resolve on first use: importing the engines pulls in torch, diffusers and vLLM (seconds), which
 # `import vllm_omni.config` (the CLI's argument checks, the deploy YAML loader) and the unit tests do not need.
 _PUBLIC = {
     "AsyncOmni": "vllm_omni.entrypoints.async_omni",
     "Omni": "vllm_omni.entrypoints.omni",
-    "OmniDiffusionSamplingParams": "vllm_omni.diffusion.request",
-    "OmniRequestOutput": "vllm_omni.diffusion.outputs",
-    "RequestMetrics": "vllm_omni.diffusion.outputs",
-    "RequestAbortedError": "vllm_omni.diffusion.request",
-    "RequestFailedError": "vllm_omni.diffusion.request",
-    "SamplingParamsError": "vllm_omni.diffusion.request",
-    "StageUnavailableError": "vllm_omni.diffusion.request",
+    "OmniDiffusionSamplingParams": "vllm_omni.sampling_params",
+    "OmniRequestOutput": "vllm_omni.outputs",
+    "RequestMetrics": "vllm_omni.outputs",
+    "RequestAbortedError": "vllm_omni.errors",
+    "RequestFailedError": "vllm_omni.errors",
+    "SamplingParamsError": "vllm_omni.errors",
+    "StageUnavailableError": "vllm_omni.errors",
 }
 
 # Spelled out (not derived from the table) so that linters and type checkers read it.

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.lora import LoraAdapters, LoraLoadError
-from vllm_omni.diffusion.request import LoraSelection
 from vllm_omni.diffusion.runner import load_pipeline
+from vllm_omni.sampling_params import LoraSelection
 from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES, stock_lora_images, write_random_lora
 
 FAMILIES = ["sd", "sdxl", "sd3", "flux", "wan"]

@@ -8,7 +8,8 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 from vllm_omni.testing.edits import noise_image, square_mask
 
 

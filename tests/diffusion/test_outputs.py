@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from vllm_omni.diffusion.outputs import RequestMetrics, StageMetrics, across_stages
+from vllm_omni.outputs import RequestMetrics, StageMetrics, across_stages
 
 
 def _metrics(**extra) -> RequestMetrics:

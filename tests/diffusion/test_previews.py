@@ -13,10 +13,10 @@ from diffusers import DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, Flow
 
 from vllm_omni import AsyncOmni, Omni, OmniDiffusionSamplingParams
 from vllm_omni.config import DeployConfig, StageDeployConfig
-from vllm_omni.diffusion import engine_core
+from vllm_omni.diffusion import denoise
 from vllm_omni.diffusion import previews as previews_module
 from vllm_omni.diffusion.previews import LatentProjection, Previews, clean_latents, preview_steps
-from vllm_omni.diffusion.request import SamplingParamsError
+from vllm_omni.errors import SamplingParamsError
 from vllm_omni.testing.edits import noise_image
 
 FAMILIES = ["flux", "sd", "sd3", "sdxl", "wan"]
@@ -367,7 +367,7 @@ async def test_no_previews_cost_nothing(mode, engines, monkeypatch):
         monkeypatch.setattr(Previews, name, lambda *a, _o=original, _n=name, **k: work.append(_n) or _o(*a, **k))
     original_clean = clean_latents
     spy_clean = lambda *a, **k: work.append("clean_latents") or original_clean(*a, **k)  # noqa: E731
-    monkeypatch.setattr(engine_core, "clean_latents", spy_clean)
+    monkeypatch.setattr(denoise, "clean_latents", spy_clean)
     monkeypatch.setattr(previews_module, "clean_latents", spy_clean)
     submitted, add = [], engine.scheduler.add
     monkeypatch.setattr(engine.scheduler, "add", lambda request: submitted.append(request) or add(request))

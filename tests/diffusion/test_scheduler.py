@@ -7,14 +7,11 @@ import time
 import pytest
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
-from vllm_omni.diffusion.outputs import OmniRequestOutput
-from vllm_omni.diffusion.request import (
-    DiffusionRequest,
-    OmniDiffusionSamplingParams,
-    RequestAbortedError,
-    RequestFailedError,
-)
 from vllm_omni.diffusion.batching import BatchScheduler
+from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.errors import RequestAbortedError, RequestFailedError
+from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 def _scheduler(max_num_seqs=4, wait_ms=0.0, **knobs) -> BatchScheduler:

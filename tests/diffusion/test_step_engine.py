@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.diffusion.request import RequestAbortedError, SamplingParamsError
+from vllm_omni.errors import RequestAbortedError, SamplingParamsError
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

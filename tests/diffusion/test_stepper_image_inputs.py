@@ -14,9 +14,10 @@ from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, Dif
 from PIL import Image
 
 from vllm_omni.diffusion.image_inputs import fitted_inputs
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS, load_pipeline
 from vllm_omni.diffusion.steppers import SPLIT, make_stepper
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 from vllm_omni.testing.steppers import run_joined
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,9 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.diffusion.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 from vllm_omni.testing.steppers import run_joined
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
-from vllm_omni.diffusion.request import SamplingParamsError
+from vllm_omni.errors import SamplingParamsError
 from vllm_omni.testing.server import came_true
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from vllm_omni.config import legacy
+from vllm_omni.config.legacy import pop_yaml_aliases
 from vllm_omni.config.stage import (
     DeployConfig,
     StageDeployConfig,
@@ -48,7 +48,7 @@ def _load_stage(raw: Any, index: int, path: str) -> StageDeployConfig:
     where = f"stage {raw.get('stage_id', index)} of {path}"
     if "provenance" in raw:
         raise ValueError(f"unknown key 'provenance' in {where}: provenance is recorded by vllm-omni, not configured")
-    raw, alias_keys = legacy.pop_yaml_aliases(raw, where)
+    raw, alias_keys = pop_yaml_aliases(raw, where)
     provenance = {key: "legacy_alias" if key in alias_keys else "deploy_yaml" for key in raw}
     try:
         return StageDeployConfig(**raw, provenance=provenance)

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import graphlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from vllm_omni.config.stage import StageDeployConfig
+from collections.abc import Sequence
+from typing import Literal, Protocol, TypeVar
 
 StageEngine = Literal["diffusers", "vllm"]
 """What runs a stage: a diffusers pipeline on this project's engines, or an LLM on vLLM's engine."""
@@ -52,7 +50,18 @@ STAGE_TYPES: dict[str, StageTypeSpec] = {
 """The stage types this release serves."""
 
 
-def check_stage_graph(stages: list[StageDeployConfig]) -> list[StageDeployConfig]:
+class StageNode(Protocol):
+    """What the graph check reads of a stage (a `StageDeployConfig`)."""
+
+    stage_id: int
+    stage_type: str
+    inputs: Sequence[int]
+
+
+S = TypeVar("S", bound=StageNode)
+
+
+def check_stage_graph(stages: list[S]) -> list[S]:
     """The stages in the order a request passes them; ValueError naming the stage and the problem for an unknown
     input, a cycle, an input of the wrong type, or not exactly one final stage."""
     by_id = {s.stage_id: s for s in stages}

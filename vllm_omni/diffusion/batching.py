@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.outputs import OmniRequestOutput, StageOutput
-from vllm_omni.diffusion.request import DiffusionRequest, RequestAbortedError, RequestFailedError
+from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.errors import RequestAbortedError, RequestFailedError
+from vllm_omni.outputs import OmniRequestOutput, StageOutput
 
 
 def adapters_of(requests: Iterable[DiffusionRequest]) -> set[str]:

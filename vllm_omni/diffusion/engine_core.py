@@ -1,5 +1,5 @@
-"""What both engines share: `EngineCore` (a stage role, its batch scheduler, request intake, outputs), failure
-isolation (`run_isolated`) and the one denoising step (`denoise_step`).
+"""What both engines share: `EngineCore` (a stage role, its batch scheduler, request intake, outputs); how they
+run a batch through it is in `denoise.py` (`run_isolated`, `denoise_step`).
 
 The request engine (`request_engine.py`) runs one call of the role per batch; the step engine (`step_engine.py`)
 one denoising step per round. `vllm_omni.engine.replica.make_engine` picks one by ``execution_mode``.
@@ -7,103 +7,23 @@ one denoising step per round. `vllm_omni.engine.replica.make_engine` picks one b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.batching import BatchScheduler
-from vllm_omni.diffusion.outputs import OmniRequestOutput, RequestMetrics, StageOutput, build_output
-from vllm_omni.diffusion.previews import Preview, Previews, clean_latents
-from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams
+from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.runner import DiffusionRunner
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics.prometheus import EngineMetrics
+from vllm_omni.outputs import OmniRequestOutput, Preview, RequestMetrics, StageOutput, build_output
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.roles import StageRole
-    from vllm_omni.diffusion.steppers import Stepper
 
 logger = init_logger(__name__)
-
-T = TypeVar("T")
-
-
-def run_isolated(
-    run: Callable[[list[T]], Sequence[Any]],
-    items: list[T],
-    *,
-    what: str,
-    name: Callable[[T], str],
-    on_oom_split: Callable[[], None],
-) -> list[Any]:
-    """``run(items)``, with failures isolated: one result or exception per item.
-
-    Out of memory: split the items in halves and retry each (``on_oom_split`` frees
-    cached memory first). Any other error: run the items one by one, so only an
-    item that fails on its own fails.
-    """
-    try:
-        return list(run(items))
-    except torch.OutOfMemoryError as exc:
-        if len(items) == 1:
-            logger.warning("%s %s ran out of memory alone: %s", what, name(items[0]), exc)
-            return [exc]
-        half = len(items) // 2
-        logger.warning("out of memory with a batch of %d; retrying as %d + %d", len(items), half, len(items) - half)
-        on_oom_split()
-        kwargs = dict(what=what, name=name, on_oom_split=on_oom_split)
-        return run_isolated(run, items[:half], **kwargs) + run_isolated(run, items[half:], **kwargs)
-    except Exception as exc:  # noqa: BLE001 - any pipeline error is isolated to its request below
-        if len(items) == 1:
-            logger.warning("%s %s failed: %s: %s", what, name(items[0]), type(exc).__name__, exc)
-            return [exc]
-        logger.warning(
-            "batch of %d failed (%s: %s); re-running its requests one at a time", len(items), type(exc).__name__, exc
-        )
-        return [run_isolated(run, [item], what=what, name=name, on_oom_split=on_oom_split)[0] for item in items]
-
-
-def denoise_step(
-    requests: list[DiffusionRequest],
-    stepper: Stepper,
-    on_oom_split: Callable[[], None],
-    previews: Previews | None = None,
-) -> list[tuple[DiffusionRequest, BaseException]]:
-    """One denoising step for every request: one denoiser forward over all their rows (a failure there is isolated
-    to its request), the previews due after this step (from the predictions), then each request moves one step
-    along its own schedule. Returns the requests that failed, with why; a failed scheduler update fails every
-    request it held, whose state it may have changed."""
-    with torch.inference_mode():
-        predictions = run_isolated(
-            lambda batch: stepper.predict([r.state for r in batch]),
-            requests,
-            what="request",
-            name=lambda r: r.request_id,
-            on_oom_split=on_oom_split,
-        )
-        failed = [(r, p) for r, p in zip(requests, predictions, strict=True) if isinstance(p, BaseException)]
-        stepped = [(r, p) for r, p in zip(requests, predictions, strict=True) if not isinstance(p, BaseException)]
-        if not stepped:
-            return failed
-        for request, prediction in stepped:
-            state = request.state
-            if previews is not None and previews.due(request, state.step + 1):
-                index = state.offset + state.step
-                clean = clean_latents(state.noise_scheduler, index, state.timestep, prediction, state.latents)
-                previews.emit(request, clean)
-        try:
-            stepper.advance([r.state for r, _ in stepped], [p for _, p in stepped])
-        except Exception as exc:  # noqa: BLE001 - a scheduler update that fails leaves its requests unusable
-            logger.warning("scheduler step of %d requests failed: %s: %s", len(stepped), type(exc).__name__, exc)
-            return failed + [(r, exc) for r, _ in stepped]
-    for request, _ in stepped:
-        request.state.forwards += 1
-        request.state.batch_total += len(requests)
-        request.steps_done = request.state.step
-    return failed
 
 
 class EngineCore:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from PIL import Image
 
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 def fit(image: Image.Image, width: int, height: int, mode: str = "RGB") -> Image.Image:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.request import LoraSelection
 from vllm_omni.logger import init_logger
+from vllm_omni.sampling_params import LoraSelection
 
 logger = init_logger(__name__)
 

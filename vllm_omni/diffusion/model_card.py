@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.diffusion.request import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
 
 DEFAULT_VIDEO_FPS = 16
 """Frame rate a video is reported at when the request gives none (Wan models are trained at 16 fps)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -26,24 +25,17 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vllm_omni.logger import init_logger
+from vllm_omni.outputs import Preview
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.request import DiffusionRequest, OmniDiffusionSamplingParams
+    from vllm_omni.diffusion.request import DiffusionRequest
     from vllm_omni.diffusion.steppers import Stepper
+    from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
 
 PreviewMethod = Literal["latent_rgb", "vae"]
 PREVIEW_METHODS: tuple[str, ...] = ("latent_rgb", "vae")
-
-
-@dataclass(frozen=True)
-class Preview:
-    """One partial result of a request: ``index`` counts from 0; ``images`` holds one image per output (for a
-    video model, one frame of each video)."""
-
-    index: int
-    images: list[Image.Image]
 
 
 def preview_steps(total: int, count: int) -> tuple[int, ...]:

@@ -9,9 +9,10 @@ import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.batching import BatchScheduler, adapters_of
-from vllm_omni.diffusion.engine_core import EngineCore, run_isolated
-from vllm_omni.diffusion.outputs import RequestMetrics
+from vllm_omni.diffusion.denoise import run_isolated
+from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.outputs import RequestMetrics
 
 
 class RequestEngine(EngineCore):

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
-from vllm_omni.diffusion.engine_core import denoise_step
+from vllm_omni.diffusion.denoise import denoise_step
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.previews import Previews
-from vllm_omni.diffusion.request import BatchKey, DiffusionRequest, OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
 from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS, DiffusionRunner, check_batchable, read_model_index
 from vllm_omni.diffusion.steppers import (
     SPLIT,
@@ -31,6 +31,8 @@ from vllm_omni.diffusion.steppers import (
     make_stepper,
     stepper_class,
 )
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 @dataclass(frozen=True)

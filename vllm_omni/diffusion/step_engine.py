@@ -23,10 +23,12 @@ import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.batching import StepBatchScheduler
-from vllm_omni.diffusion.engine_core import EngineCore, denoise_step, run_isolated
-from vllm_omni.diffusion.outputs import RequestMetrics
-from vllm_omni.diffusion.request import DiffusionRequest, RequestAbortedError
+from vllm_omni.diffusion.denoise import denoise_step, run_isolated
+from vllm_omni.diffusion.engine_core import EngineCore
+from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
+from vllm_omni.outputs import RequestMetrics
 
 logger = init_logger(__name__)
 

@@ -12,18 +12,18 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
-from vllm_omni.engine.ray_replicas import RayReplica, log_started, start_actors  # first: it imports Ray
-
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from vllm_omni.config import StageDeployConfig
-from vllm_omni.diffusion.outputs import RequestMetrics, StageOutput
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestAbortedError, RequestFailedError
 from vllm_omni.diffusion.roles import Admission
+from vllm_omni.engine.ray_replicas import RayReplica, log_started, start_actors  # first: it imports Ray
 from vllm_omni.engine.replica import ReplicaInfo
+from vllm_omni.errors import RequestAbortedError, RequestFailedError
 from vllm_omni.llm import actor as llm_actor
 from vllm_omni.metrics.prometheus import EngineMetrics
+from vllm_omni.outputs import RequestMetrics, StageOutput
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 CPU_VENV_TARGET = "make llm-cpu-venv"
 """What builds the interpreter an llm stage needs on a CPU host (``.venv-llm-cpu``)."""

@@ -20,22 +20,14 @@ from typing import Any
 from vllm_omni.config import STAGE_TYPES, LoRAModulePath, StageDeployConfig, engine_torch_threads
 from vllm_omni.config.stage_types import check_stage_graph
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.outputs import StageMetrics, across_stages
-from vllm_omni.diffusion.previews import Preview
-from vllm_omni.diffusion.request import (
-    MAX_SEED,
-    LoraSelection,
-    OmniDiffusionSamplingParams,
-    RequestAbortedError,
-    SamplingParamsError,
-    StageUnavailableError,
-    UnknownLoraError,
-)
 from vllm_omni.diffusion.roles import check_splittable
 from vllm_omni.engine.replica import ReplicaLostError
 from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime
+from vllm_omni.errors import RequestAbortedError, SamplingParamsError, StageUnavailableError, UnknownLoraError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.outputs import Preview, StageMetrics, across_stages
+from vllm_omni.sampling_params import MAX_SEED, LoraSelection, OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
 

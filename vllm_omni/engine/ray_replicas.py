@@ -16,19 +16,19 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from vllm_omni.engine.ray_cluster import start_actors  # first: it sets Ray's environment, then imports Ray
-
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 from prometheus_client.metrics_core import Metric
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
-from vllm_omni.diffusion.outputs import StageOutput
-from vllm_omni.diffusion.previews import Preview, previews_until
+from vllm_omni.diffusion.previews import previews_until
+from vllm_omni.engine.ray_cluster import start_actors  # first: it sets Ray's environment, then imports Ray
 from vllm_omni.engine.replica import EngineReplica, ReplicaInfo, ReplicaLostError
+from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.outputs import Preview, StageOutput
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
 

@@ -22,13 +22,14 @@ from prometheus_client.metrics_core import Metric
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.previews import Preview
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError
 from vllm_omni.diffusion.request_engine import RequestEngine
 from vllm_omni.diffusion.roles import ROLES
 from vllm_omni.diffusion.runner import parse_size
 from vllm_omni.diffusion.step_engine import StepEngine
+from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
+from vllm_omni.outputs import Preview
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
 

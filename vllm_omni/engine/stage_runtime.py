@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, StageUnavailableError
 from vllm_omni.diffusion.roles import ROLES, Admission
 from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo
+from vllm_omni.errors import StageUnavailableError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
 

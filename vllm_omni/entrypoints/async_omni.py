@@ -7,15 +7,13 @@ import functools
 import uuid
 from collections.abc import AsyncGenerator
 
-from vllm_omni.diffusion.outputs import OmniRequestOutput
 from vllm_omni.diffusion.previews import previews_until
-from vllm_omni.diffusion.request import (
-    OmniDiffusionSamplingParams,
-    RequestAbortedError,
-)
 from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.engine.replica import warm_up_params
 from vllm_omni.entrypoints.omni_base import OmniBase
+from vllm_omni.errors import RequestAbortedError
+from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 class AsyncOmni(OmniBase):

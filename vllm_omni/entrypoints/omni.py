@@ -5,13 +5,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from vllm_omni.diffusion.outputs import OmniRequestOutput
-from vllm_omni.diffusion.request import (
-    OmniDiffusionSamplingParams,
-    RequestFailedError,
-)
 from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.entrypoints.omni_base import OmniBase
+from vllm_omni.errors import RequestFailedError
+from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 Params = OmniDiffusionSamplingParams | AdmittedParams
 """Sampling parameters, or parameters `admit` completed already."""

@@ -17,8 +17,8 @@ from vllm_omni.config import (
 )
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.diffusion.model_files import local_model_folder
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.model_card import ModelCard

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.diffusion.steppers import Stepper, StepState
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 def run_joined(

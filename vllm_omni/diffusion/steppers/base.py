@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -24,104 +23,11 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import resca
 
 from vllm_omni.diffusion.lora import LoraAdapters, Selection
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.request import ImageTask, OmniDiffusionSamplingParams, SamplingParamsError
-from vllm_omni.diffusion.step_cache import RequestCache, StepCache
-from vllm_omni.diffusion.steppers.images import ImageTasks, Inpainting, encode_image
-
-
-def _compact(value: Any) -> Any:
-    """``value`` with each tensor that is a view into a larger buffer copied out: for pickling to another process
-    (a Ray replica), which would otherwise carry the whole buffer of a batch with every request."""
-    if isinstance(value, torch.Tensor):
-        return value.clone() if value.untyped_storage().nbytes() > value.nbytes else value
-    if isinstance(value, dict):
-        return {k: _compact(v) for k, v in value.items()}
-    return value
-
-
-class _Payload:
-    """What one stage hands the next for one request. In-process it is passed by reference; pickled (to a Ray
-    replica) each tensor carries only its own rows."""
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: _compact(v) for k, v in vars(self).items()}
-
-
-@dataclass(eq=False)
-class Conditioning(_Payload):
-    """A request's encoded prompt: the ``encode`` stage's output, the ``denoise`` stage's input."""
-
-    cond: dict[str, torch.Tensor]
-    """Per-row denoiser inputs of its conditional rows, each ``[n, ...]``."""
-    uncond: dict[str, torch.Tensor] | None
-    """The same for its unconditional (negative) rows, ``None`` without classifier-free guidance."""
-    shared: dict[str, torch.Tensor]
-    """Text inputs shared by every row (Flux's ``txt_ids``)."""
-    image: dict[str, torch.Tensor] | None = None
-    """An image task's input image, VAE-encoded (`images.encode_image`): ``moments``, ``[1, 2C, h, w]``, the mean
-    and log-variance of its latent distribution, from which `Stepper.start` draws each output's sample, and for
-    inpainting ``mask``, ``[1, 1, h, w]`` at latent size (1: repaint). ``None`` for a text request."""
-
-
-@dataclass(eq=False)
-class Latents(_Payload):
-    """A request's denoised latents: the ``denoise`` stage's output, the ``decode`` stage's input. A `StepState`
-    has the same two fields, so `Stepper.decode` takes either."""
-
-    latents: torch.Tensor
-    """``[n, ...]``: the final latents of its ``n`` outputs."""
-    params: OmniDiffusionSamplingParams
-    """Its complete sampling parameters (size, frames, output type)."""
-
-
-@dataclass(eq=False)
-class StepState:
-    """One request's denoising state between steps."""
-
-    params: OmniDiffusionSamplingParams
-    """Its complete sampling parameters."""
-    latents: torch.Tensor
-    """``[n, ...]``: the latents of its ``n = num_outputs_per_prompt`` outputs."""
-    noise_scheduler: Any
-    """Its own diffusers noise scheduler instance: timesteps, sigmas, multistep history."""
-    timesteps: torch.Tensor
-    """The steps it runs; one engine step is one entry (second-order schedulers list ``2N - 1``). An image task
-    runs the tail its strength leaves of its scheduler's schedule."""
-    cond: dict[str, torch.Tensor]
-    """Per-row denoiser inputs of its conditional rows, each ``[n, ...]``."""
-    uncond: dict[str, torch.Tensor] | None
-    """The same for its unconditional rows when it uses classifier-free guidance, else ``None``."""
-    shared: dict[str, Any]
-    """Denoiser inputs shared by a whole forward; equal for every request of a batch key (e.g. position ids)."""
-    guidance: float = 1.0
-    """Scale that combines the unconditional and conditional predictions."""
-    guidance_rescale: float = 0.0
-    """``guidance_rescale`` of the stock SD pipelines (0: off)."""
-    step_kwargs: dict[str, Any] | None = None
-    """Further arguments of its scheduler's ``step`` (``generator``, ``eta``)."""
-    step: int = 0
-    """Index of its next timestep."""
-    offset: int = 0
-    """Index of ``timesteps[0]`` in its scheduler's schedule (and ``sigmas``)."""
-    inpaint: Inpainting | None = None
-    """An inpainting request's image, noise and mask, blended into its latents after each step."""
-    forwards: int = 0
-    """Engine steps it took part in."""
-    batch_total: int = 0
-    """Sum over those steps of the requests in the forward (for its mean batch size)."""
-    cache: RequestCache = field(default_factory=RequestCache)
-    """Its step-cache state (``cache_backend``), its own across its steps."""
-
-    def __post_init__(self):
-        self.cache.enabled = self.params.cache
-
-    @property
-    def timestep(self) -> torch.Tensor:
-        return self.timesteps[self.step]
-
-    @property
-    def done(self) -> bool:
-        return self.step >= len(self.timesteps)
+from vllm_omni.diffusion.step_cache import StepCache
+from vllm_omni.diffusion.steppers.images import ImageTasks, encode_image
+from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import ImageTask, OmniDiffusionSamplingParams
 
 
 def split_rows(tensor: torch.Tensor | None, n: int, count: int) -> list[torch.Tensor | None]:

@@ -14,7 +14,6 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.diffusion.steppers.base import (
     Conditioning,
     Latents,
@@ -24,6 +23,7 @@ from vllm_omni.diffusion.steppers.base import (
     generators_for,
     split_rows,
 )
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 class FlowMatchStepper(Stepper):

@@ -11,7 +11,6 @@ shares forwards with text requests of the same batch key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -19,11 +18,11 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
 from vllm_omni.diffusion.image_inputs import fitted_inputs
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
+from vllm_omni.diffusion.steppers.state import Conditioning, Inpainting, StepState
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.model_card import ModelCard
-    from vllm_omni.diffusion.steppers.base import Conditioning, StepState
 
 
 def encode_image(
@@ -56,19 +55,6 @@ def encode_image(
 def latent_distribution(image: dict[str, torch.Tensor], device: torch.device) -> DiagonalGaussianDistribution:
     """The VAE distribution of an encoded input image (`encode_image`) on ``device``, in the VAE's dtype."""
     return DiagonalGaussianDistribution(image["moments"].to(device))
-
-
-@dataclass(eq=False)
-class Inpainting:
-    """What an inpainting request keeps of its image: after each step its latents outside the mask are replaced by
-    its image's latents noised to its next timestep, as the stock inpaint pipelines do (4-channel UNets and
-    16-channel transformers). Each tensor is ``[n, ...]`` in its latents' layout."""
-
-    image_latents: torch.Tensor
-    noise: torch.Tensor
-    """Its initial noise, which each step noises the image with again."""
-    mask: torch.Tensor
-    """1 where it repaints, 0 where it keeps the image."""
 
 
 class ImageTasks:

@@ -14,7 +14,6 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 from diffusers.utils.torch_utils import randn_tensor
 
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams
 from vllm_omni.diffusion.steppers.base import (
     Conditioning,
     Latents,
@@ -24,6 +23,7 @@ from vllm_omni.diffusion.steppers.base import (
     generators_for,
     split_rows,
 )
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 class UNetStepper(Stepper):

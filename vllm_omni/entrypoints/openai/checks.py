@@ -9,14 +9,9 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.request import (
-    ImageTask,
-    OmniDiffusionSamplingParams,
-    SamplingParamsError,
-    StageUnavailableError,
-    UnknownLoraError,
-)
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.errors import SamplingParamsError, StageUnavailableError, UnknownLoraError
+from vllm_omni.sampling_params import ImageTask, OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams

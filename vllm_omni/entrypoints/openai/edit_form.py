@@ -9,9 +9,9 @@ from fastapi import Request
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.diffusion.request import MAX_INPUT_IMAGES
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import ImageEditRequest
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES
 
 FILE_FIELDS = ("image", "image[]", "mask")
 """The edit form's file fields (`form_files`)."""

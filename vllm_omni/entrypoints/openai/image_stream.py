@@ -11,15 +11,16 @@ from typing import Any
 
 from fastapi import Request
 
-from vllm_omni.diffusion.outputs import OmniRequestOutput
-from vllm_omni.diffusion.request import OmniDiffusionSamplingParams, RequestFailedError, StageUnavailableError
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
 from vllm_omni.entrypoints.openai.image_files import encode_images
 from vllm_omni.entrypoints.openai.image_usage import response_fields
 from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
 from vllm_omni.entrypoints.openai.server_state import ServerState
+from vllm_omni.errors import RequestFailedError, StageUnavailableError
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 def failure(exc: RequestFailedError, state: ServerState) -> tuple[str, APIError]:

@@ -1,24 +1,20 @@
 """What OpenAI's Images fields ``quality``, ``safety_identifier`` and ``usage`` mean here (docs/serving.md, "Quality,
-usage and OpenAI's other image fields"): a quality level's step count, the tokenizer that counts a prompt, and what
-every answer echoes (`response_fields`, shared by the JSON answer and the stream's events)."""
+usage and OpenAI's other image fields"): a quality level's step count and what every answer echoes
+(`response_fields`, shared by the JSON answer and the stream's events). The tokenizer that counts a prompt is loaded
+with the model (`server_state.load_prompt_tokenizer`)."""
 
 from __future__ import annotations
 
-import importlib
-import os
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni.config.serving import QualityLevel
-from vllm_omni.diffusion.runner import read_model_index
 from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from vllm_omni.diffusion.outputs import OmniRequestOutput
-    from vllm_omni.diffusion.request import ImageTask, OmniDiffusionSamplingParams
     from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest
     from vllm_omni.entrypoints.openai.server_state import ServerState
+    from vllm_omni.outputs import OmniRequestOutput
+    from vllm_omni.sampling_params import ImageTask, OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
 
@@ -48,20 +44,6 @@ def quality_steps(state: ServerState, body: ImageGenerationRequest, task: ImageT
     card = state.omni.model_card
     served = card.for_task(task) if task in card.tasks else card  # admission refuses a task the model does not serve
     return max(1, served.default_steps // STEP_DIVISOR[level])
-
-
-def load_prompt_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer that counts a prompt's tokens: of the folder's tokenizers (``tokenizer``, ``tokenizer_2``, ...,
-    each of the class its ``model_index.json`` names), the one with the longest ``model_max_length``, the first on a
-    tie: T5 for Flux and SD3, UMT5 for Wan, Qwen2 for Qwen-Image, the first CLIP for SD and SDXL. ``None`` if it has
-    none."""
-    tokenizers = []
-    for name, component in sorted(read_model_index(model).items()):
-        if name.startswith("tokenizer") and isinstance(component, list) and None not in component:
-            library, class_name = component
-            tokenizer_class = getattr(importlib.import_module(library), class_name)
-            tokenizers.append(tokenizer_class.from_pretrained(os.path.join(model, name)))
-    return max(tokenizers, key=lambda tokenizer: tokenizer.model_max_length, default=None)
 
 
 def response_fields(

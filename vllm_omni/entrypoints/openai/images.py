@@ -18,11 +18,6 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.diffusion.request import (
-    MAX_INPUT_IMAGES,
-    ImageTask,
-    RequestFailedError,
-)
 from vllm_omni.entrypoints.openai.checks import (
     admit,
     check_api_key,
@@ -47,7 +42,9 @@ from vllm_omni.entrypoints.openai.protocol import (
 )
 from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.entrypoints.openai.uploads import form_files, openai_mask, read_images
+from vllm_omni.errors import RequestFailedError
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask
 
 if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from vllm_omni.diffusion.lora import LoraLoadError
-from vllm_omni.diffusion.request import UnknownLoraError
 from vllm_omni.entrypoints.openai.checks import check_api_key
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from vllm_omni.entrypoints.openai.server_state import ServerState
+from vllm_omni.errors import UnknownLoraError
 
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from vllm_omni.config.serving import QualityLevel
-from vllm_omni.diffusion.request import MAX_LORA_SCALE, MAX_PARTIAL_IMAGES, MAX_SEED
+from vllm_omni.sampling_params import MAX_LORA_SCALE, MAX_PARTIAL_IMAGES, MAX_SEED
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 

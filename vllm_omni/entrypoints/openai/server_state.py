@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,9 +14,9 @@ from typing import TYPE_CHECKING
 from vllm_omni.config import LoRAModulePath, StageDeployConfig
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.config.serving import ServingConfig
+from vllm_omni.diffusion.runner import read_model_index
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.image_store import ImageStore
-from vllm_omni.entrypoints.openai.image_usage import load_prompt_tokenizer
 from vllm_omni.entrypoints.openai.video_jobs import VideoJobs
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -74,6 +76,20 @@ class ServerState:
         if down:
             return f"no replica of stage {', '.join(map(str, down))} is alive; see the server log"
         return None
+
+
+def load_prompt_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer that counts a prompt's tokens: of the folder's tokenizers (``tokenizer``, ``tokenizer_2``, ...,
+    each of the class its ``model_index.json`` names), the one with the longest ``model_max_length``, the first on a
+    tie: T5 for Flux and SD3, UMT5 for Wan, Qwen2 for Qwen-Image, the first CLIP for SD and SDXL. ``None`` if it has
+    none."""
+    tokenizers = []
+    for name, component in sorted(read_model_index(model).items()):
+        if name.startswith("tokenizer") and isinstance(component, list) and None not in component:
+            library, class_name = component
+            tokenizer_class = getattr(importlib.import_module(library), class_name)
+            tokenizers.append(tokenizer_class.from_pretrained(os.path.join(model, name)))
+    return max(tokenizers, key=lambda tokenizer: tokenizer.model_max_length, default=None)
 
 
 async def load_and_warm_up(state: ServerState) -> None:

@@ -15,8 +15,8 @@ from PIL import Image, UnidentifiedImageError
 from starlette.datastructures import FormData, UploadFile
 
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.request import MAX_INPUT_IMAGES
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES
 
 FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp"}
 """Image formats an upload may have (Pillow's names → the API's)."""

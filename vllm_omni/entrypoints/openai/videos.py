@@ -16,7 +16,6 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.diffusion.request import ImageTask, RequestFailedError, StageUnavailableError
 from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
 from vllm_omni.entrypoints.openai.checks import (
     admit,
@@ -30,8 +29,6 @@ from vllm_omni.entrypoints.openai.checks import (
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.uploads import form_files, read_images
-from vllm_omni.entrypoints.openai.video_jobs import VideoJob, encode_mp4, encode_png
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
     VideoDeleted,
@@ -39,8 +36,12 @@ from vllm_omni.entrypoints.openai.protocol import (
     VideoList,
     VideoObject,
 )
+from vllm_omni.entrypoints.openai.uploads import form_files, read_images
+from vllm_omni.entrypoints.openai.video_jobs import VideoJob, encode_mp4, encode_png
+from vllm_omni.errors import RequestFailedError, StageUnavailableError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.sampling_params import ImageTask
 
 if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams

@@ -1,4 +1,5 @@
-"""What a request produces: its output and the typed record of how it ran, built in one place (`build_output`)."""
+"""What a request produces: its output, its previews and the typed record of how it ran, built in one place
+(`build_output`). Public, and imported by every layer; it imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -79,6 +80,15 @@ def across_stages(stages: list[StageMetrics], denoiser_id: int) -> RequestMetric
         fps=last.fps,
         stages=stages,
     )
+
+
+@dataclass(frozen=True)
+class Preview:
+    """One partial result of a request: ``index`` counts from 0; ``images`` holds one image per output (for a
+    video model, one frame of each video)."""
+
+    index: int
+    images: list[Any]
 
 
 @dataclass

@@ -1,0 +1,148 @@
+"""How to generate: the sampling parameters of a diffusion request (`OmniDiffusionSamplingParams`) and their limits.
+Public, and imported by every layer (the HTTP APIs, the engines, the steppers); it imports nothing of the package."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+MAX_SEED = 2**63 - 1
+
+MAX_INPUT_IMAGES = 16
+"""Most input images one request may carry (``image``)."""
+
+
+MAX_LORA_SCALE = 8.0
+"""Largest absolute ``scale`` a request may give an adapter."""
+
+MAX_PARTIAL_IMAGES = 3
+"""Most previews one request may ask for (OpenAI's limit)."""
+
+
+class LoraSelection(BaseModel):
+    """One LoRA adapter a request applies, and how strongly (docs/lora.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1)
+    """The adapter's name (``--lora-modules name=path``, or ``/v1/load_lora_adapter``)."""
+    scale: float = Field(default=1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+    """Multiplier of the adapter's delta, as diffusers' ``set_adapters`` weight (1: as trained; 0: off)."""
+    path: str | None = None
+    """Where the adapter is read from: the engine sets it from its adapters when it admits the request; a caller
+    leaves it unset."""
+
+
+class OmniDiffusionSamplingParams(BaseModel):
+    """How to generate; ``None`` means the pipeline's own default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, arbitrary_types_allowed=True)
+
+    height: int | None = Field(default=None, ge=1, le=16384)
+    """Output height in pixels."""
+
+    width: int | None = Field(default=None, ge=1, le=16384)
+    """Output width in pixels."""
+
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    """Denoising steps."""
+
+    guidance_scale: float | None = Field(default=None, ge=0.0)
+    """Guidance scale (classifier-free, or embedded guidance for distilled models)."""
+
+    num_outputs_per_prompt: int = Field(default=1, ge=1, le=64)
+    """Images (or videos) generated for the prompt."""
+
+    num_frames: int | None = Field(default=None, ge=1, le=1024)
+    """Frames of each video (video pipelines only; ``None``: the pipeline's default)."""
+
+    fps: int | None = Field(default=None, ge=1, le=240)
+    """Frames per second the video is meant to play at (carried to the output; video pipelines only)."""
+
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    """Seed of the request's own generator; a random one is drawn (and reported) when unset."""
+
+    negative_prompt: str | None = None
+    """What to steer away from (pipelines that accept ``negative_prompt``)."""
+
+    image: list[Image.Image] | None = Field(default=None, min_length=1, max_length=MAX_INPUT_IMAGES)
+    """Input images (a single image is taken as a list of one): image-to-image, instruction edits or
+    image-to-video, as the served model does (docs/serving.md); several only for models that take several."""
+
+    mask_image: Image.Image | None = None
+    """Inpainting mask in diffusers' convention (white: repaint, black: keep), the size of the first image."""
+
+    strength: float | None = Field(default=None, gt=0.0, le=1.0)
+    """How far the input image is noised before denoising (image-to-image and inpainting; ``None``: 0.6 for
+    image-to-image, 1.0 for inpainting); the request runs ``int(num_inference_steps * strength)`` steps."""
+
+    output_type: Literal["pil", "np"] = "pil"
+    """``pil``: PIL images; ``np``: float arrays in [0, 1] of shape (H, W, 3)."""
+
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+    """Further keyword arguments of the pipeline call (e.g. ``max_sequence_length``); batched requests must agree."""
+
+    partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
+    """Previews of the running request to hand its caller before the output (0–3), made at evenly spaced steps
+    (`AsyncOmni.generate` yields them); requests with different counts share batches."""
+
+    cache: bool = True
+    """Use the stage's step cache (``cache_backend``); ``False``: every block runs at every step. Requests that
+    differ share batches."""
+
+    enhance_prompt: bool | None = None
+    """Whether the deploy's llm stage rewrites the prompt first (`OmniRequestOutput.revised_prompt`): ``None``, if
+    there is one; ``False`` skips it; ``True`` is refused where none is deployed."""
+
+    lora: tuple[LoraSelection, ...] = ()
+    """LoRA adapters to apply, each ``{"name", "scale"}`` (one, or a list to stack them); requests with different
+    adapters share batches."""
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _one_adapter_is_a_list(cls, lora: Any) -> Any:
+        if lora is None:
+            return ()
+        return [lora] if isinstance(lora, dict | LoraSelection) else lora
+
+    @field_validator("lora")
+    @classmethod
+    def _adapters_once(cls, lora: tuple[LoraSelection, ...]) -> tuple[LoraSelection, ...]:
+        names = [s.name for s in lora]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"lora names adapter(s) {', '.join(repeated)} more than once; give each once")
+        return lora
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _one_image_is_a_list(cls, image: Any) -> Any:
+        return [image] if isinstance(image, Image.Image) else image
+
+    @field_validator("mask_image")
+    @classmethod
+    def _mask_fits_the_image(cls, mask: Image.Image | None, info: ValidationInfo) -> Image.Image | None:
+        images = info.data.get("image")
+        if mask is not None:
+            if not images:
+                raise ValueError("mask_image needs an image to inpaint")
+            if mask.size != images[0].size:
+                raise ValueError(
+                    f"mask_image is {mask.width}x{mask.height} and the image {images[0].width}x{images[0].height}: "
+                    "they must be the same size"
+                )
+        return mask
+
+    @property
+    def task(self) -> ImageTask:
+        """What the request asks of the model: ``text`` (no input image), ``image`` (an input image, no mask) or
+        ``inpaint`` (an image and a mask)."""
+        if self.image is None:
+            return "text"
+        return "inpaint" if self.mask_image is not None else "image"
+
+
+ImageTask = Literal["text", "image", "inpaint"]
+"""What a request asks of the model (`OmniDiffusionSamplingParams.task`)."""
