@@ -8,7 +8,7 @@ import pytest
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.batching import BatchScheduler
-from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
 from vllm_omni.errors import RequestAbortedError, RequestFailedError
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -27,7 +27,7 @@ def _scheduler(max_num_seqs=4, wait_ms=0.0, **knobs) -> BatchScheduler:
 
 def _request(name: str, size: int = 32, **params) -> DiffusionRequest:
     full = OmniDiffusionSamplingParams(height=size, width=size, num_inference_steps=4, **params)
-    return DiffusionRequest.create(name, f"prompt {name}", full)
+    return DiffusionRequest.create(name, f"prompt {name}", full, key=BatchKey.of(full))
 
 
 def _ids(batch):

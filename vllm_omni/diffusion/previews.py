@@ -3,7 +3,7 @@
 A request that asks for ``k`` previews gets them after ``k`` evenly spaced steps (`preview_steps`). Each is made
 from the clean latents that step's prediction implies (`clean_latents`, the x₀ estimate of the request's own
 noise scheduler), not from the noisy running latents, so an early preview already shows the composition. They
-become RGB one of two ways (`PREVIEW_METHODS`):
+become RGB one of two ways (`PreviewMethod`):
 
 - ``latent_rgb``: a linear map from the VAE's latent channels to RGB, fitted once per model to its own VAE
   (`LatentProjection`), at latent resolution and upscaled. It costs a matrix product, whatever the model.
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 PreviewMethod = Literal["latent_rgb", "vae"]
-PREVIEW_METHODS: tuple[str, ...] = ("latent_rgb", "vae")
 
 
 def preview_steps(total: int, count: int) -> tuple[int, ...]:

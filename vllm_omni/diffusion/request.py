@@ -98,11 +98,12 @@ class DiffusionRequest:
         request_id: str,
         prompt: str,
         params: OmniDiffusionSamplingParams,
-        key: Hashable | None = None,
+        key: Hashable,
         payload: Any = None,
         on_preview: Callable[[Preview], None] | None = None,
     ) -> DiffusionRequest:
-        key = key if key is not None else BatchKey.of(params)
+        """The request of complete ``params``, under its role's batch ``key``; its seed is drawn if ``params``
+        gives none."""
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         return cls(
             request_id=request_id,

@@ -46,7 +46,3 @@ class ImageStore:
                 return
             del self._images[oldest_id]
             self._bytes -= len(oldest.data)
-
-    @property
-    def num_bytes(self) -> int:
-        return self._bytes
