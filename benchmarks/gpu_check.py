@@ -301,6 +301,10 @@ def check_steppers(family: str, model: str, dtype_name: str, device) -> dict[str
     outputs, largest = run_joined(stepper, joins)
     _synchronize(device)
     step_s = time.perf_counter() - started
+    # The stepper may change the pipeline for good (UNetStepper upcasts a float16 force_upcast VAE): the stock
+    # reference runs on a pipeline of its own, as loaded.
+    del stepper, pipeline
+    pipeline = load_pipeline(model, getattr(torch, dtype_name), device)
     requests, worst, mean, ref_worst, ref_mean = [], 0.0, 0.0, 0.0, 0.0
     for r in script.requests:
         params = sampling_params(r.params)
@@ -312,7 +316,7 @@ def check_steppers(family: str, model: str, dtype_name: str, device) -> dict[str
         rw, rm = pixel_diff(batched[:n], alone)
         requests.append({"name": r.name, "worst": w, "mean": round(m, 6), "reference_worst": rw})
         worst, mean, ref_worst, ref_mean = max(worst, w), max(mean, m), max(ref_worst, rw), max(ref_mean, rm)
-    del stepper, pipeline
+    del pipeline
     return {
         "largest_forward": largest,
         "worst": worst,
