@@ -10,8 +10,7 @@ import textwrap
 import pytest
 
 from vllm_omni.config import resolve_stage_configs
-from vllm_omni.config.llm import LLM_KNOBS
-from vllm_omni.config.stage import PIPELINE_KNOBS
+from vllm_omni.config.stage import LLM_KNOBS, PIPELINE_KNOBS
 from vllm_omni.config.stage_types import check_stage_graph
 
 PIPELINE_TYPES = "diffusion and encode and denoise and decode stages only"

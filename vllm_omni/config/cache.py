@@ -14,9 +14,6 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-CacheBackendName = Literal["none", "first_block", "taylorseer", "magcache", "faster_cache", "pab", "cache_dit"]
-"""Step caching of the denoiser: none, one of diffusers' cache hooks, or cache-dit (docs/performance.md)."""
-
 CACHE_BACKENDS: dict[str, tuple[str, str]] = {
     "first_block": ("diffusers.hooks", "FirstBlockCacheConfig"),
     "taylorseer": ("diffusers.hooks", "TaylorSeerCacheConfig"),
@@ -27,9 +24,19 @@ CACHE_BACKENDS: dict[str, tuple[str, str]] = {
 }
 """Each backend's config class: (module, class name)."""
 
+CacheBackendName = Literal[("none", *CACHE_BACKENDS)]  # type: ignore[valid-type] - the table's keys
+"""Step caching of the denoiser: none, one of diffusers' cache hooks, or cache-dit (docs/performance.md)."""
+
+REFUSED_BACKENDS = ("faster_cache",)
+"""Backends no pipeline served here can run: diffusers' FasterCache needs the negative and positive rows of
+classifier-free guidance in one denoiser call, and Flux and Wan make two."""
+
 WHOLE_CALL_BACKENDS = ("cache_dit",)
 """Backends whose cache context and decisions cover a whole pipeline call, all its rows together: they can serve one
 request per call only (``max_num_seqs`` 1, request mode)."""
+
+PER_REQUEST_BACKENDS = tuple(b for b in CACHE_BACKENDS if b not in (*WHOLE_CALL_BACKENDS, *REFUSED_BACKENDS))
+"""Backends that decide for each request on its own, in any batch and in step mode: what a refusal suggests."""
 
 CALL_SUPPLIED_KEYS: dict[str, tuple[str, ...]] = {"cache_dit": ("num_inference_steps",)}
 """Config fields the engine sets for every call, from the request (not ``cache_config`` keys)."""

@@ -20,9 +20,6 @@ LlmMode = Literal["chat", "completion"]
 """How the stage turns a request's prompt into the LLM's input: a chat with ``system_prompt`` through the
 tokenizer's chat template, or ``prompt_template`` with ``{prompt}`` in it."""
 
-LLM_KNOBS = ("model", "engine_args", "python_executable", "mode", "system_prompt", "prompt_template", "sampling")
-"""The keys of ``llm`` stages only."""
-
 _OWNED_ENGINE_ARGS = {
     "max_num_seqs": "the stage's max_num_seqs knob (--max-num-seqs, or max_num_seqs in the stage's YAML), which "
     "goes to vLLM as its max_num_seqs",

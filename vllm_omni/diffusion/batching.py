@@ -4,8 +4,8 @@ schedulers that the steppers drive).
 `BatchScheduler` is the request-level policy (``execution_mode: request``);
 `StepBatchScheduler` the step-level one (``execution_mode: step``, see its docstring).
 
-- Capacity is ``od_config.max_num_seqs`` requests per batch, and at most
-  ``od_config.max_batch_pixels`` of ``width × height × frames × n`` summed over
+- Capacity is ``od_config.stage.max_num_seqs`` requests per batch, and at most
+  ``od_config.stage.max_batch_pixels`` of ``width × height × frames × n`` summed over
   them when set (a request larger than that runs alone). The budget only makes
   batches smaller: the oldest request always goes first.
 - Only requests with the same `BatchKey` share a batch. The oldest waiting
@@ -48,10 +48,10 @@ def adapters_of(requests: Iterable[DiffusionRequest]) -> set[str]:
 
 class BatchScheduler:
     def __init__(self, od_config: OmniDiffusionConfig):
-        self.capacity = od_config.max_num_seqs
-        self.max_pixels = od_config.max_batch_pixels
-        self.max_wait_s = od_config.request_batch_max_wait_ms / 1000.0
-        self.max_loras = od_config.max_loras
+        self.capacity = od_config.stage.max_num_seqs
+        self.max_pixels = od_config.stage.max_batch_pixels
+        self.max_wait_s = od_config.stage.request_batch_max_wait_ms / 1000.0
+        self.max_loras = od_config.stage.max_loras
         self._waiting: list[DiffusionRequest] = []
         self._running: list[DiffusionRequest] = []
         self._calls: list[tuple[Callable[[], Any], Future]] = []

@@ -41,10 +41,10 @@ class EngineCore:
         self.od_config = od_config
         self.runner = DiffusionRunner(od_config, skips=role.skips)
         self.role = role(od_config, self.runner, self._on_oom_split)
-        self.admission = role.admission(od_config.execution_mode, self.runner.card)
+        self.admission = role.admission(od_config.stage.execution_mode, self.runner.card)
         self.scheduler = scheduler
         task = "video" if self.runner.card.is_video else "image"
-        self.metrics = EngineMetrics(od_config.stage_id, od_config.replica, task)
+        self.metrics = EngineMetrics(od_config.stage.stage_id, od_config.replica, task)
         self.metrics.num_requests_running.set_function(lambda: scheduler.num_running)
         self.metrics.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
         lora = self.runner.lora
@@ -87,7 +87,7 @@ class EngineCore:
 
     def _lora(self):
         if self.runner.lora is None:
-            raise RuntimeError(f"stage {self.od_config.stage_id} serves no LoRA adapters")
+            raise RuntimeError(f"stage {self.od_config.stage.stage_id} serves no LoRA adapters")
         return self.runner.lora
 
     def output(

@@ -62,7 +62,7 @@ class StageRole:
         self.on_oom_split = on_oom_split
         self.stepper = (
             make_stepper(runner.pipeline, runner.device, SPLIT if self.split else STEP_MODE)
-            if self.uses_stepper(od_config.execution_mode)
+            if self.uses_stepper(od_config.stage.execution_mode)
             else None
         )
         """The model's `Stepper` when the stage steps or splits the pipeline, else ``None``."""
@@ -140,7 +140,7 @@ class DiffusionRole(StageRole):
     def __init__(self, od_config: OmniDiffusionConfig, runner: DiffusionRunner, on_oom_split: Callable[[], None]):
         super().__init__(od_config, runner, on_oom_split)
         if self.stepper is None:  # step mode batches forwards, not pipeline calls
-            check_batchable(type(runner.pipeline), od_config.max_num_seqs)
+            check_batchable(type(runner.pipeline), od_config.stage.max_num_seqs)
 
     @classmethod
     def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:

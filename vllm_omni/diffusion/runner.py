@@ -163,38 +163,42 @@ class DiffusionRunner:
 
     def __init__(self, od_config: OmniDiffusionConfig, skips: tuple[str, ...] = ()):
         """``skips``: the components the stage does not load (its role's)."""
-        self.device = select_device(od_config.devices)
-        self.dtype = select_dtype(od_config.dtype, self.device)
+        self.device = select_device(od_config.stage.devices)
+        self.dtype = select_dtype(od_config.stage.dtype, self.device)
         started = time.perf_counter()
-        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips, od_config.cpu_offload)
-        set_vae_memory(self.pipeline, od_config.vae_tiling, od_config.vae_slicing)
+        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips, od_config.stage.cpu_offload)
+        set_vae_memory(self.pipeline, od_config.stage.vae_tiling, od_config.stage.vae_slicing)
         self.step_cache = None
         """The step cache on the denoisers (``cache_backend``): diffusers' hooks run per request, or cache-dit per
         call of one request; ``None``: no step cache."""
-        if od_config.cache_backend != "none":
+        if od_config.stage.cache_backend != "none":
             denoisers = [getattr(self.pipeline, name) for name in loaded_denoisers(self.pipeline)]
-            if od_config.cache_backend in WHOLE_CALL_BACKENDS:
-                self.step_cache = CallCache(denoisers, od_config.cache_config)
+            if od_config.stage.cache_backend in WHOLE_CALL_BACKENDS:
+                self.step_cache = CallCache(denoisers, od_config.stage.cache_config)
             else:
-                self.step_cache = StepCache(self.pipeline, denoisers, od_config.cache_backend, od_config.cache_config)
+                self.step_cache = StepCache(
+                    self.pipeline, denoisers, od_config.stage.cache_backend, od_config.stage.cache_config
+                )
         self.compiled: set[tuple[int, int, int | None]] | None = None
         """The sizes the compiled denoiser has been asked for (warm-up ones first); ``None``: not compiled."""
-        if od_config.compile != "none":
-            names = compile_denoisers(self.pipeline, od_config.compile)
-            self.compiled = {parse_size(size) for size in od_config.compile_sizes}
-            logger.info("Compiling %s (%s) of stage %d", ", ".join(names), od_config.compile, od_config.stage_id)
+        if od_config.stage.compile != "none":
+            names = compile_denoisers(self.pipeline, od_config.stage.compile)
+            self.compiled = {parse_size(size) for size in od_config.stage.compile_sizes}
+            logger.info(
+                "Compiling %s (%s) of stage %d", ", ".join(names), od_config.stage.compile, od_config.stage.stage_id
+            )
         self.card = ModelCard.of(self.pipeline)
         """What admission needs of the pipeline."""
         self._pipelines = {self.card.pipeline_name: self.pipeline}
         """The pipelines run so far by class name: the loaded one, and its image variants (`ModelCard.variants`)
         built on its components when a request first needs one."""
         self.lora = (
-            LoraAdapters(self.pipeline, od_config.max_loras, od_config.max_lora_rank)
-            if od_config.lora_enabled
+            LoraAdapters(self.pipeline, od_config.stage.max_loras, od_config.stage.max_lora_rank)
+            if od_config.stage.lora_enabled
             else None
         )
         """The LoRA adapters resident in the pipeline; ``None`` when the stage serves none."""
-        for module in od_config.lora_modules:  # each is checked now; the last max_loras stay resident
+        for module in od_config.stage.lora_modules:  # each is checked now; the last max_loras stay resident
             self.lora.load(module.name, module.path)
         logger.info(
             "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s)",
@@ -203,8 +207,8 @@ class DiffusionRunner:
             self.device,
             self.dtype,
             time.perf_counter() - started,
-            od_config.stage_id,
-            od_config.stage_type,
+            od_config.stage.stage_id,
+            od_config.stage.stage_type,
         )
 
     def note_size(self, params) -> None:

@@ -41,7 +41,7 @@ class StepEngine(EngineCore):
         super().__init__(od_config, StepBatchScheduler(od_config), role)
         if side_workers is None:
             side_workers = self.runner.device.type == "cuda"
-        stage = od_config.stage_id
+        stage = od_config.stage.stage_id
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"vllm-omni-encode-{stage}") if side_workers else None
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vllm-omni-decode-{stage}") if side_workers else None
 

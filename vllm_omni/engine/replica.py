@@ -77,7 +77,7 @@ ENGINES: dict[str, type[EngineCore]] = {"request": RequestEngine, "step": StepEn
 
 def make_engine(od_config: OmniDiffusionConfig) -> EngineCore:
     """The engine for the stage's ``execution_mode``, running the role of its ``stage_type``."""
-    return ENGINES[od_config.execution_mode](od_config, ROLES[od_config.stage_type])
+    return ENGINES[od_config.stage.execution_mode](od_config, ROLES[od_config.stage.stage_type])
 
 
 @runtime_checkable
@@ -145,7 +145,7 @@ class EngineReplica:
     sizes that thread's team."""
 
     def __init__(self, od_config: OmniDiffusionConfig, node_id: str | None = None):
-        self._name = f"stage {od_config.stage_id} replica {od_config.replica}"
+        self._name = f"stage {od_config.stage.stage_id} replica {od_config.replica}"
         self._stopping = threading.Event()
         self.error: BaseException | None = None
         self.stopped: Future[None] = Future()
@@ -154,7 +154,7 @@ class EngineReplica:
         self._thread = threading.Thread(
             target=self._run,
             args=(od_config, loaded),
-            name=f"vllm-omni-stage-{od_config.stage_id}-{od_config.replica}",
+            name=f"vllm-omni-stage-{od_config.stage.stage_id}-{od_config.replica}",
             daemon=True,
         )
         self._thread.start()
@@ -208,7 +208,7 @@ class EngineReplica:
         """`Replica.warm_up`, with `warm_up_params`."""
         if self.engine.role.split:
             return
-        for warm_up in warm_up_params(self.info.card, self.engine.od_config.compile_sizes):
+        for warm_up in warm_up_params(self.info.card, self.engine.od_config.stage.compile_sizes):
             params = self.engine.admission.admit(warm_up).params
             self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", params).result()
 

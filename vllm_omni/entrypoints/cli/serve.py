@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import types
 import typing
 
 from pydantic import ValidationError
 
 from vllm_omni.config import StageDeployConfig, resolve_stage_configs
+from vllm_omni.config.stage import KNOBS
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.config.vllm_device import set_device_hint
@@ -45,31 +47,6 @@ _USED_VLLM_FLAGS = frozenset(
         *("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
     }
 )
-# Stage knobs that the omni group sets as flags of the same name (max_num_seqs, dtype and
-# distributed_executor_backend come from vLLM's own flags).
-_OMNI_STAGE_FLAGS = (
-    "request_batch_max_wait_ms",
-    "execution_mode",
-    "num_replicas",
-    "ray_address",
-    "num_cpus",
-    "num_gpus",
-    "placement_strategy",
-    "max_batch_pixels",
-    "vae_tiling",
-    "vae_slicing",
-    "cpu_offload",
-    "compile",
-    "compile_sizes",
-    "cache_backend",
-    "cache_config",
-)
-_METAVARS = {
-    "request_batch_max_wait_ms": "MS",
-    "ray_address": "ADDRESS",
-    "compile_sizes": "WxH,...",
-    "cache_config": "JSON",
-}
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
 _OMNI_SERVING_FLAGS = (
     "max_waiting_requests",
@@ -87,7 +64,15 @@ _OMNI_SERVING_FLAGS = (
     "shutdown_timeout_s",
     "disable_playground",
 )
+_OMNI_STAGE_FLAGS = tuple(name for name, knob in KNOBS.items() if knob.flag == "omni")
 _VLLM_DTYPES = {"half": "float16", "float": "float32"}
+
+
+def _knob_help(description: str) -> str:
+    """A stage knob's ``--help``: the first sentence of its docstring (the whole of it is in docs/configuration.md),
+    links as plain text."""
+    first = re.split(r"(?<=\.)\s+(?=[A-Z])", " ".join(description.split()), maxsplit=1)[0]
+    return re.sub(r"\[([^]]+)\]\([^)]+\)", r"\1", first).replace("``", "") + " Per stage; see docs/configuration.md."
 
 
 def _stage_overrides(text: str) -> dict:
@@ -165,7 +150,7 @@ def make_serve_parser(prog: str):
         help="For a single-file checkpoint MODEL: the diffusers folder or Hugging Face repo id that supplies its "
         "configs and the components the file lacks (default: the repo diffusers infers from the file).",
     )
-    for name in _OMNI_STAGE_FLAGS:
+    for name in _OMNI_STAGE_FLAGS:  # every stage knob declared with an omni flag (`Knob.flag`)
         info = StageDeployConfig.model_fields[name]
         kind = info.annotation
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: the flag gives an X
@@ -175,7 +160,7 @@ def make_serve_parser(prog: str):
                 "--" + name.replace("_", "-"),
                 action=argparse.BooleanOptionalAction,
                 default=None,
-                help=info.description + " Per stage; see docs/configuration.md.",
+                help=_knob_help(info.description),
             )
             continue
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
@@ -185,8 +170,8 @@ def make_serve_parser(prog: str):
             "--" + name.replace("_", "-"),
             type=None if choices else kind,
             choices=choices,
-            help=info.description + " Per stage; see docs/configuration.md.",
-            metavar=None if choices else _METAVARS.get(name, "N"),
+            help=_knob_help(info.description),
+            metavar=None if choices else KNOBS[name].metavar or "N",
         )
     omni.add_argument(
         "--stage-overrides",
