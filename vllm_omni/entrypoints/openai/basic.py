@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vllm_omni.entrypoints.openai.checks import check_api_key
 from vllm_omni.entrypoints.openai.errors import error_response
-from vllm_omni.entrypoints.openai.protocol import ModelCard, ModelList
+from vllm_omni.entrypoints.openai.protocol import ModelEntry, ModelList
 from vllm_omni.entrypoints.openai.server_state import ServerState
 
 
@@ -34,11 +34,11 @@ async def list_models(raw_request: Request) -> ModelList:
     state: ServerState = raw_request.app.state.server
     base = state.serving.served_model_names[0]
     models = [
-        ModelCard(id=name, created=state.loaded_at, root=state.source.model)
+        ModelEntry(id=name, created=state.loaded_at, root=state.source.model)
         for name in state.serving.served_model_names
     ]
     adapters = [
-        ModelCard(id=m.name, created=state.loaded_at, root=m.path, parent=m.base_model_name or base)
+        ModelEntry(id=m.name, created=state.loaded_at, root=m.path, parent=m.base_model_name or base)
         for m in state.lora_adapters().values()
     ]
     return ModelList(data=models + adapters)

@@ -176,7 +176,10 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class ModelCard(BaseModel):
+class ModelEntry(BaseModel):
+    """One entry of ``GET /v1/models`` (OpenAI's model object): a served model name or a LoRA adapter. Not the
+    diffusion `ModelCard`, which says what a loaded pipeline takes."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -188,7 +191,7 @@ class ModelCard(BaseModel):
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[ModelEntry]
 
 
 class VideoGenerationRequest(BaseModel):
