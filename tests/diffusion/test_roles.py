@@ -3,9 +3,8 @@
 import pytest
 
 from vllm_omni.config import STAGE_TYPES
+from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.roles import ROLES
-from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS
-
 
 DIFFUSERS_STAGE_TYPES = sorted(t for t, spec in STAGE_TYPES.items() if spec.runs == "diffusers")
 

@@ -13,8 +13,9 @@ import torch
 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting, DiffusionPipeline, UNet2DConditionModel
 from PIL import Image
 
+from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.image_inputs import fitted_inputs
-from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS, load_pipeline
+from vllm_omni.diffusion.runner import load_pipeline
 from vllm_omni.diffusion.steppers import SPLIT, make_stepper
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.logger import init_logger
 from vllm_omni.sampling_params import LoraSelection
 
@@ -33,14 +34,7 @@ logger = init_logger(__name__)
 Selection = tuple[LoraSelection, ...]
 """What one row applies: its request's ``lora`` (empty: the base model)."""
 
-COMPONENT_KINDS = {
-    "text_encoder": "text",
-    "text_encoder_2": "text",
-    "text_encoder_3": "text",
-    "unet": "denoiser",
-    "transformer": "denoiser",
-    "transformer_2": "denoiser",
-}
+COMPONENT_KINDS = dict.fromkeys(TEXT_ENCODERS, "text") | dict.fromkeys(DENOISERS, "denoiser")
 """Which row list (`LoraAdapters.rows`) each pipeline component that may carry LoRA layers reads."""
 
 

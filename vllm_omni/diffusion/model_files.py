@@ -14,8 +14,9 @@ import shutil
 from collections.abc import Iterable, Iterator
 
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
+from vllm_omni.diffusion.components import DENOISERS
 from vllm_omni.diffusion.roles import ROLES
-from vllm_omni.diffusion.runner import DENOISERS, read_model_index
+from vllm_omni.diffusion.runner import read_model_index
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

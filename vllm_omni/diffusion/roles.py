@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
+from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.denoise import denoise_step
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
-from vllm_omni.diffusion.runner import DENOISERS, TEXT_ENCODERS, DiffusionRunner, check_batchable, read_model_index
+from vllm_omni.diffusion.runner import DiffusionRunner, check_batchable, read_model_index
 from vllm_omni.diffusion.steppers import (
     SPLIT,
     STEP_MODE,

@@ -15,6 +15,7 @@ import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.config.cache import WHOLE_CALL_BACKENDS
+from vllm_omni.diffusion.components import DENOISERS
 from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.lora import LoraAdapters
 from vllm_omni.diffusion.model_card import ModelCard
@@ -71,12 +72,6 @@ def check_batchable(pipeline_cls: type, max_num_seqs: int) -> None:
             f"{pipeline_cls.__name__} cannot batch requests: its __call__ does not take a list for "
             f"{' and '.join(missing)}. Set max_num_seqs=1 (--max-num-seqs 1) to serve it one request at a time."
         )
-
-
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
-"""The text-encoder components of the pipelines we serve."""
-DENOISERS = ("transformer", "transformer_2", "unet")
-"""The denoiser components of the pipelines we serve."""
 
 
 def read_model_index(model: str) -> dict[str, Any]:

@@ -1,0 +1,8 @@
+"""The component names of the pipelines served here, in one place: what a stage loads or skips (`roles`), what a
+download fetches (`model_files`) and which LoRA rows a component reads (`lora`) all name them from here."""
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+"""The text-encoder components of the pipelines we serve."""
+
+DENOISERS = ("transformer", "transformer_2", "unet")
+"""The denoiser components of the pipelines we serve."""
