@@ -2,7 +2,7 @@
 run a batch through it is in `denoise.py` (`run_isolated`, `denoise_step`).
 
 The request engine (`request_engine.py`) runs one call of the role per batch; the step engine (`step_engine.py`)
-one denoising step per round. `vllm_omni.engine.replica.make_engine` picks one by ``execution_mode``.
+one denoising step per round. `engines.make_engine` picks one by ``execution_mode``.
 """
 
 from __future__ import annotations

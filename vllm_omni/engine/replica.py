@@ -21,11 +21,9 @@ from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine_core import EngineCore
+from vllm_omni.diffusion.engines import make_engine
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.request_engine import RequestEngine
-from vllm_omni.diffusion.roles import ROLES
 from vllm_omni.diffusion.runner import parse_size
-from vllm_omni.diffusion.step_engine import StepEngine
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import Preview
@@ -69,15 +67,6 @@ def warm_up_params(card: ModelCard, compile_sizes: tuple[str, ...] = ()) -> list
 
 class ReplicaLostError(RuntimeError):
     """The replica's process died (or became unreachable) while it held the request."""
-
-
-ENGINES: dict[str, type[EngineCore]] = {"request": RequestEngine, "step": StepEngine}
-"""The engine of each ``execution_mode``."""
-
-
-def make_engine(od_config: OmniDiffusionConfig) -> EngineCore:
-    """The engine for the stage's ``execution_mode``, running the role of its ``stage_type``."""
-    return ENGINES[od_config.stage.execution_mode](od_config, ROLES[od_config.stage.stage_type])
 
 
 @runtime_checkable

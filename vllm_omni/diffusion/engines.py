@@ -1,0 +1,17 @@
+"""The engine of each ``execution_mode`` (`make_engine`): what a replica, inline or in a Ray actor, steps."""
+
+from __future__ import annotations
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine_core import EngineCore
+from vllm_omni.diffusion.request_engine import RequestEngine
+from vllm_omni.diffusion.roles import ROLES
+from vllm_omni.diffusion.step_engine import StepEngine
+
+ENGINES: dict[str, type[EngineCore]] = {"request": RequestEngine, "step": StepEngine}
+"""The engine of each ``execution_mode``."""
+
+
+def make_engine(od_config: OmniDiffusionConfig) -> EngineCore:
+    """The engine for the stage's ``execution_mode``, running the role of its ``stage_type``."""
+    return ENGINES[od_config.stage.execution_mode](od_config, ROLES[od_config.stage.stage_type])
