@@ -5,10 +5,10 @@
     python benchmarks/batching_sweep.py --fast [--baseline /tmp/before]   # 64x64, 1 and 4 steps, N = 1,4,8
     python benchmarks/batching_sweep.py --fast --model MY_MODEL --shapes 512x512:4   # your own model and shape
 
-For each N it starts `vllm serve MODEL --omni --max-num-seqs N` and two
-bench_offline worker processes holding the same pipeline, one that runs all
-torch work on its main thread and one that runs it on one dedicated thread. For
-each shape it then alternates, ``--blocks`` times: bench_serving at concurrency
+Two bench_offline worker processes, started once for the whole sweep, hold the
+same pipeline: one runs all torch work on its main thread and one runs it on one
+dedicated thread (each call takes its batch size). For each N it starts
+`vllm serve MODEL --omni --max-num-seqs N`, and for each shape it then alternates, ``--blocks`` times: bench_serving at concurrency
 N for ``--rounds`` requests per client, then ``--rounds`` direct batch-N
 pipeline calls in each worker. Blocks this short make the slow drifts of a
 shared machine hit both sides alike. Writes benchmarks/results/<name>.json,
@@ -106,7 +106,7 @@ class OfflineWorker:
 
 
 class Variant:
-    """One checkout under test: its server for this N and its two ceiling workers."""
+    """One checkout under test: its two ceiling workers (for the whole sweep) and its server for the N at hand."""
 
     def __init__(self, label: str, tree: str):
         self.label, self.tree = label, tree
@@ -131,15 +131,19 @@ def _server_args(n: int, shapes: list[Shape], wait_ms: float) -> list[str]:
     ]
 
 
-def _start(variants: list[Variant], model: str, n: int, shapes: list[Shape], args, stack: contextlib.ExitStack):
-    """Start every variant's workers (they load while the servers start), then its server; check imports."""
+def _start_workers(variants: list[Variant], model: str, args, stack: contextlib.ExitStack) -> None:
+    """Start every variant's ceiling workers, once: they take the batch size with each call, and they load while the
+    first servers start."""
     for variant in variants:
         for thread in THREADS:
-            worker = OfflineWorker(
-                model, thread, variant.tree, os.path.join(args.log_dir, f"worker-{variant.label}-{thread}-n{n}.log")
-            )
+            log = os.path.join(args.log_dir, f"worker-{variant.label}-{thread}.log")
+            worker = OfflineWorker(model, thread, variant.tree, log)
             stack.callback(worker.close)
             variant.workers[thread] = worker
+
+
+def _start(variants: list[Variant], model: str, n: int, shapes: list[Shape], args, stack: contextlib.ExitStack):
+    """Start every variant's server for N; check imports (the workers' once they are ready)."""
     for variant in variants:
         log = os.path.join(args.log_dir, f"server-{variant.label}-n{n}.log")
         # cli: a real `vllm serve` process, whose command `in_tree` rewrites to run the variant's checkout.
@@ -153,7 +157,7 @@ def _start(variants: list[Variant], model: str, n: int, shapes: list[Shape], arg
     for start in starts:
         start.result()
     for variant in variants:
-        workers = {thread: worker.wait_ready() for thread, worker in variant.workers.items()}
+        workers = {thread: worker.info or worker.wait_ready() for thread, worker in variant.workers.items()}
         seen = imported_from(variant.server.process.pid)
         variant.imports = {"tree": variant.tree, "server": seen, "server_ok": imports_ok(seen, variant.tree)}
         variant.imports["workers"] = workers
@@ -216,9 +220,8 @@ def _row(variant: Variant, shape: Shape, n: int, blocks: list[dict], args) -> di
     }
 
 
-def measure(model: str, n: int, shapes: list[Shape], args, trees: list[tuple[str, str]]) -> tuple[list[dict], dict]:
-    """Interleaved served and offline blocks for every shape at N, for every (label, tree) variant."""
-    variants = [Variant(label, tree) for label, tree in trees]
+def measure(model: str, n: int, shapes: list[Shape], args, variants: list[Variant]) -> tuple[list[dict], dict]:
+    """Interleaved served and offline blocks for every shape at N, for every variant."""
     rows = []
     with contextlib.ExitStack() as stack:
         _start(variants, model, n, shapes, args, stack)
@@ -478,9 +481,11 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, args.name)
     all_rows, imports = [], {}
-    with tempfile.TemporaryDirectory(prefix="batching-sweep-") as args.log_dir:
+    variants = [Variant(label, tree) for label, tree in trees]
+    with tempfile.TemporaryDirectory(prefix="batching-sweep-") as args.log_dir, contextlib.ExitStack() as workers:
+        _start_workers(variants, model, args, workers)
         for n in args.max_num_seqs.split(","):
-            rows_n, imports[f"N={n}"] = measure(model, int(n), shapes, args, trees)
+            rows_n, imports[f"N={n}"] = measure(model, int(n), shapes, args, variants)
             all_rows += rows_n
     rows = [r for r in all_rows if r["variant"] == "current"]
     baseline_rows = [r for r in all_rows if r["variant"] == "baseline"]

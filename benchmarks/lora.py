@@ -32,7 +32,7 @@ never waits either. Step mode takes no admission wait (0).
 
 The engines' torch work must not share a process: every thread that runs torch ops on the CPU brings its own OpenMP
 team, and a process holding more OpenMP threads than cores slows every forward (docs/performance.md). So each
-engine runs in a worker process of its own (spawned), whose one engine thread does all its torch work and whose
+engine runs in a worker process of its own (`engine_workers`), whose one engine thread does all its torch work and whose
 main thread runs none; the main process writes the tiny model and the adapters meanwhile, and only drives. Per
 mode, the LoRA engine (``mixed`` and ``adapter-in-key``) and the base engine are up together, each warmed up on
 every variant it serves, and each of the ``--reps`` reps runs the three variants in turn, the order alternating per

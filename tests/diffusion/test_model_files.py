@@ -82,6 +82,7 @@ import json, sys
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.diffusion.model_files import local_model_folder
 for repo, revision, token, stages in json.loads(sys.argv[1]):
+    sys.stdin.readline()  # the test's go: it counts the hub's downloads between calls
     try:
         folder = local_model_folder(ModelSource(repo, revision=revision, hf_token=token), stages)
         print(json.dumps({"folder": folder}), flush=True)
@@ -90,9 +91,11 @@ for repo, revision, token, stages in json.loads(sys.argv[1]):
 """
 
 
-def _download(hub, tmp_path, *calls) -> list[dict]:
-    """``local_model_folder`` for each ``(repo, revision, token, stage_types)`` in a process whose
-    ``huggingface_hub`` talks to ``hub`` (it reads ``HF_ENDPOINT`` at import), into a fresh cache."""
+def _download(hub, tmp_path, *calls) -> list[tuple[dict, list[str]]]:
+    """``local_model_folder`` for each ``(repo, revision, token, stage_types)`` in turn, in one process whose
+    ``huggingface_hub`` talks to ``hub`` (it reads ``HF_ENDPOINT`` at import), into a fresh cache: each call's
+    answer, and the paths the hub served for it (a call starts only when told to, and answers after its last
+    download was served)."""
     env = os.environ | {
         "HF_ENDPOINT": hub.url,
         "HF_HUB_OFFLINE": "0",
@@ -100,23 +103,29 @@ def _download(hub, tmp_path, *calls) -> list[dict]:
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
     }
-    out = subprocess.run(
-        [sys.executable, "-c", _DOWNLOAD, json.dumps(calls)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    command = [sys.executable, "-c", _DOWNLOAD, json.dumps(calls)]
+    answers = []
+    with subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as process:
+        for _ in calls:
+            before = len(hub.downloads)
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            line = process.stdout.readline()
+            assert line.startswith("{"), f"the download process exited {process.wait()} (its stderr is above)"
+            answers.append((json.loads(line), [path for _, _, path in hub.downloads[before:]]))
+        process.stdin.close()
+        assert process.wait(timeout=300) == 0
+    return answers
 
 
-@pytest.mark.slow  # each download is a fresh interpreter that imports the stack
+@pytest.mark.slow  # the downloads run in a fresh interpreter that imports the stack
 def test_a_download_fetches_each_needed_file_once_in_one_format(hub, tmp_path):
     """A split deployment's decode stage alone first (no text encoder, no denoiser), then all three stages: the
     rest, and nothing twice; the ``.bin`` copy, the README and the extras are never fetched."""
     repo = "tiny-org/flux-dup"
-    before = len(hub.downloads)
-    (decode,) = _download(hub, tmp_path, (repo, None, None, ["decode"]))
-    first = [path for _, _, path in hub.downloads[before:]]
-    (split,) = _download(hub, tmp_path, (repo, None, None, ["encode", "denoise", "decode"]))
-    second = [path for _, _, path in hub.downloads[before + len(first) :]]
+    (decode, first), (split, second) = _download(
+        hub, tmp_path, (repo, None, None, ["decode"]), (repo, None, None, ["encode", "denoise", "decode"])
+    )
 
     assert decode["folder"] == split["folder"]
     assert "vae/diffusion_pytorch_model.safetensors" in first and "model_index.json" in first
@@ -134,7 +143,7 @@ def test_a_download_fetches_each_needed_file_once_in_one_format(hub, tmp_path):
 
 @pytest.mark.slow
 def test_hub_failures_name_the_repo_the_revision_and_the_reason(hub, tmp_path):
-    missing, no_revision, gated, granted = _download(
+    (missing, _), (no_revision, _), (gated, _), (granted, _) = _download(
         hub,
         tmp_path,
         ("tiny-org/missing", None, None, ["diffusion"]),

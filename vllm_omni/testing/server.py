@@ -62,15 +62,22 @@ def free_port() -> int:
 _preloaded: multiprocessing.context.ForkServerContext | None = None
 
 
+def preloaded_context() -> multiprocessing.context.ForkServerContext:
+    """The `multiprocessing` forkserver whose preload imports the serving stack (`vllm_omni.testing.preloaded`),
+    started at its first use: a process forked from it skips the ~10 s of imports a spawned one pays. Servers
+    (`use_preloaded_servers`) and the benchmarks' engine workers share it, so one process imports the stack once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["vllm_omni.testing.preloaded"])  # one list for every caller: the first start wins
+    return context
+
+
 def use_preloaded_servers() -> None:
-    """From now on, `RemoteOmniServer` forks its servers from a forkserver that imports the stack once, when the
-    first server starts. A script that calls this needs the ``if __name__ == "__main__":`` guard, as any
-    `multiprocessing` user does (each fork imports the caller's main module)."""
+    """From now on, `RemoteOmniServer` forks its servers from `preloaded_context`. A script that calls this needs the
+    ``if __name__ == "__main__":`` guard, as any `multiprocessing` user does (each fork imports the caller's main
+    module)."""
     global _preloaded
     if _preloaded is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["vllm_omni.testing.preloaded"])
-        _preloaded = context
+        _preloaded = preloaded_context()
 
 
 def _serve_preloaded(argv: list[str], log_path: str | None, cwd: str) -> None:
