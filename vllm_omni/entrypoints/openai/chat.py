@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from PIL import Image
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from vllm_omni.entrypoints.openai import images as images_api
 from vllm_omni.entrypoints.openai import videos as videos_api
@@ -36,6 +36,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     ImageEditRequest,
     ImageGenerationRequest,
     VideoGenerationRequest,
+    api_names,
 )
 from vllm_omni.entrypoints.openai.uploads import decode_image
 from vllm_omni.metrics import prometheus as metrics
@@ -153,10 +154,11 @@ def _translate(
             code="model_not_supported",
         )
     prompt, urls = _prompt_and_images(body)
-    if not video:
-        params = _image_params(params)
-    fields = {"prompt": prompt, "model": body.model, **params}
     request_class = VideoGenerationRequest if video else ImageEditRequest if urls else ImageGenerationRequest
+    params = _api_fields(params, request_class)
+    if not video:
+        params = _image_size(params)
+    fields = {"prompt": prompt, "model": body.model, **params}
     try:
         request = request_class.model_validate(fields)
     except ValidationError as exc:  # answered as a body's schema errors are, naming the field
@@ -186,16 +188,23 @@ def _generation_params(body: ChatCompletionRequest) -> dict[str, Any]:
     return {**top, **nested}
 
 
-def _image_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Upstream's image parameter names as the Images API's: ``num_outputs_per_prompt`` is ``n``, and ``height``
-    with ``width`` is ``size``."""
+def _api_fields(params: dict[str, Any], request_class: type[BaseModel]) -> dict[str, Any]:
+    """Upstream's sampling-parameter names as the API's fields: each field that fills a sampling parameter of another
+    name (its `Sampling`) also takes that name, as ``n`` takes ``num_outputs_per_prompt``."""
     params = dict(params)
-    if "num_outputs_per_prompt" in params:
-        if "n" in params:
-            raise APIError(400, "give n or num_outputs_per_prompt, not both", param="n", code="invalid_value")
-        params["n"] = params.pop("num_outputs_per_prompt")
+    for sampling_name, field in api_names(request_class).items():
+        if sampling_name in params:
+            if field in params:
+                raise APIError(400, f"give {field} or {sampling_name}, not both", param=field, code="invalid_value")
+            params[field] = params.pop(sampling_name)
+    return params
+
+
+def _image_size(params: dict[str, Any]) -> dict[str, Any]:
+    """Upstream's ``height`` with ``width`` as the Images API's ``size``."""
     check_sides(params.get("size"), params.get("width"), params.get("height"))
     if "width" in params:
+        params = dict(params)
         width, height = params.pop("width"), params.pop("height")
         if not all(isinstance(side, int) and not isinstance(side, bool) for side in (width, height)):
             raise APIError(400, "width and height must be integers (pixels)", param="width", code="invalid_value")

@@ -6,10 +6,11 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.protocol import api_names, sampling_fields
 from vllm_omni.errors import SamplingParamsError, StageUnavailableError, UnknownLoraError
 from vllm_omni.sampling_params import ImageTask, OmniDiffusionSamplingParams
 
@@ -17,12 +18,9 @@ if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams
     from vllm_omni.entrypoints.openai.server_state import ServerState
 
-PIPELINE_EXTENSIONS = ("true_cfg_scale", "flow_shift", "guidance_scale_2", "boundary_ratio")
-"""The APIs' extension fields that travel in ``extra_args``: the model card refuses each one the pipeline cannot
-take, naming the field (`ModelCard.complete_params`)."""
-
-# Sampling-parameter names as the OpenAI APIs call them.
-API_PARAM = {"height": "size", "width": "size", "num_outputs_per_prompt": "n", "mask_image": "mask"}
+API_PARAM = {"height": "size", "width": "size", "mask_image": "mask"}
+"""The API field each of these sampling parameters is computed from by the routes, which an error about it names (a
+request field copied under another name is named by its `Sampling`: `api_names`)."""
 
 
 async def check_api_key(request: Request) -> None:
@@ -143,27 +141,28 @@ def check_sides(size: str | None, width: Any, height: Any) -> None:
         raise APIError(400, f"{sides[0]} needs {missing} too (or give size)", param=missing, code="invalid_value")
 
 
-def pipeline_extensions(body) -> dict[str, Any]:
-    """The `PIPELINE_EXTENSIONS` the request gave."""
-    return {name: getattr(body, name) for name in PIPELINE_EXTENSIONS if getattr(body, name, None) is not None}
+def _api_param(body: BaseModel, name: str) -> str:
+    """The request field that the sampling parameter (or ``extra_args`` key) ``name`` came from."""
+    return api_names(type(body)).get(name) or API_PARAM.get(name, name)
 
 
-def admit(state: ServerState, **fields) -> AdmittedParams:
+def admit(state: ServerState, body: BaseModel, **computed) -> AdmittedParams:
     """The request's parameters completed once (the model's defaults filled in: ``size: auto``, default steps...,
     and a seed drawn), within the operator's limits; every problem is a 400 naming the API field, and a full queue
-    a 429. It is local work (each stage admits from its model card; no replica is asked), so it runs on the event
-    loop."""
+    a 429. The parameters are the request's `Sampling` fields (`sampling_fields`) and those its route ``computed``
+    from other fields. It is local work (each stage admits from its model card; no replica is asked), so it runs on
+    the event loop."""
     try:
-        admitted = state.omni.admit(OmniDiffusionSamplingParams(**fields))
+        admitted = state.omni.admit(OmniDiffusionSamplingParams(**sampling_fields(body), **computed))
     except ValidationError as exc:  # beyond what any model accepts, e.g. a side over 16384 px
         error = exc.errors()[0]
-        param = API_PARAM.get(str(error["loc"][0]), str(error["loc"][0]))
+        param = _api_param(body, str(error["loc"][0]))
         raise APIError(400, f"{param}: {error['msg']}", param=param, code="invalid_value") from None
     except UnknownLoraError as exc:
         raise APIError(404, str(exc), param="lora", code="model_not_found") from None
     except SamplingParamsError as exc:
-        param = exc.param.removeprefix("extra_args.")  # the API's extensions that travel in extra_args
-        raise APIError(400, str(exc), param=API_PARAM.get(param, param), code="invalid_value") from None
+        param = _api_param(body, exc.param.removeprefix("extra_args."))  # the extensions in extra_args
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
     except StageUnavailableError as exc:
         raise APIError(503, f"Service unavailable: {exc}", code="service_unavailable") from None
     check_limits(admitted.params, state.serving)

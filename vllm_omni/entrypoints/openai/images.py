@@ -23,7 +23,6 @@ from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
     check_query,
     check_request,
-    pipeline_extensions,
     refusal_outcome,
     selected_adapters,
 )
@@ -126,22 +125,16 @@ def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
 
 def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "text", **inputs) -> AdmittedParams:
     """The request's complete parameters (model defaults filled in, the steps of its ``quality``, seed drawn), within
-    the operator's limits; ``inputs``: an edit's images, mask and strength, for ``task``."""
+    the operator's limits; ``inputs``: an edit's images and mask, for ``task``. Its `Sampling` fields are copied
+    (an edit's ``strength`` among them); the others are computed here."""
     width, height = body.dimensions() or (None, None)
     return admit(
         state,
+        body,
         height=height,
         width=width,
         num_inference_steps=quality_steps(state, body, task),
-        guidance_scale=body.guidance_scale,
-        num_outputs_per_prompt=body.n,
-        seed=body.seed,
-        negative_prompt=body.negative_prompt,
         lora=selected_adapters(state, body),
-        cache=body.cache,
-        enhance_prompt=body.enhance_prompt,
-        partial_images=body.partial_images,
-        extra_args=pipeline_extensions(body),
         **inputs,
     )
 
@@ -175,7 +168,7 @@ async def generate_images(
         _check(body, state, task="image")
         images = await read_images()
         timer.mark("validation")
-        return _admit(body, state, "image", image=images, strength=getattr(body, "strength", None))
+        return _admit(body, state, "image", image=images)
 
     return await _respond(raw_request, body, prepare)
 
@@ -215,7 +208,7 @@ async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse
         mask = openai_mask((await read_images(masks, "mask", state.serving))[0], images[0]) if masks else None
         raw_request.scope[_TIMER].mark("validation")
         task = "inpaint" if mask is not None else "image"
-        return _admit(body, state, task, image=images, mask_image=mask, strength=body.strength)
+        return _admit(body, state, task, image=images, mask_image=mask)
 
     return await _respond(raw_request, body, prepare)
 

@@ -1,11 +1,17 @@
-"""Request and response shapes of the OpenAI Images and Videos APIs, plus the extensions of docs/serving.md."""
+"""Request and response shapes of the OpenAI Images and Videos APIs, plus the extensions of docs/serving.md.
+
+A request field is one declaration in its request model: its type with bounds, its default, its docstring (the
+field's description in the OpenAPI schema and its row in docs/serving.md, `vllm_omni.entrypoints.openai.docs`) and,
+for a field that its route copies into the sampling parameters, a `Sampling` in its metadata."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
@@ -13,6 +19,54 @@ from vllm_omni.config.serving import QualityLevel
 from vllm_omni.sampling_params import MAX_LORA_SCALE, MAX_PARTIAL_IMAGES, MAX_SEED
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What makes a request field one that its route copies into the request's `OmniDiffusionSamplingParams` as it
+    is (``Annotated[T, Sampling()]``): under the sampling field ``name`` (the request field's own name when unset),
+    or with ``extra_args`` into ``extra_args`` (a keyword of the pipeline call, which the model card refuses naming
+    it where the pipeline cannot take it), there only when the request sets it. Admission (`sampling_fields`), the
+    ``param`` of an error about a sampling field (`api_names`) and the chat adapter's upstream names read it. Fields
+    that the route computes into sampling fields (``size``, ``quality``, ``seconds``, ``lora``) have none."""
+
+    name: str | None = None
+    """The `OmniDiffusionSamplingParams` field (or ``extra_args`` key) it fills, when its name differs."""
+
+    extra_args: bool = False
+    """It travels in ``extra_args``: an extension of one pipeline family rather than a sampling field of every one."""
+
+
+@functools.cache
+def sampled(model: type[BaseModel]) -> dict[str, Sampling]:
+    """The request model's fields that its route copies into the sampling parameters, each with its `Sampling`."""
+    return {
+        name: marker
+        for name, info in model.model_fields.items()
+        for marker in info.metadata
+        if isinstance(marker, Sampling)
+    }
+
+
+@functools.cache
+def api_names(model: type[BaseModel]) -> dict[str, str]:
+    """The request model's fields that fill a sampling field of another name, by that name (``n`` fills
+    ``num_outputs_per_prompt``)."""
+    return {marker.name: name for name, marker in sampled(model).items() if marker.name is not None}
+
+
+def sampling_fields(body: BaseModel) -> dict[str, Any]:
+    """The `OmniDiffusionSamplingParams` fields that the request's `Sampling` fields give, ``extra_args`` with the
+    extensions the request set."""
+    fields: dict[str, Any] = {}
+    extra_args: dict[str, Any] = {}
+    for name, marker in sampled(type(body)).items():
+        value = getattr(body, name)
+        if not marker.extra_args:
+            fields[marker.name or name] = value
+        elif value is not None:  # unset: left out, so the pipeline call keeps its own default
+            extra_args[marker.name or name] = value
+    return {**fields, "extra_args": extra_args}
 
 
 class LoraAdapterChoice(BaseModel):
@@ -41,53 +95,79 @@ def lora_from_form(value: Any) -> Any:
 class ImageGenerationRequest(BaseModel):
     """``POST /v1/images/generations``; unknown fields are rejected."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     prompt: str = Field(min_length=1)
+    """At most ``--max-prompt-length`` characters."""
     model: str | None = None
-    n: StrictInt = Field(default=1, ge=1, le=10)
+    """If given, one of the served model names, or a LoRA adapter's name, which applies it at scale 1
+    ([lora.md](lora.md)); else 404 ``model_not_found``."""
+    n: Annotated[StrictInt, Sampling("num_outputs_per_prompt")] = Field(default=1, ge=1, le=10)
+    """Images for the prompt. More than 1 needs a pipeline with ``num_images_per_prompt``."""
     size: str = "auto"
-    """``WIDTHxHEIGHT`` in pixels, or ``auto`` for the model's default."""
+    """``WIDTHxHEIGHT`` in pixels, or ``auto`` for the model's default size. ``width × height`` at most
+    ``--max-image-pixels``; each side a multiple of what the pipeline needs (at least 8)."""
     response_format: Literal["b64_json", "url", "file"] = "b64_json"
-    """``b64_json`` (as OpenAI's newest image model and upstream vllm-omni answer), ``url`` (a link to the image
-    store), or ``file``: the image's bytes themselves (a zip of them for several images), as upstream's."""
+    """``b64_json`` and ``url`` as in OpenAI (``url``: a link to the image store); ``file`` (upstream vllm-omni's):
+    the answer is the image itself, with its media type, or for ``n`` > 1 a zip (``application/zip``) of
+    ``image_0.png``, ``image_1.png``, ..."""
     output_format: Literal["png", "jpeg", "webp"] = "png"
-    """Case-insensitive; ``jpg`` is another name for ``jpeg``."""
+    """Encoding of the images; case-insensitive, and ``jpg`` is ``jpeg``."""
     output_compression: StrictInt | None = Field(default=None, ge=0, le=100)
-    """Quality for jpeg and webp, 0–100."""
+    """Quality for ``jpeg`` and ``webp`` only (given with ``png``: 400 naming the formats that take it). Unset:
+    quality 100."""
     quality: Literal["auto", "low", "medium", "high", "standard", "hd"] = "auto"
-    """Denoising steps by level (`image_usage.quality_steps`): ``standard`` is ``medium``, ``hd`` and ``auto`` are
-    ``high``; ``num_inference_steps`` wins over it."""
+    """The number of denoising steps ([quality](#quality-usage-and-openais-other-image-fields)): ``standard`` is
+    ``medium``, ``hd`` and ``auto`` are ``high``; ``num_inference_steps`` wins over it."""
     background: Literal["auto", "opaque", "transparent"] = "auto"
-    """``transparent`` is refused: the served pipelines make opaque RGB images."""
+    """The served pipelines make opaque RGB images: ``transparent`` is a 400 naming ``background``."""
     style: Literal["vivid", "natural"] | None = None
-    """DALL·E 3's style: accepted, changes nothing in generation."""
+    """DALL·E 3's style: accepted, changes nothing."""
     moderation: Literal["auto", "low"] = "auto"
-    """Accepted; no moderation model runs here."""
+    """Accepted: no moderation model runs here ([OpenAI's other image
+    fields](#quality-usage-and-openais-other-image-fields))."""
     safety_identifier: str | None = Field(default=None, max_length=64)
-    """An end user's stable id, logged with the request id when the request completes (``user`` when unset)."""
+    """An end user's stable id, logged with the request id when the request completes."""
     user: str | None = None
+    """Logged as ``safety_identifier`` is, when that is unset."""
     stream: bool = False
-    """Answer with server-sent events: ``partial_images`` previews, then each image (base64)."""
-    partial_images: StrictInt = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
-    """Previews streamed before the image (needs ``stream``); fewer when the request has too few steps."""
+    """Answer with [server-sent events](#streaming-partial-images) instead of one JSON object: ``partial_images``
+    previews, then each image (base64)."""
+    partial_images: Annotated[StrictInt, Sampling()] = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
+    """Previews streamed before each image; needs ``stream``. Fewer when the request has too few steps."""
     # Extensions.
-    negative_prompt: str | None = None
+    negative_prompt: Annotated[str | None, Sampling()] = None
+    """Extension. At most ``--max-prompt-length`` characters; 400 if the pipeline takes no ``negative_prompt``, or
+    if nothing would use it: on pipelines with ``true_cfg_scale`` (Flux, Qwen-Image) unless it is above 1, on the
+    others unless ``guidance_scale`` is above 1."""
     num_inference_steps: StrictInt | None = Field(default=None, ge=1)
-    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
-    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
-    """True classifier-free guidance with ``negative_prompt`` (Flux and Qwen-Image families)."""
-    flow_shift: float | None = Field(default=None, gt=0.0, le=100.0)
-    """The timestep shift of a flow-matching scheduler with a fixed one (SD3, Wan); refused where the scheduler
-    shifts by image size (Flux) or is not flow matching."""
-    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
+    """Extension. At most ``--max-inference-steps``. Unset: the steps of ``quality`` (by default the pipeline's
+    own)."""
+    guidance_scale: Annotated[float | None, Sampling()] = Field(default=None, ge=0.0, le=100.0)
+    """Extension. 400 if the pipeline takes no ``guidance_scale``, or has no guidance embedding to use it on
+    (FLUX.1-schnell, Qwen-Image: they guide with ``true_cfg_scale``). Unset: the pipeline's default."""
+    true_cfg_scale: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, ge=0.0, le=100.0)
+    """Extension. True classifier-free guidance with ``negative_prompt``, on pipelines that take it (Flux,
+    Qwen-Image, Kontext); elsewhere a 400 naming it. Above 1 without a ``negative_prompt`` it would do nothing: 400.
+    Unset: the pipeline's default."""
+    flow_shift: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, gt=0.0, le=100.0)
+    """Extension. The timestep shift of a flow-matching scheduler with a fixed one (SD3, Wan; sets its ``shift``,
+    or ``flow_shift`` for UniPC / DPM-Solver with flow sigmas) for this request alone; 400 where the scheduler shifts
+    by image size (FLUX.1's own folders) or is not flow matching (SD, SDXL). Unset: the scheduler's."""
+    seed: Annotated[StrictInt | None, Sampling()] = Field(default=None, ge=0, le=MAX_SEED)
+    """Extension. The same seed gives the same image, alone or batched (up to floating-point rounding). Unset: a
+    random one."""
     lora: LoraField = None
-    """LoRA adapters to apply (docs/lora.md); ``model: "<adapter>"`` selects one at scale 1."""
-    cache: bool = True
-    """Use the server's step cache (``--cache-backend``); ``false``: every block runs at every step."""
-    enhance_prompt: bool | None = None
-    """Let the deploy's llm stage rewrite the prompt (answered as ``revised_prompt``); ``false`` skips it, ``true``
-    is refused where no llm stage is deployed."""
+    """Extension. LoRA adapters to apply: ``{"name": ADAPTER, "scale": 1.0}``, or a list to stack adapters; scale
+    −8 to 8 ([lora.md](lora.md)). ``model: "<adapter>"`` selects one at scale 1. Also on edits (a form field holding
+    the JSON) and videos."""
+    cache: Annotated[bool, Sampling()] = True
+    """Extension. Use the server's step cache (``--cache-backend``); ``false``: every block runs at every step."""
+    enhance_prompt: Annotated[bool | None, Sampling()] = None
+    """Extension. Whether the deploy's ``llm`` stage rewrites the prompt first, answered as ``revised_prompt``
+    ([prompt enhancement](#prompt-enhancement-enhance_prompt-and-revised_prompt)): unset, if there is one; ``false``
+    skips it; ``true`` without an ``llm`` stage is a 400 naming ``enhance_prompt``. Also on edits, videos and
+    chat."""
 
     @field_validator("size")
     @classmethod
@@ -112,20 +192,25 @@ class ImageGenerationRequest(BaseModel):
 
 class ImageEditRequest(ImageGenerationRequest):
     """``POST /v1/images/edits``: its multipart form fields (the files, ``image`` / ``image[]`` and ``mask``, are read
-    apart). Form values arrive as text, so its integers are parsed from it."""
+    apart). Form values arrive as text, so its integers are parsed from it (`model_validate`)."""
 
-    n: int = Field(default=1, ge=1, le=10)
     size: str = "auto"
-    """``WIDTHxHEIGHT`` in pixels, or ``auto`` for the first image's size (rounded down to what the model needs)."""
-    output_compression: int | None = Field(default=None, ge=0, le=100)
-    partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
-    num_inference_steps: int | None = Field(default=None, ge=1)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    """``WIDTHxHEIGHT`` in pixels, or ``auto``: the first image's size, each side rounded down to the multiple the
+    model needs. The image (and mask) is resized to ``size`` (Lanczos) for image-to-image and inpainting; an
+    instruction-edit model sizes its input itself."""
     # Extensions.
-    strength: float | None = Field(default=None, gt=0.0, le=1.0)
-    """How far the input image is noised (image-to-image, inpainting); the model's variant's default when unset."""
+    strength: Annotated[float | None, Sampling()] = Field(default=None, gt=0.0, le=1.0)
+    """Extension: how far the image is noised. The request runs ``int(num_inference_steps × strength)`` steps; a
+    strength that leaves none is a 400. Refused by models that take no strength (instruction-edit models). Unset:
+    0.6 for image-to-image, 1.0 for inpainting."""
 
     _lora_from_form = field_validator("lora", mode="before")(lora_from_form)
+
+    @classmethod
+    def model_validate(cls, obj: Any, *, strict: bool | None = False, **kwargs: Any) -> ImageEditRequest:
+        """Not strict: the integers a JSON body must give as JSON integers (``StrictInt``) are parsed from a form's
+        text, with the same bounds."""
+        return super().model_validate(obj, strict=strict, **kwargs)
 
 
 class ImageData(BaseModel):
@@ -197,45 +282,60 @@ class ModelList(BaseModel):
 class VideoGenerationRequest(BaseModel):
     """``POST /v1/videos`` (JSON or form fields); unknown fields are rejected."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     prompt: str = Field(min_length=1)
+    """At most ``--max-prompt-length`` characters."""
     model: str | None = None
+    """One of the served model names (or a LoRA adapter's, as for images)."""
     size: str | None = None
-    """``WIDTHxHEIGHT`` in pixels; unset: the model's default (or ``width`` and ``height``)."""
+    """``WIDTHxHEIGHT`` in pixels: each side a multiple of 16 for Wan, ``width × height`` at most
+    ``--max-image-pixels``. Unset: the model's default (or ``width`` and ``height``)."""
     width: int | None = Field(default=None, ge=1)
-    """Extension (upstream vllm-omni's): the width in pixels, given with ``height`` instead of ``size``."""
+    """Extension (upstream vllm-omni's): the width in pixels, given with ``height`` instead of ``size``; with
+    ``size`` too, 400 naming them."""
     height: int | None = Field(default=None, ge=1)
     """Extension: the height in pixels, given with ``width`` instead of ``size``."""
     seconds: float | None = Field(default=None, gt=0, le=600)
-    """Duration at ``fps``; OpenAI sends it as a string such as ``"4"``."""
+    """Duration at ``fps`` (OpenAI sends it as a string such as ``"4"``): ``num_frames`` becomes the nearest valid
+    count (4k + 1 for Wan)."""
     num_frames: int | None = Field(default=None, ge=1)
-    """Extension: the frame count itself (instead of ``seconds``)."""
-    fps: int | None = Field(default=None, ge=1, le=240)
-    negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(default=None, ge=1)
-    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
-    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=100.0)
-    """True classifier-free guidance with ``negative_prompt``, for pipelines that take it (Wan's ``guidance_scale``
-    is true guidance already: it refuses this)."""
-    flow_shift: float | None = Field(default=None, gt=0.0, le=100.0)
-    """Extension: the timestep shift of the scheduler (Wan's ``flow_shift``), as for images."""
-    guidance_scale_2: float | None = Field(default=None, ge=0.0, le=100.0)
-    """Extension: the low-noise expert's guidance of a two-expert Wan 2.2 folder (``guidance_scale`` when unset)."""
-    boundary_ratio: float | None = Field(default=None, gt=0.0, lt=1.0)
-    """Extension: where a two-expert Wan 2.2 folder's low-noise expert takes over, as a fraction of the training
-    timesteps (the folder's own when unset)."""
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    """Extension: the frame count itself, instead of ``seconds``; 4k + 1 for Wan; at most ``--max-video-frames``.
+    Unset: the model's default (81 for Wan)."""
+    fps: Annotated[int | None, Sampling()] = Field(default=None, ge=1, le=240)
+    """Extension: the frame rate of the MP4. Unset: 16."""
+    negative_prompt: Annotated[str | None, Sampling()] = None
+    """Extension, as for images: at most ``--max-prompt-length`` characters; on Wan it needs ``guidance_scale``
+    above 1."""
+    num_inference_steps: Annotated[int | None, Sampling()] = Field(default=None, ge=1)
+    """Extension: at most ``--max-inference-steps``. Unset: the pipeline's default."""
+    guidance_scale: Annotated[float | None, Sampling()] = Field(default=None, ge=0.0, le=100.0)
+    """Extension, as for images (Wan's is true classifier-free guidance). Unset: the pipeline's default."""
+    true_cfg_scale: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, ge=0.0, le=100.0)
+    """Extension: true classifier-free guidance with ``negative_prompt``, for pipelines that take it (Wan's
+    ``guidance_scale`` is true guidance already: it refuses this). Unset: the pipeline's default."""
+    flow_shift: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, gt=0.0, le=100.0)
+    """Extension, as for images: the timestep shift of the scheduler (Wan's ``flow_shift``). Unset: the
+    scheduler's."""
+    guidance_scale_2: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, ge=0.0, le=100.0)
+    """Extension for two-expert Wan 2.2 folders (``transformer_2`` and ``boundary_ratio`` in
+    ``model_index.json``): the low-noise expert's guidance. A one-expert folder refuses it naming it; step mode
+    refuses two-expert folders at start-up. Unset: ``guidance_scale``."""
+    boundary_ratio: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, gt=0.0, lt=1.0)
+    """Extension for two-expert Wan 2.2 folders: where the low-noise expert takes over, as a fraction of the
+    training timesteps. A one-expert folder refuses it naming it. Unset: the folder's."""
+    seed: Annotated[int | None, Sampling()] = Field(default=None, ge=0, le=MAX_SEED)
+    """Extension, as for images. Unset: a random one."""
     lora: LoraField = None
-    """LoRA adapters to apply (docs/lora.md); JSON text in a form."""
-    cache: bool = True
+    """Extension: LoRA adapters to apply, as for images ([lora.md](lora.md)); JSON text in a form."""
+    cache: Annotated[bool, Sampling()] = True
     """Extension: use the server's step cache (``--cache-backend``); ``false``: every block runs at every step."""
-    enhance_prompt: bool | None = None
-    """Extension: let the deploy's llm stage rewrite the prompt (the job's ``revised_prompt``); ``false`` skips it,
-    ``true`` is refused where no llm stage is deployed."""
-    partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
-    """Extension: previews of the running job (0–3), each shown by ``GET /v1/videos/{id}/content?variant=thumbnail``
-    while it runs (the job's ``preview_index`` counts them)."""
+    enhance_prompt: Annotated[bool | None, Sampling()] = None
+    """Extension, as for images: let the deploy's ``llm`` stage rewrite the prompt (the job's ``revised_prompt``);
+    ``false`` skips it, ``true`` without an ``llm`` stage is a 400."""
+    partial_images: Annotated[int, Sampling()] = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
+    """Extension: previews of the running job, each shown by ``GET /v1/videos/{id}/content?variant=thumbnail``
+    while it runs; the job's ``preview_index`` counts them."""
 
     _lora_from_form = field_validator("lora", mode="before")(lora_from_form)
 

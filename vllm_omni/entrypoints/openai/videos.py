@@ -23,7 +23,6 @@ from vllm_omni.entrypoints.openai.checks import (
     check_query,
     check_request,
     check_sides,
-    pipeline_extensions,
     refusal_outcome,
     selected_adapters,
 )
@@ -323,7 +322,8 @@ def _check(state: ServerState, body: VideoGenerationRequest, task: ImageTask) ->
 
 def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.Image] | None) -> AdmittedParams:
     """The job's complete parameters (model defaults filled in, seed drawn), within the operator's limits;
-    ``image``: its ``input_reference`` (image-to-video)."""
+    ``image``: its ``input_reference`` (image-to-video). Its `Sampling` fields are copied; the others are computed
+    here."""
     num_frames = body.num_frames
     if body.seconds is not None:
         step = state.omni.model_card.frame_multiple
@@ -331,20 +331,12 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
     width, height = body.dimensions() or (None, None)
     admitted = admit(
         state,
+        body,
         height=height,
         width=width,
         num_frames=num_frames,
-        fps=body.fps,
-        num_inference_steps=body.num_inference_steps,
-        guidance_scale=body.guidance_scale,
-        seed=body.seed,
-        negative_prompt=body.negative_prompt,
         image=image,
         lora=selected_adapters(state, body),
-        cache=body.cache,
-        enhance_prompt=body.enhance_prompt,
-        partial_images=body.partial_images,
-        extra_args=pipeline_extensions(body),
     )
     num_frames = admitted.params.num_frames
     if num_frames > state.serving.max_video_frames:

@@ -1,0 +1,82 @@
+"""A request field is one declaration in its request model (protocol.py): a `Sampling` in its metadata says that the
+route copies it into the sampling parameters (under which name, or into ``extra_args``); admission, the error's
+``param`` and the chat adapter's upstream names follow from it, and the OpenAPI schema carries its docstring."""
+
+import json
+
+import pytest
+
+from vllm_omni.entrypoints.openai.protocol import (
+    ImageEditRequest,
+    ImageGenerationRequest,
+    VideoGenerationRequest,
+    api_names,
+    sampled,
+    sampling_fields,
+)
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+REQUESTS = (ImageGenerationRequest, ImageEditRequest, VideoGenerationRequest)
+
+
+@pytest.mark.parametrize("model", REQUESTS)
+def test_a_sampling_field_fills_a_sampling_parameter_and_an_extension_a_pipeline_keyword(model):
+    for name, marker in sampled(model).items():
+        target = marker.name or name
+        assert (target in OmniDiffusionSamplingParams.model_fields) != marker.extra_args, (model.__name__, name)
+
+
+def test_an_images_body_gives_its_sampling_fields_under_their_sampling_names():
+    body = ImageGenerationRequest(prompt="a cat", n=2, seed=7, true_cfg_scale=4.0, negative_prompt="blurry")
+    assert sampling_fields(body) == {
+        "num_outputs_per_prompt": 2,
+        "partial_images": 0,
+        "negative_prompt": "blurry",
+        "guidance_scale": None,
+        "seed": 7,
+        "cache": True,
+        "enhance_prompt": None,
+        "extra_args": {"true_cfg_scale": 4.0},  # flow_shift is unset: left to the pipeline
+    }
+    assert api_names(ImageGenerationRequest) == {"num_outputs_per_prompt": "n"}
+    # The route computes these from other fields (size, quality, lora).
+    assert not {"width", "height", "num_inference_steps", "lora"} & set(sampling_fields(body))
+
+
+def test_an_edit_copies_its_strength_and_parses_a_forms_integers():
+    body = ImageEditRequest.model_validate({"prompt": "a door", "n": "2", "seed": "3", "strength": "0.5"})
+    fields = sampling_fields(body)
+    assert (fields["num_outputs_per_prompt"], fields["seed"], fields["strength"]) == (2, 3, 0.5)
+    with pytest.raises(ValueError, match="valid integer"):  # a JSON body gives JSON integers
+        ImageGenerationRequest.model_validate({"prompt": "a door", "n": "2"})
+
+
+def test_a_videos_body_copies_its_steps_and_its_wan_extensions():
+    body = VideoGenerationRequest(prompt="a wave", num_inference_steps=3, fps=8, guidance_scale_2=2.0, seconds=1)
+    fields = sampling_fields(body)
+    assert (fields["num_inference_steps"], fields["fps"]) == (3, 8)
+    assert fields["extra_args"] == {"guidance_scale_2": 2.0}
+    assert not {"width", "height", "num_frames", "seconds", "lora"} & set(fields)
+    assert api_names(VideoGenerationRequest) == {}
+
+
+@pytest.mark.slow  # the app's routes import the stack
+def test_the_openapi_schema_carries_the_docstrings_and_no_marker(tiny_flux):
+    from fastapi.testclient import TestClient
+
+    from vllm_omni.entrypoints.cli.serve import build_serve_config, make_serve_parser, parse_serve_args
+    from vllm_omni.entrypoints.openai.app import build_app
+
+    parser = make_serve_parser("vllm serve")
+    args, explicit = parse_serve_args(parser, [tiny_flux])
+    client = TestClient(build_app(*build_serve_config(parser, args, explicit), on_fatal=print))  # no model load
+    response = client.get("/openapi.json")
+    assert response.status_code == 200
+    schema = response.json()
+    properties = schema["components"]["schemas"]["ImageGenerationRequest"]["properties"]
+    assert {name: p.get("description") for name, p in properties.items()} == {
+        name: info.description for name, info in ImageGenerationRequest.model_fields.items()
+    }
+    form = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert form["properties"]["strength"]["description"] == ImageEditRequest.model_fields["strength"].description
+    assert "Sampling" not in json.dumps(schema)
