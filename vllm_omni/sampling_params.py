@@ -21,8 +21,9 @@ MAX_PARTIAL_IMAGES = 3
 """Most previews one request may ask for (OpenAI's limit)."""
 
 
-class LoraSelection(BaseModel):
-    """One LoRA adapter a request applies, and how strongly (docs/lora.md)."""
+class LoraChoice(BaseModel):
+    """One LoRA adapter a request applies, and how strongly (docs/lora.md): an entry of a request's ``lora``, in
+    Python and over HTTP alike."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -30,6 +31,11 @@ class LoraSelection(BaseModel):
     """The adapter's name (``--lora-modules name=path``, or ``/v1/load_lora_adapter``)."""
     scale: float = Field(default=1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
     """Multiplier of the adapter's delta, as diffusers' ``set_adapters`` weight (1: as trained; 0: off)."""
+
+
+class LoraSelection(LoraChoice):
+    """A `LoraChoice` with where its adapter is read from, which the engine sets when it admits the request."""
+
     path: str | None = None
     """Where the adapter is read from: the engine sets it from its adapters when it admits the request; a caller
     leaves it unset."""

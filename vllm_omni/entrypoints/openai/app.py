@@ -13,11 +13,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.entrypoints.openai.basic import build_basic_router
+from vllm_omni.entrypoints.openai.health import build_health_router
 from vllm_omni.entrypoints.openai.chat import build_chat_router
 from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
 from vllm_omni.entrypoints.openai.images import build_images_router
-from vllm_omni.entrypoints.openai.lora import build_lora_router, runtime_updating_allowed
+from vllm_omni.entrypoints.openai.models import build_models_router
 from vllm_omni.entrypoints.openai.playground import build_playground_router
 from vllm_omni.entrypoints.openai.server_state import ServerState, load_and_warm_up
 from vllm_omni.entrypoints.openai.uploads import UPLOAD_PATHS, upload_body_limit
@@ -95,12 +95,11 @@ def build_app(
             allow_credentials=serving.allow_credentials,
         )
     add_error_handlers(app)
-    app.include_router(build_basic_router())
+    app.include_router(build_health_router())
+    app.include_router(build_models_router())
     app.include_router(build_images_router())
     app.include_router(build_videos_router())
     app.include_router(build_chat_router())
-    if runtime_updating_allowed():
-        app.include_router(build_lora_router())
     if not serving.disable_playground:
         app.include_router(build_playground_router())
     return app

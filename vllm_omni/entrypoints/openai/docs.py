@@ -12,11 +12,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from vllm_omni.sampling_params import LoraChoice
 from vllm_omni.doc_tables import default, field_type, meaning, regenerate, replace_between
 from vllm_omni.entrypoints.openai.protocol import (
     ImageEditRequest,
     ImageGenerationRequest,
-    LoraAdapterChoice,
     VideoGenerationRequest,
 )
 
@@ -28,8 +28,8 @@ _WRITTEN_AS = {
     int: "integer",
     float: "number",
     bool: "boolean",
-    LoraAdapterChoice: "object",
-    list[LoraAdapterChoice]: "list",
+    LoraChoice: "object",
+    list[LoraChoice]: "list",
 }
 """JSON's names of the types (as OpenAI's API reference writes them)."""
 

@@ -18,13 +18,11 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
-    admit,
     check_api_key,
     check_query,
     check_request,
-    refusal_outcome,
-    selected_adapters,
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.edit_form import FILE_FIELDS, edit_form_schema, read_edit_form

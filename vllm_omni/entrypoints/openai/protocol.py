@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from vllm_omni.config.serving import QualityLevel
-from vllm_omni.sampling_params import MAX_LORA_SCALE, MAX_PARTIAL_IMAGES, MAX_SEED
+from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, LoraChoice
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
@@ -69,16 +69,7 @@ def sampling_fields(body: BaseModel) -> dict[str, Any]:
     return {**fields, "extra_args": extra_args}
 
 
-class LoraAdapterChoice(BaseModel):
-    """One entry of the ``lora`` extension: an adapter the server serves, and its scale."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    scale: float = Field(default=1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
-
-
-LoraField = LoraAdapterChoice | list[LoraAdapterChoice] | None
+LoraField = LoraChoice | list[LoraChoice] | None
 """``lora``: one adapter, or a list of them to stack."""
 
 

@@ -17,14 +17,12 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
+from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
-    admit,
     check_api_key,
     check_query,
     check_request,
     check_sides,
-    refusal_outcome,
-    selected_adapters,
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError

@@ -1,14 +1,12 @@
-"""The routes besides the generation APIs: ``/health``, ``/metrics`` and ``/v1/models``."""
+"""What an operator's probes read: ``GET /health`` (is every stage up) and ``GET /metrics`` (Prometheus)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from vllm_omni.entrypoints.openai.checks import check_api_key
 from vllm_omni.entrypoints.openai.errors import error_response
-from vllm_omni.entrypoints.openai.protocol import ModelEntry, ModelList
 from vllm_omni.entrypoints.openai.server_state import ServerState
 
 
@@ -30,23 +28,8 @@ async def prometheus_metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def list_models(raw_request: Request) -> ModelList:
-    state: ServerState = raw_request.app.state.server
-    base = state.serving.served_model_names[0]
-    models = [
-        ModelEntry(id=name, created=state.loaded_at, root=state.source.model)
-        for name in state.serving.served_model_names
-    ]
-    adapters = [
-        ModelEntry(id=m.name, created=state.loaded_at, root=m.path, parent=m.base_model_name or base)
-        for m in state.lora_adapters().values()
-    ]
-    return ModelList(data=models + adapters)
-
-
-def build_basic_router() -> APIRouter:
+def build_health_router() -> APIRouter:
     router = APIRouter()
     router.add_api_route("/health", health, methods=["GET"])
     router.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
-    router.add_api_route("/v1/models", list_models, methods=["GET"], dependencies=[Depends(check_api_key)])
     return router

@@ -1,5 +1,6 @@
-"""vLLM's runtime LoRA routes: ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``, served only
-when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true, as in vLLM, and behind the API key (docs/lora.md)."""
+"""What the server serves, as vLLM's ``serving_models`` owns it: ``GET /v1/models`` (the served model names and the
+LoRA adapters), and vLLM's runtime LoRA routes ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``,
+served only when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true, as in vLLM. All behind the API key (docs/lora.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from fastapi.responses import PlainTextResponse
 from vllm_omni.diffusion.lora import LoraLoadError
 from vllm_omni.entrypoints.openai.checks import check_api_key
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.protocol import ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from vllm_omni.entrypoints.openai.protocol import (
+    ErrorResponse,
+    LoadLoRAAdapterRequest,
+    ModelEntry,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
 from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.errors import UnknownLoraError
 
@@ -60,8 +67,25 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw_request: Reque
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def build_lora_router() -> APIRouter:
+async def list_models(raw_request: Request) -> ModelList:
+    state: ServerState = raw_request.app.state.server
+    base = state.serving.served_model_names[0]
+    models = [
+        ModelEntry(id=name, created=state.loaded_at, root=state.source.model)
+        for name in state.serving.served_model_names
+    ]
+    adapters = [
+        ModelEntry(id=m.name, created=state.loaded_at, root=m.path, parent=m.base_model_name or base)
+        for m in state.lora_adapters().values()
+    ]
+    return ModelList(data=models + adapters)
+
+
+def build_models_router() -> APIRouter:
     router = APIRouter(dependencies=[Depends(check_api_key)])
+    router.add_api_route("/v1/models", list_models, methods=["GET"])
+    if not runtime_updating_allowed():
+        return router
     responses = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
     for path, endpoint in (
         ("/v1/load_lora_adapter", load_lora_adapter),
