@@ -11,13 +11,14 @@ if TYPE_CHECKING:
     from vllm_omni.entrypoints.async_omni import AsyncOmni
     from vllm_omni.entrypoints.omni import Omni
     from vllm_omni.errors import RequestAbortedError, RequestFailedError, SamplingParamsError, StageUnavailableError
-    from vllm_omni.outputs import OmniRequestOutput, RequestMetrics
+    from vllm_omni.outputs import IgnoredField, OmniRequestOutput, RequestMetrics
     from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 # The public names resolve on first use: importing the engines pulls in torch, diffusers and vLLM (seconds), which
 # `import vllm_omni.config` (the CLI's argument checks, the deploy YAML loader) and the unit tests do not need.
 _PUBLIC = {
     "AsyncOmni": "vllm_omni.entrypoints.async_omni",
+    "IgnoredField": "vllm_omni.outputs",
     "Omni": "vllm_omni.entrypoints.omni",
     "OmniDiffusionSamplingParams": "vllm_omni.sampling_params",
     "OmniRequestOutput": "vllm_omni.outputs",
@@ -31,6 +32,7 @@ _PUBLIC = {
 # Spelled out (not derived from the table) so that linters and type checkers read it.
 __all__ = [
     "AsyncOmni",
+    "IgnoredField",
     "Omni",
     "OmniDiffusionSamplingParams",
     "OmniRequestOutput",

@@ -83,6 +83,20 @@ def across_stages(stages: list[StageMetrics], denoiser_id: int) -> RequestMetric
 
 
 @dataclass(frozen=True)
+class IgnoredField:
+    """A request field that the served model would not use (a negative prompt without the guidance that reads it,
+    a guidance scale without a guidance embedding, ...). Admission drops it, so the pipeline never sees it and the
+    request makes what it makes without it; it is reported, never silent (docs/serving.md, "Ignored fields"), and
+    refused as `SamplingParamsError` with the same ``param`` and message under ``strict_fields``."""
+
+    param: str
+    """The sampling parameter, named as `SamplingParamsError.param` names one (``extra_args.KEY`` for an
+    extension)."""
+    reason: str
+    """Why the model would not use it, and what would make it act: its refusal's message under ``strict_fields``."""
+
+
+@dataclass(frozen=True)
 class Preview:
     """One partial result of a request: ``index`` counts from 0; ``images`` holds one image per output (for a
     video model, one frame of each video)."""
@@ -113,6 +127,8 @@ class OmniRequestOutput:
     revised_prompt: str | None = None
     """The prompt the deploy's llm stage wrote from ``prompt``, which the diffusion stages ran on; ``None`` when no
     llm stage ran (none is deployed, or the request set ``enhance_prompt=False``)."""
+    ignored_fields: list[IgnoredField] = field(default_factory=list)
+    """The fields of its sampling parameters that the model would not use: dropped before it ran."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Instruction-edit and image-to-video models served as they are, through `Omni`: a batched edit equals the stock
-pipeline called alone, row for row (their tiny random weights barely use the image, so the bar is tight), and
-what a model cannot take is refused naming the field."""
+pipeline called alone, row for row (their tiny random weights barely use the image, so the bar is tight), what a
+model cannot take is refused naming the field, and what it would not use is dropped with a warning."""
 
 import numpy as np
 import pytest
@@ -49,9 +49,11 @@ def test_batched_instruction_edits_equal_the_stock_pipeline_alone(family, extra,
         with pytest.raises(SamplingParamsError) as refused:
             omni.generate(["x"], OmniDiffusionSamplingParams(image=images[0], mask_image=square_mask()))
         assert refused.value.param == "mask_image"
-        with pytest.raises(SamplingParamsError) as refused:
-            omni.generate(["x"], OmniDiffusionSamplingParams(image=images[0], strength=0.5))
-        assert refused.value.param == "strength"
+        with pytest.warns(UserWarning, match="strength ignored: strength is not accepted by"):
+            (dropped,) = omni.generate(
+                ["x"], OmniDiffusionSamplingParams(image=images[0], strength=0.5, num_inference_steps=2)
+            )
+        assert [field.param for field in dropped.ignored_fields] == ["strength"]  # it conditions on the image
     for i, output in enumerate(outputs):
         assert output.metrics["batch_size"] == 2
         expected = stock(model, PROMPTS[i], images[i], 5 + i, n=2, **extra)

@@ -1,5 +1,8 @@
-"""No accepted field is silently ignored: for each family, every sampling field the HTTP APIs map onto (and the
-pipeline extensions they pass through) either changes the output or is refused naming itself."""
+"""No field is silently ignored: for each family, every sampling field the HTTP APIs map onto (and the pipeline
+extensions they pass through) either changes the output or is dropped with a warning naming it, the output then the
+one the request makes without it (``strict_fields`` refuses it instead: test_omni_ignored_fields)."""
+
+import warnings
 
 import numpy as np
 import pytest
@@ -27,9 +30,9 @@ VARIANTS = {
 """Each field's variant of `BASE` (given the field it needs to act, where it needs one)."""
 
 _NO_TRUE_CFG = {"true_cfg_scale", "true_cfg_scale with negative_prompt"}
-REFUSED = {
+IGNORED = {
     # True CFG guides with a negative prompt: each alone would do nothing. (The tiny Flux's scheduler has a fixed
-    # shift; FLUX.1's own shifts by image size, and refuses flow_shift: test_model_card.)
+    # shift; FLUX.1's own shifts by image size, and drops flow_shift: test_model_card.)
     "flux": {"negative_prompt", "negative_prompt with guidance", "true_cfg_scale"},
     # No guidance embedding either.
     "flux_schnell": {"guidance_scale", "negative_prompt", "negative_prompt with guidance", "true_cfg_scale"},
@@ -39,7 +42,7 @@ REFUSED = {
     "sd3": _NO_TRUE_CFG,
     "wan": _NO_TRUE_CFG,
 }
-"""The variants each family refuses; it runs every other one, and each changes the output."""
+"""The variants in which each family drops a field it would not use; every other one changes the output."""
 
 
 def _pixels(output) -> list[np.ndarray]:
@@ -60,18 +63,29 @@ def _params(family: str, **fields) -> OmniDiffusionSamplingParams:
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_each_field_changes_the_output_or_is_refused(family_omni, name):
+def test_each_field_changes_the_output_or_is_dropped_with_a_warning(family_omni, name):
     family, omni = family_omni
     base = _pixels(omni.generate(["a red fox"], _params(family))[0])
     variant = VARIANTS[name]
-    try:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         output = omni.generate(["a red fox"], _params(family, **variant))[0]
-    except ValueError as exc:  # it names the field, or the one it came with
-        assert name in REFUSED[family], f"{family}: {name} was refused: {exc}"
-        assert any(field in str(exc) for field in [*variant, *variant.get("extra_args", {})]), exc
-        return
-    assert name not in REFUSED[family], f"{family}: {name} was accepted"
     assert output.error is None, output.error
+    warned = [str(w.message) for w in caught if " ignored: " in str(w.message)]  # not the libraries' own
+    dropped = [field.param for field in output.ignored_fields]
+    if dropped:  # each one of the variant's fields, named in one warning, and the output is the one without them
+        assert name in IGNORED[family], f"{family}: {name} was dropped: {output.ignored_fields}"
+        args = {f"extra_args.{key}" for key in variant.get("extra_args", {})}
+        assert set(dropped) <= set(variant) | args, dropped
+        assert len(warned) == 1 and all(f"{param} ignored: " in warned[0] for param in dropped), warned
+        without = {k: v for k, v in variant.items() if k not in dropped and k != "extra_args"}
+        extra = {k: v for k, v in variant.get("extra_args", {}).items() if f"extra_args.{k}" not in dropped}
+        alone = omni.generate(["a red fox"], _params(family, **without, extra_args=extra))[0]
+        assert not alone.ignored_fields
+        assert all(np.array_equal(a, b) for a, b in zip(_pixels(output), _pixels(alone), strict=True))
+        return
+    assert name not in IGNORED[family], f"{family}: {name} was accepted"
+    assert not warned, warned
     varied = _pixels(output)
     changed = len(varied) != len(base) or any(
         a.shape != b.shape or np.abs(a - b).max() > 2 for a, b in zip(varied, base, strict=False)

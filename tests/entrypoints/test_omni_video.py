@@ -105,7 +105,10 @@ def test_a_two_expert_wan_takes_guidance_scale_2_and_boundary_ratio_as_stock(tin
             assert np.abs(_frames(moved.videos[0]) - base).max() > 2, variant
 
 
-def test_a_one_expert_wan_refuses_the_two_expert_knobs(omni):
+def test_a_one_expert_wan_drops_the_two_expert_knobs_with_a_warning(omni):
+    plain = omni.generate(["x"], _params(seed=4))[0]
     for arg in ("guidance_scale_2", "boundary_ratio"):
-        with pytest.raises(SamplingParamsError, match=f"{arg} applies to two-expert Wan 2.2 folders"):
-            omni.generate(["x"], _params(extra_args={arg: 0.5}))
+        with pytest.warns(UserWarning, match=f"extra_args.{arg} ignored: {arg} applies to two-expert Wan 2.2 folders"):
+            output = omni.generate(["x"], _params(seed=4, extra_args={arg: 0.5}))[0]
+        assert [field.param for field in output.ignored_fields] == [f"extra_args.{arg}"]
+        assert np.array_equal(_frames(output.videos[0]), _frames(plain.videos[0]))

@@ -57,6 +57,10 @@ class ServingConfig(BaseModel):
     disable_playground: bool = False
     """Do not serve the playground page at ``/`` and ``/playground`` (they answer 404)."""
 
+    strict_fields: bool = False
+    """Refuse (400) a request field the served model would not use, instead of accepting it with a ``Warning``
+    header."""
+
     max_waiting_requests: int = Field(default=64, ge=0)
     """Requests that may wait for a batch; one more is answered 429 at once instead of queueing."""
 

@@ -8,11 +8,13 @@ every stage admits a request where the request arrives, with no call to a replic
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.errors import SamplingParamsError
+from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
 
 DEFAULT_VIDEO_FPS = 16
@@ -99,6 +101,9 @@ class ModelCard:
     flow_matching: bool = False
     """Whether its scheduler is a flow-matching one, whose image pipelines count the steps a strength keeps
     differently (`strength_offset`)."""
+    max_sequence_length: int | None = None
+    """The largest ``max_sequence_length`` (the prompt's tokens for its T5-style text encoder) its call takes
+    (`sequence_limit`); ``None``: its call takes no ``max_sequence_length``."""
     variants: Mapping[str, ModelCard] = field(default_factory=dict)
     """Cards of the pipelines it serves image tasks with (``image``: image-to-image, ``inpaint``), built on its
     components with ``from_pipe``; empty for a pipeline that takes ``image`` itself or has no such variant."""
@@ -183,29 +188,44 @@ class ModelCard:
             max_images=MAX_INPUT_IMAGES if name in _SEVERAL_IMAGES else 1,
             batches_images=name not in _ONE_IMAGE_PER_CALL,
             flow_matching="FlowMatch" in type(getattr(pipeline, "scheduler", None)).__name__,
+            max_sequence_length=sequence_limit(pipeline_class, defaults),
             variants={}
             if image is not None or pipeline_class is not type(pipeline)
             else {task: cls.of(pipeline, variant) for task, variant in image_variants(name).items()},
         )
 
-    def complete_params(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
-        """Fill unset fields with the defaults of the pipeline that serves the request's task; raise
-        `SamplingParamsError` for what it cannot take."""
+    def complete_params(
+        self, params: OmniDiffusionSamplingParams
+    ) -> tuple[OmniDiffusionSamplingParams, tuple[IgnoredField, ...]]:
+        """Fill unset fields with the defaults of the pipeline that serves the request's task, and drop the fields
+        it would not use, each an `IgnoredField` (in the order they are checked); raise `SamplingParamsError` for
+        what it cannot take."""
         card = self.for_task(params.task)
         if params.image is not None and len(params.image) > card.max_images:
             raise SamplingParamsError(
                 "image", f"{card.pipeline_name} takes {card.max_images} input image(s), got {len(params.image)}"
             )
-        return card._complete(params)
+        ignored: list[IgnoredField] = []
+        return card._complete(params, ignored), tuple(ignored)
 
-    def _complete(self, params: OmniDiffusionSamplingParams) -> OmniDiffusionSamplingParams:
+    def _complete(
+        self, params: OmniDiffusionSamplingParams, ignored: list[IgnoredField]
+    ) -> OmniDiffusionSamplingParams:
+        """The request's parameters for this pipeline, completed. A field that tunes something the pipeline does not
+        have (guidance it does not run, a second expert, a fixed shift, an image it does not noise) is dropped into
+        ``ignored``: the answer is what the request makes without it, which is what diffusers would silently make,
+        and the caller reports the field (or refuses it in strict mode). A request the pipeline cannot answer as
+        asked (more outputs than it makes, a size it cannot make, an image it lacks, a video from an image model)
+        is refused."""
         name = self.pipeline_name
         if params.negative_prompt is not None and "negative_prompt" not in self.call_args:
-            raise SamplingParamsError("negative_prompt", f"negative_prompt is not accepted by {name}")
+            params = _drop(params, ignored, "negative_prompt", f"negative_prompt is not accepted by {name}")
         if params.guidance_scale is not None and "guidance_scale" not in self.call_args:
-            raise SamplingParamsError("guidance_scale", f"guidance_scale is not accepted by {name}")
+            params = _drop(params, ignored, "guidance_scale", f"guidance_scale is not accepted by {name}")
         if params.guidance_scale is not None and self.ignores_guidance_scale:
-            raise SamplingParamsError(
+            params = _drop(
+                params,
+                ignored,
                 "guidance_scale",
                 f"guidance_scale does nothing on this {name}: its transformer has no guidance embedding (a "
                 "timestep-distilled model such as FLUX.1-schnell); guide it with true_cfg_scale and a negative_prompt",
@@ -214,15 +234,19 @@ class ModelCard:
             raise SamplingParamsError(
                 "num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}"
             )
-        two_expert = [arg for arg in TWO_EXPERT_ARGS if arg in params.extra_args]
-        if two_expert and "boundary_ratio" not in self.config_args:
-            raise SamplingParamsError(
-                f"extra_args.{two_expert[0]}",
-                f"{two_expert[0]} applies to two-expert Wan 2.2 folders (a transformer_2 and a boundary_ratio in "
-                f"model_index.json); this {name} has one expert",
-            )
+        if "boundary_ratio" not in self.config_args:
+            for arg in [arg for arg in TWO_EXPERT_ARGS if arg in params.extra_args]:
+                params = _drop(
+                    params,
+                    ignored,
+                    f"extra_args.{arg}",
+                    f"{arg} applies to two-expert Wan 2.2 folders (a transformer_2 and a boundary_ratio in "
+                    f"model_index.json); this {name} has one expert",
+                )
         if "flow_shift" in params.extra_args and self.flow_shift_key is None:
-            raise SamplingParamsError(
+            params = _drop(
+                params,
+                ignored,
                 "extra_args.flow_shift",
                 f"flow_shift applies to flow-matching schedulers with a fixed shift; this {name}'s scheduler "
                 + (
@@ -231,6 +255,28 @@ class ModelCard:
                     else "is not a flow-matching one"
                 ),
             )
+        # true_cfg_scale is a field of every Images and Videos request, not a key of some pipelines' own: one
+        # without true classifier-free guidance has nothing to apply it to.
+        if "true_cfg_scale" in params.extra_args and "true_cfg_scale" not in self.call_args:
+            params = _drop(
+                params,
+                ignored,
+                "extra_args.true_cfg_scale",
+                f"true_cfg_scale applies to pipelines with true classifier-free guidance (Flux, Qwen-Image); {name} "
+                "guides with guidance_scale",
+            )
+        if params.strength is not None and not self.noises_its_image:
+            params = _drop(params, ignored, "strength", f"strength is not accepted by {name}: it noises no input image")
+        if "max_sequence_length" in params.extra_args and self.max_sequence_length is None:
+            params = _drop(
+                params,
+                ignored,
+                "extra_args.max_sequence_length",
+                f"max_sequence_length is not accepted by {name}: its call takes none (its text encoders have a fixed "
+                "length)",
+            )
+        if "max_sequence_length" in params.extra_args:
+            self._check_sequence_length(params.extra_args["max_sequence_length"])
         for arg in params.extra_args:
             if arg in RESERVED_ARGS:
                 raise SamplingParamsError(
@@ -241,7 +287,7 @@ class ModelCard:
                 raise SamplingParamsError(
                     f"extra_args.{arg}", f"extra_args key {arg!r} is not an argument of {name}.__call__"
                 )
-        self._check_guidance(params)
+        params = self._check_guidance(params, ignored)
         size = self.default_size
         if params.image is not None and not self.is_video:  # an edit keeps the first image's size by default
             width, height = params.image[0].size
@@ -273,38 +319,57 @@ class ModelCard:
             }
         )
 
-    def _check_guidance(self, params: OmniDiffusionSamplingParams) -> None:
+    def _check_sequence_length(self, length: Any) -> None:
+        """A ``max_sequence_length`` within what the pipeline's text encoder takes: refused before the call, where
+        diffusers' own check would fail the whole batch."""
+        name, limit = self.pipeline_name, self.max_sequence_length
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= limit:
+            raise SamplingParamsError(
+                "extra_args.max_sequence_length",
+                f"max_sequence_length must be an integer from 1 to {limit} for {name} (what its text encoder takes), "
+                f"not {length!r}",
+            )
+
+    def _check_guidance(
+        self, params: OmniDiffusionSamplingParams, ignored: list[IgnoredField]
+    ) -> OmniDiffusionSamplingParams:
         """A negative prompt acts only through classifier-free guidance, and true CFG only with a negative prompt:
-        either one given without what makes it act is refused, never silently ignored. Pipelines with a
-        ``true_cfg_scale`` (Flux, Qwen-Image) guide with it when it is above 1; the others with ``guidance_scale``
-        above 1."""
+        either one given without what makes it act is dropped into ``ignored``. Pipelines with a ``true_cfg_scale``
+        (Flux, Qwen-Image) guide with it when it is above 1; the others with ``guidance_scale`` above 1."""
         name, negative = self.pipeline_name, params.negative_prompt is not None
         if "true_cfg_scale" in self.call_args:
             given = params.extra_args.get("true_cfg_scale")
             scale = given if given is not None else self.call_defaults.get("true_cfg_scale", 1.0)
             if negative and scale <= 1:
-                raise SamplingParamsError(
+                return _drop(
+                    params,
+                    ignored,
                     "negative_prompt",
                     f"negative_prompt does nothing on {name} unless true_cfg_scale > 1 (it is {scale:g}): set "
                     "true_cfg_scale above 1 to use it, or leave negative_prompt out",
                 )
             if given is not None and given > 1 and not negative:
-                raise SamplingParamsError(
+                return _drop(
+                    params,
+                    ignored,
                     "extra_args.true_cfg_scale",
                     f"true_cfg_scale={given:g} does nothing on {name} without a negative_prompt: give one, or leave "
                     "true_cfg_scale out",
                 )
-            return
+            return params
         scale = params.guidance_scale if params.guidance_scale is not None else self.call_defaults.get("guidance_scale")
         second = params.extra_args.get("guidance_scale_2")  # a two-expert Wan's low-noise expert guides with it
         if isinstance(scale, int | float) and isinstance(second, int | float):
             scale = max(scale, second)
         if negative and isinstance(scale, int | float) and scale <= 1:
-            raise SamplingParamsError(
+            return _drop(
+                params,
+                ignored,
                 "negative_prompt",
                 f"negative_prompt does nothing on {name} unless guidance_scale > 1 (it is {scale:g}): set "
                 "guidance_scale above 1 to use it, or leave negative_prompt out",
             )
+        return params
 
     def scheduler_overrides(self, params: OmniDiffusionSamplingParams) -> dict[str, Any]:
         """The request's settings of its noise scheduler's config (its ``flow_shift``), for the scheduler that
@@ -322,8 +387,6 @@ class ModelCard:
     def _complete_strength(self, params: OmniDiffusionSamplingParams, steps: int) -> dict[str, float]:
         """``strength`` for a pipeline that noises its input image (checked: it leaves at least one step)."""
         if not self.noises_its_image:
-            if params.strength is not None:
-                raise SamplingParamsError("strength", f"strength is not accepted by {self.pipeline_name}")
             return {}
         strength = params.strength if params.strength is not None else DEFAULT_STRENGTH[params.task]
         if self.strength_offset(steps, strength) >= steps:
@@ -353,6 +416,17 @@ class ModelCard:
         return {"num_frames": num_frames, "fps": params.fps or DEFAULT_VIDEO_FPS}
 
 
+def _drop(
+    params: OmniDiffusionSamplingParams, ignored: list[IgnoredField], param: str, reason: str
+) -> OmniDiffusionSamplingParams:
+    """``params`` without ``param`` (a field, or ``extra_args.KEY``), which is recorded in ``ignored``."""
+    ignored.append(IgnoredField(param, reason))
+    key = param.removeprefix("extra_args.")
+    if key == param:
+        return params.model_copy(update={param: None})
+    return params.model_copy(update={"extra_args": {k: v for k, v in params.extra_args.items() if k != key}})
+
+
 def flow_shift_key(scheduler) -> str | None:
     """The config key that sets ``scheduler``'s fixed timestep shift: ``flow_shift`` (UniPC and DPM-Solver with
     flow sigmas, as Wan folders have), ``shift`` (flow matching's Euler without shifting by image size: SD3, and
@@ -365,6 +439,28 @@ def flow_shift_key(scheduler) -> str | None:
     if "shift" in config and "FlowMatch" in type(scheduler).__name__:
         return "shift"
     return None
+
+
+_SEQUENCE_CHECK = re.compile(r"max_sequence_length\s*>\s*(\d+)")
+"""How diffusers' ``check_inputs`` states the bound: ``if max_sequence_length is not None and max_sequence_length >
+512: raise ValueError(...)``."""
+
+
+def sequence_limit(pipeline_class: type, defaults: Mapping[str, Any]) -> int | None:
+    """The largest ``max_sequence_length`` a pipeline's call takes: the bound its own ``check_inputs`` raises above
+    (512 for Flux and SD3, 1024 for Qwen-Image), else its call's default (Wan's 512, the text length its transformer
+    was trained with); ``None`` when its call takes none (or neither says)."""
+    if "max_sequence_length" not in inspect.signature(pipeline_class.__call__).parameters:
+        return None
+    try:
+        source = inspect.getsource(pipeline_class.check_inputs)
+    except (AttributeError, OSError, TypeError):  # no check_inputs, or no source to read
+        source = ""
+    match = _SEQUENCE_CHECK.search(source)
+    if match:
+        return int(match[1])
+    default = defaults.get("max_sequence_length")
+    return default if isinstance(default, int) and not isinstance(default, bool) else None
 
 
 def _default_size(pipeline, defaults: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -33,6 +33,7 @@ from vllm_omni.diffusion.steppers import (
     stepper_class,
 )
 from vllm_omni.errors import SamplingParamsError
+from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
@@ -42,6 +43,8 @@ class Admission:
 
     params: OmniDiffusionSamplingParams
     key: Hashable
+    ignored: tuple[IgnoredField, ...] = ()
+    """The fields the model would not use, dropped from ``params`` (`ModelCard.complete_params`)."""
 
 
 class StageRole:
@@ -235,9 +238,11 @@ class StageAdmission:
     """The model's stepper class when the stage steps or is split, else ``None``."""
 
     def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
-        """``params`` completed and checked, with their batch key (raises `SamplingParamsError`)."""
+        """``params`` completed and checked, without the fields the model would not use, with their batch key
+        (raises `SamplingParamsError`)."""
+        ignored = ()
         if self.role.completes_params:
-            params = self.card.complete_params(params)
+            params, ignored = self.card.complete_params(params)
             if params.partial_images and stepper_class(self.card.pipeline_name) is None:
                 raise SamplingParamsError(
                     "partial_images",
@@ -246,7 +251,7 @@ class StageAdmission:
                 )
         if self.stepper is not None:
             self.stepper.check_params(self.card, params)
-        return Admission(params, self.key(params))
+        return Admission(params, self.key(params), ignored)
 
     def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
         """The batch key of complete ``params``."""

@@ -26,7 +26,7 @@ from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime
 from vllm_omni.errors import RequestAbortedError, SamplingParamsError, StageUnavailableError, UnknownLoraError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
-from vllm_omni.outputs import Preview, StageMetrics, across_stages
+from vllm_omni.outputs import IgnoredField, Preview, StageMetrics, across_stages
 from vllm_omni.sampling_params import MAX_SEED, LoraSelection, OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
@@ -40,6 +40,9 @@ class AdmittedParams:
     params: OmniDiffusionSamplingParams
     keys: tuple[Hashable, ...]
     """One batch key per stage, in request order."""
+    ignored: tuple[IgnoredField, ...] = ()
+    """The request's fields that the model would not use, dropped from ``params``: its caller reports them (the
+    HTTP layer's ``Warning`` header, log line and counter; `OmniBase`'s warning)."""
 
 
 @dataclass(eq=False)
@@ -69,7 +72,7 @@ class _Flight:
 class OmniEngine:
     """Engine behind `Omni` and `AsyncOmni`; thread-safe, returns one future per request."""
 
-    def __init__(self, model: str, stage_configs: list[StageDeployConfig]):
+    def __init__(self, model: str, stage_configs: list[StageDeployConfig], strict_fields: bool = False):
         order = check_stage_graph(stage_configs)
         check_splittable(model, order)
         self.stage_configs = stage_configs
@@ -97,11 +100,13 @@ class OmniEngine:
         metrics.replica_metrics.add(self._replica_metrics)
         self._flights: dict[str, _Flight | None] = {}
         self._lock = threading.Lock()
+        self.strict_fields = strict_fields
+        """Whether a field the model would not use is refused (`SamplingParamsError`) rather than dropped."""
 
     def admit(self, params: OmniDiffusionSamplingParams) -> AdmittedParams:
         """``params`` completed by the stage that holds the denoiser (a seed drawn if none is given, so a re-run on
         another replica makes the same image), then each stage's batch key for them (raises `SamplingParamsError`
-        for parameters the model cannot take)."""
+        for parameters the model cannot take, and under ``strict_fields`` for the first field it would not use)."""
         if params.seed is None:
             params = params.model_copy(update={"seed": secrets.randbelow(MAX_SEED)})
         if params.enhance_prompt and not any(self._prompt_writers):
@@ -113,8 +118,10 @@ class OmniEngine:
         if params.lora:
             params = params.model_copy(update={"lora": self._adapters(params.lora)})
         first = self.stages[self._denoiser].admit(params)
+        if first.ignored and self.strict_fields:
+            raise SamplingParamsError(first.ignored[0].param, first.ignored[0].reason)
         keys = [first.key if i == self._denoiser else s.admit(first.params).key for i, s in enumerate(self.stages)]
-        return AdmittedParams(first.params, tuple(keys))
+        return AdmittedParams(first.params, tuple(keys), first.ignored)
 
     def _adapters(self, lora: tuple[LoraSelection, ...]) -> tuple[LoraSelection, ...]:
         """A request's adapters, each with the path this engine serves it from."""
@@ -212,6 +219,7 @@ class OmniEngine:
         if error is not None:
             flight.future.set_exception(error)
         else:
+            output.ignored_fields = list(flight.admitted.ignored)
             flight.future.set_result(output)
 
     def _enter(self, flight: _Flight, index: int, payload: Any) -> None:

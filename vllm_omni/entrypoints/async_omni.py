@@ -33,13 +33,14 @@ class AsyncOmni(OmniBase):
         consuming task, or closing the generator before its output, aborts the request and frees its slot.
         """
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
-        params = sampling_params or OmniDiffusionSamplingParams()
-        admitted = params.params if isinstance(params, AdmittedParams) else params
+        admitted = self._admitted(request_id, sampling_params or OmniDiffusionSamplingParams())
         loop, previews = asyncio.get_running_loop(), asyncio.Queue()
         on_preview = (
-            functools.partial(loop.call_soon_threadsafe, previews.put_nowait) if admitted.partial_images else None
+            functools.partial(loop.call_soon_threadsafe, previews.put_nowait)
+            if admitted.params.partial_images
+            else None
         )
-        future = self.engine.add_request(request_id, prompt, params, on_preview)
+        future = self.engine.add_request(request_id, prompt, admitted, on_preview)
         result = asyncio.wrap_future(future)
         try:
             async for preview in previews_until(result, previews):

@@ -44,7 +44,8 @@ class Omni(OmniBase):
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 request_id = f"omni-{uuid.uuid4().hex}"
-                submitted.append((request_id, prompt, self.engine.add_request(request_id, prompt, params)))
+                admitted = self._admitted(request_id, params)
+                submitted.append((request_id, prompt, self.engine.add_request(request_id, prompt, admitted)))
             outputs = []
             for request_id, prompt, future in submitted:
                 try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -18,11 +19,14 @@ from vllm_omni.config import (
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.diffusion.model_files import local_model_folder
 from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
+from vllm_omni.logger import init_logger
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.model_card import ModelCard
     from vllm_omni.engine.stage_runtime import StageHealth
+
+logger = init_logger(__name__)
 
 
 class OmniBase:
@@ -32,6 +36,9 @@ class OmniBase:
     ``download_dir`` and ``hf_token``, as vLLM's flags of those names) or a single-file checkpoint (configs from
     ``model_config``); see `ModelSource`. ``engine_kwargs`` are further stage knobs given globally (``dtype``,
     ``devices``, ...).
+    A request field the model would not use (a ``negative_prompt`` without the guidance that reads it, a
+    ``guidance_scale`` without a guidance embedding, ...) is dropped with a ``UserWarning`` and a log line, and
+    listed in its output's ``ignored_fields``; ``strict_fields=True`` refuses it with `SamplingParamsError` instead.
     The deprecated batch-size keyword of `vllm_omni.config.legacy` is accepted with a
     ``FutureWarning`` and acts as ``max_num_seqs``.
     """
@@ -49,6 +56,7 @@ class OmniBase:
         request_batch_max_wait_ms: float | None = None,
         execution_mode: ExecutionMode | None = None,
         stage_overrides: Mapping[int | str, Mapping[str, Any]] | None = None,
+        strict_fields: bool = False,
         **engine_kwargs: Any,
     ):
         max_num_seqs, from_alias = legacy.pop_python_alias(engine_kwargs, max_num_seqs)
@@ -74,30 +82,50 @@ class OmniBase:
         source = ModelSource(
             os.fspath(model), revision=revision, download_dir=download_dir, hf_token=hf_token, model_config=model_config
         )
-        self._start(source, stage_configs)
+        self._start(source, stage_configs, strict_fields)
 
     @classmethod
-    def from_stage_configs(cls, model: str | os.PathLike[str] | ModelSource, stage_configs: list[StageDeployConfig]):
+    def from_stage_configs(
+        cls,
+        model: str | os.PathLike[str] | ModelSource,
+        stage_configs: list[StageDeployConfig],
+        strict_fields: bool = False,
+    ):
         """Start from stage configs that are resolved already (the CLI resolves its flags before loading)."""
         self = cls.__new__(cls)
-        self._start(model if isinstance(model, ModelSource) else ModelSource(os.fspath(model)), stage_configs)
+        source = model if isinstance(model, ModelSource) else ModelSource(os.fspath(model))
+        self._start(source, stage_configs, strict_fields)
         return self
 
-    def _start(self, source: ModelSource, stage_configs: list[StageDeployConfig]) -> None:
+    def _start(self, source: ModelSource, stage_configs: list[StageDeployConfig], strict_fields: bool) -> None:
         self.model_source = source
         self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs])
         """The diffusers folder every stage loads (the snapshot or converted folder for a repo id or a file)."""
         self.stage_configs = stage_configs
-        self.engine = OmniEngine(self.model, stage_configs)
+        self.engine = OmniEngine(self.model, stage_configs, strict_fields)
 
     # What a server asks of the engine; it never reaches into ``engine`` itself.
 
     def admit(self, params: OmniDiffusionSamplingParams) -> AdmittedParams:
         """``params`` completed once, as the request will run (the model's defaults filled in, a seed drawn), with
-        each stage's batch key. Pass the result to ``generate`` so that it is not completed again. Raises
-        `SamplingParamsError` for parameters the model cannot take, `StageUnavailableError` when a stage has no
-        live replica to ask."""
+        each stage's batch key. Pass the result to ``generate`` so that it is not completed again. The fields the
+        model would not use are dropped and listed in its ``ignored``, without a warning (its caller reports them).
+        Raises `SamplingParamsError` for parameters the model cannot take (and with ``strict_fields`` for a field
+        it would not use), `StageUnavailableError` when a stage has no live replica to ask."""
         return self.engine.admit(params)
+
+    def _admitted(self, request_id: str, params: OmniDiffusionSamplingParams | AdmittedParams) -> AdmittedParams:
+        """``params`` of a ``generate`` call's request ``request_id``, admitted unless `admit` did already; each
+        field the model would not use is warned of here, once per request: one log line and a ``UserWarning``
+        pointing at the caller of ``generate``."""
+        if isinstance(params, AdmittedParams):
+            return params
+        admitted = self.engine.admit(params)
+        if admitted.ignored:
+            fields = "; ".join(f"{field.param} ignored: {field.reason}" for field in admitted.ignored)
+            logger.warning("request %s: %s", request_id, fields)
+            warnings.warn(f"request {request_id}: {fields}", UserWarning, stacklevel=3)
+        return admitted
 
     def health(self) -> list[StageHealth]:
         """Each stage's replicas, alive and in all, in request order."""

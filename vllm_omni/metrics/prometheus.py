@@ -159,6 +159,12 @@ image_requests = Counter(
     "(requests refused for a missing or wrong API key are not counted).",
     ["outcome"],
 )
+ignored_fields = Counter(
+    "vllm_omni:ignored_fields",
+    "Request fields the served model would not use, accepted with a Warning header and dropped, by API (images, "
+    "videos) and field (without --strict-fields; with it they are refused).",
+    ["api", "field"],
+)
 
 _PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *_SECONDS_BUCKETS)
 request_phase_seconds = Histogram(

@@ -217,11 +217,15 @@ class RemoteOmniServer:
 
 @contextlib.contextmanager
 def in_process_server(
-    model: str, deploy_config: str | None = None, startup_timeout_s: float = 600, **knobs
+    model: str,
+    deploy_config: str | None = None,
+    startup_timeout_s: float = 600,
+    serving: dict[str, Any] | None = None,
+    **knobs,
 ) -> Iterator[tuple[Any, str]]:
     """A real uvicorn server in this process, so that a test can reach into its real engine; yields the app and
     its base URL, and checks on the way out that the server stopped. ``deploy_config``: a deploy YAML's path;
-    ``knobs``: global stage knobs."""
+    ``serving``: `ServingConfig` fields (``strict_fields``, ...); ``knobs``: global stage knobs."""
     import uvicorn
 
     from vllm_omni.config import resolve_stage_configs
@@ -229,8 +233,8 @@ def in_process_server(
     from vllm_omni.entrypoints.openai.app import build_app
 
     port = free_port()
-    serving = ServingConfig(host="127.0.0.1", port=port, served_model_names=["tiny"])
-    app = build_app(model, resolve_stage_configs(deploy_config, global_knobs=knobs), serving, on_fatal=print)
+    config = ServingConfig(host="127.0.0.1", port=port, served_model_names=["tiny"], **(serving or {}))
+    app = build_app(model, resolve_stage_configs(deploy_config, global_knobs=knobs), config, on_fatal=print)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

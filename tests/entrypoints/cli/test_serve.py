@@ -79,6 +79,12 @@ def test_defaults_are_not_mistaken_for_choices(parser, tiny_flux):
     assert serving.served_model_names == [tiny_flux] and serving.api_keys == []
 
 
+def test_strict_fields_is_a_switch_off_by_default(parser, tiny_flux):
+    assert _config(parser, [tiny_flux])[2].strict_fields is False
+    assert _config(parser, [tiny_flux, "--strict-fields"])[2].strict_fields is True
+    assert "--strict-fields" in parser.format_help()
+
+
 def test_deploy_yaml_below_the_global_flag_below_stage_overrides(parser, tiny_flux, tmp_path):
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text("stages:\n  - stage_id: 0\n    max_num_seqs: 2\n    request_batch_max_wait_ms: 40\n")

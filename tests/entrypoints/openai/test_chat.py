@@ -56,7 +56,7 @@ def counter(server, name: str, outcome: str) -> float:
 
 
 def test_upstreams_curl_body_answers_the_image_of_the_images_api(server):
-    """run_curl_text_to_image.sh's body (smaller, and without its true_cfg_scale: see the next test), read as its
+    """run_curl_text_to_image.sh's body (smaller, and without its true_cfg_scale: test_ignored_fields), read as its
     ``jq -r '.choices[0].message.content[0].image_url.url'`` reads it."""
     completed = counter(server, "image_generation_requests", "completed")
     body = {"messages": [{"role": "user", "content": "a red fox"}], "extra_body": {**FAST, "num_outputs_per_prompt": 1}}
@@ -70,17 +70,6 @@ def test_upstreams_curl_body_answers_the_image_of_the_images_api(server):
     assert counter(server, "image_generation_requests", "completed") == completed + 1  # counted as the Images API's
     png = data_url_bytes(choice["message"]["content"][0]["image_url"]["url"], "image/png")
     assert png == images_api(server, prompt="a red fox", size="32x32", num_inference_steps=2, seed=42)
-
-
-def test_upstreams_true_cfg_scale_without_a_negative_prompt_is_refused_naming_it(server):
-    """Upstream's script sends true_cfg_scale 4.0 alone, which does nothing on Flux (diffusers guides with it only
-    with a negative prompt): refused rather than ignored, and with a negative prompt it runs."""
-    body = {"messages": [{"role": "user", "content": "a red fox"}], "extra_body": {**FAST, "true_cfg_scale": 4.0}}
-    refused = chat(server, body)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "true_cfg_scale"
-    assert "negative_prompt" in refused.json()["error"]["message"]
-    body["extra_body"]["negative_prompt"] = "blurry"
-    assert chat(server, body).status_code == 200
 
 
 def test_the_openai_client_sends_the_parameters_at_the_top_level(server):

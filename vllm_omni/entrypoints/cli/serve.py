@@ -63,6 +63,7 @@ _OMNI_SERVING_FLAGS = (
     "video_store_max_bytes",
     "shutdown_timeout_s",
     "disable_playground",
+    "strict_fields",
 )
 _OMNI_STAGE_FLAGS = tuple(name for name, knob in KNOBS.items() if knob.flag == "omni")
 _VLLM_DTYPES = {"half": "float16", "float": "float32"}

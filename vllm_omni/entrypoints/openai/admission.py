@@ -1,24 +1,34 @@
 """Admission of a checked generation request: its sampling parameters built once from the request's `Sampling`
 fields and what its route computed, completed by the model (defaults, a seed), within the operator's limits and
 the waiting queue. Every refusal is an `APIError` naming the API field: 400, 404 (an unknown adapter), 429 (the
-queue is full) or 503; `refusal_outcome` is how the routes count one."""
+queue is full) or 503; `refusal_outcome` is how the routes count one. The fields the model would not use are
+accepted and reported (`report_ignored`), or refused under ``--strict-fields``."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import api_names, sampling_fields
 from vllm_omni.errors import SamplingParamsError, StageUnavailableError, UnknownLoraError
+from vllm_omni.logger import init_logger
+from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.engine.omni_engine import AdmittedParams
     from vllm_omni.entrypoints.openai.server_state import ServerState
 
+
+logger = init_logger(__name__)
+
+WARNING = "vllm_omni.warning"
+"""The ``Warning`` header of the request's answer, in its ASGI scope (`report_ignored`); the app's
+`WarningHeaderMiddleware` adds it as the answer starts, so a stream carries it too."""
 
 API_PARAM = {"height": "size", "width": "size", "mask_image": "mask"}
 """The API field each of these sampling parameters is computed from by the routes, which an error about it names (a
@@ -95,6 +105,23 @@ def admit(state: ServerState, body: BaseModel, **computed) -> AdmittedParams:
             code="too_many_waiting_requests",
         )
     return admitted
+
+
+def report_ignored(raw_request: Request, body: BaseModel, admitted: AdmittedParams, api: str, request_id: str) -> None:
+    """The fields of an admitted request that the model would not use (`AdmittedParams.ignored`, named as the API
+    names them), never silent, as vLLM logs the fields it ignores: one log line with the request's id and route,
+    ``vllm_omni:ignored_fields_total{api,field}`` for each, and a ``Warning`` header on the answer with one value
+    per field, ``299 - "<field> ignored: <why>"`` (RFC 7234 §5.5: 299 is a persistent warning, ``-`` no agent
+    name). ``api``: ``images`` or ``videos``, the API the request is counted in."""
+    if not admitted.ignored:
+        return
+    fields = [_api_param(body, field.param.removeprefix("extra_args.")) for field in admitted.ignored]
+    texts = [f"{name} ignored: {field.reason}" for name, field in zip(fields, admitted.ignored, strict=True)]
+    logger.warning("request %s (%s %s): %s", request_id, raw_request.method, raw_request.url.path, "; ".join(texts))
+    for name in fields:
+        metrics.ignored_fields.labels(api, name).inc()
+    quoted = (text.replace("\\", "\\\\").replace('"', '\\"') for text in texts)  # warn-text is a quoted-string
+    raw_request.scope[WARNING] = ", ".join(f'299 - "{text}"' for text in quoted)
 
 
 def refusal_outcome(error: APIError) -> str:

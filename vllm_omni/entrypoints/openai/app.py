@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.serving import ServingConfig
+from vllm_omni.entrypoints.openai.admission import WARNING
 from vllm_omni.entrypoints.openai.health import build_health_router
 from vllm_omni.entrypoints.openai.chat import build_chat_router
 from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
@@ -57,6 +58,26 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": response.body})
 
 
+class WarningHeaderMiddleware:
+    """Adds the ``Warning`` header that a route left in the request's scope (`admission.WARNING`: the fields the
+    model would not use) to its answer as the answer starts, so that a streamed answer carries it too."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_warning(message):
+            if message["type"] == "http.response.start" and WARNING in scope:
+                warning = (b"warning", scope[WARNING].encode("latin-1", "replace"))
+                message = {**message, "headers": [*message.get("headers", ()), warning]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_warning)
+
+
 def _too_large(limit: int) -> str:
     return f"The request body is larger than {limit} bytes"
 
@@ -83,6 +104,7 @@ def build_app(
 
     app = FastAPI(title="vllm-omni", lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(WarningHeaderMiddleware)
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=serving.max_request_body_bytes, upload_max_bytes=upload_body_limit(serving)
     )

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, selected_adapters
+from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
     check_query,
@@ -30,6 +30,7 @@ from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.image_files import MEDIA_TYPES, encode_images, files_response
 from vllm_omni.entrypoints.openai.image_stream import failure, image_events
 from vllm_omni.entrypoints.openai.image_usage import quality_steps, response_fields
+from vllm_omni.entrypoints.openai.openai_models import openai_size, with_openai_defaults
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageData,
@@ -124,8 +125,9 @@ def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
 def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "text", **inputs) -> AdmittedParams:
     """The request's complete parameters (model defaults filled in, the steps of its ``quality``, seed drawn), within
     the operator's limits; ``inputs``: an edit's images and mask, for ``task``. Its `Sampling` fields are copied
-    (an edit's ``strength`` among them); the others are computed here."""
-    width, height = body.dimensions() or (None, None)
+    (an edit's ``strength`` among them); the others are computed here (an OpenAI model's sizes: `openai_size`)."""
+    multiple, max_pixels = state.omni.model_card.size_multiple, state.serving.max_image_pixels
+    width, height = openai_size(body, multiple, max_pixels) or body.dimensions() or (None, None)
     return admit(
         state,
         body,
@@ -138,6 +140,8 @@ def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
 
 
 async def create_image(body: ImageGenerationRequest, raw_request: Request) -> ImageGenerationResponse | Response:
+    body = with_openai_defaults(body)
+
     async def prepare(state: ServerState) -> AdmittedParams:
         _check(body, state)
         raw_request.scope[_TIMER].mark("validation")  # FastAPI's schema validation, the API key, these checks
@@ -190,6 +194,7 @@ async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse
         body = ImageEditRequest.model_validate(fields)
     except ValidationError as exc:  # counted and answered as a JSON body's schema errors are
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    body = with_openai_defaults(body)
 
     async def prepare(state: ServerState) -> AdmittedParams:
         files = form_files(form, "image", "image[]")
@@ -227,7 +232,9 @@ async def _respond(
             outcome = refusal_outcome(exc)
             raise
         timer.mark("completion")
-        generation = state.omni.generate(body.prompt, admitted, request_id=f"img-{uuid.uuid4().hex}")
+        request_id = f"img-{uuid.uuid4().hex}"
+        report_ignored(raw_request, body, admitted, "images", request_id)
+        generation = state.omni.generate(body.prompt, admitted, request_id=request_id)
         if body.stream:
             outcome = None  # counted when the stream ends
             return StreamingResponse(

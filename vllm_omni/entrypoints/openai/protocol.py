@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from vllm_omni.config.serving import QualityLevel
 from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, LoraChoice
@@ -73,6 +73,15 @@ LoraField = LoraChoice | list[LoraChoice] | None
 """``lora``: one adapter, or a list of them to stack."""
 
 
+def _unset_if_empty(value: Any) -> Any:
+    return None if value == "" else value
+
+
+ModelName = Annotated[str | None, BeforeValidator(_unset_if_empty)]
+"""``model``: a served model name, or unset for the served model. An empty string is unset too: Open WebUI's edits
+send ``model: ""`` when no edit model is configured."""
+
+
 def lora_from_form(value: Any) -> Any:
     """A form's ``lora`` field arrives as JSON text."""
     if isinstance(value, str):
@@ -90,9 +99,11 @@ class ImageGenerationRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     """At most ``--max-prompt-length`` characters."""
-    model: str | None = None
+    model: ModelName = None
     """If given, one of the served model names, or a LoRA adapter's name, which applies it at scale 1
-    ([lora.md](lora.md)); else 404 ``model_not_found``."""
+    ([lora.md](lora.md)); else 404 ``model_not_found``. Unset or empty: the served model. A name of OpenAI's
+    (``dall-e-2``, ``dall-e-3``, ``gpt-image-*``) served with ``--served-model-name`` also gives OpenAI's defaults
+    for that model ([OpenAI's model names](#clients-that-name-openais-models))."""
     n: Annotated[StrictInt, Sampling("num_outputs_per_prompt")] = Field(default=1, ge=1, le=10)
     """Images for the prompt. More than 1 needs a pipeline with ``num_images_per_prompt``."""
     size: str = "auto"
@@ -128,23 +139,31 @@ class ImageGenerationRequest(BaseModel):
     """Previews streamed before each image; needs ``stream``. Fewer when the request has too few steps."""
     # Extensions.
     negative_prompt: Annotated[str | None, Sampling()] = None
-    """Extension. At most ``--max-prompt-length`` characters; 400 if the pipeline takes no ``negative_prompt``, or
-    if nothing would use it: on pipelines with ``true_cfg_scale`` (Flux, Qwen-Image) unless it is above 1, on the
-    others unless ``guidance_scale`` is above 1."""
+    """Extension. At most ``--max-prompt-length`` characters. [Ignored](#ignored-fields-and---strict-fields) if the
+    pipeline takes no ``negative_prompt``, or if nothing would use it: on pipelines with ``true_cfg_scale`` (Flux,
+    Qwen-Image) unless it is above 1, on the others unless ``guidance_scale`` is above 1."""
     num_inference_steps: StrictInt | None = Field(default=None, ge=1)
     """Extension. At most ``--max-inference-steps``. Unset: the steps of ``quality`` (by default the pipeline's
     own)."""
     guidance_scale: Annotated[float | None, Sampling()] = Field(default=None, ge=0.0, le=100.0)
-    """Extension. 400 if the pipeline takes no ``guidance_scale``, or has no guidance embedding to use it on
-    (FLUX.1-schnell, Qwen-Image: they guide with ``true_cfg_scale``). Unset: the pipeline's default."""
+    """Extension. [Ignored](#ignored-fields-and---strict-fields) if the pipeline takes no ``guidance_scale``, or has
+    no guidance embedding to use it on (FLUX.1-schnell, Qwen-Image: they guide with ``true_cfg_scale``). Unset: the
+    pipeline's default."""
     true_cfg_scale: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, ge=0.0, le=100.0)
     """Extension. True classifier-free guidance with ``negative_prompt``, on pipelines that take it (Flux,
-    Qwen-Image, Kontext); elsewhere a 400 naming it. Above 1 without a ``negative_prompt`` it would do nothing: 400.
+    Qwen-Image, Kontext); [ignored](#ignored-fields-and---strict-fields) elsewhere, and above 1 without a
+    ``negative_prompt``, where it would do nothing.
     Unset: the pipeline's default."""
     flow_shift: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, gt=0.0, le=100.0)
     """Extension. The timestep shift of a flow-matching scheduler with a fixed one (SD3, Wan; sets its ``shift``,
-    or ``flow_shift`` for UniPC / DPM-Solver with flow sigmas) for this request alone; 400 where the scheduler shifts
-    by image size (FLUX.1's own folders) or is not flow matching (SD, SDXL). Unset: the scheduler's."""
+    or ``flow_shift`` for UniPC / DPM-Solver with flow sigmas) for this request alone;
+    [ignored](#ignored-fields-and---strict-fields) where the scheduler shifts by image size (FLUX.1's own folders) or
+    is not flow matching (SD, SDXL). Unset: the scheduler's."""
+    max_sequence_length: Annotated[StrictInt | None, Sampling(extra_args=True)] = Field(default=None, ge=1)
+    """Extension. The prompt's tokens for the T5-style text encoder of Flux, SD3, Wan and Qwen-Image (cut or padded to
+    it): fewer is faster. At most what the encoder takes (512 for Flux, SD3 and Wan; 1024 for Qwen-Image), else a 400
+    naming the limit; ignored (a `Warning`, as every ignored field) by pipelines whose call takes none (SD, SDXL). Requests with different
+    lengths run in different batches. Unset: the pipeline's (512 for Flux and Wan, 256 for SD3)."""
     seed: Annotated[StrictInt | None, Sampling()] = Field(default=None, ge=0, le=MAX_SEED)
     """Extension. The same seed gives the same image, alone or batched (up to floating-point rounding). Unset: a
     random one."""
@@ -192,8 +211,8 @@ class ImageEditRequest(ImageGenerationRequest):
     # Extensions.
     strength: Annotated[float | None, Sampling()] = Field(default=None, gt=0.0, le=1.0)
     """Extension: how far the image is noised. The request runs ``int(num_inference_steps × strength)`` steps; a
-    strength that leaves none is a 400. Refused by models that take no strength (instruction-edit models). Unset:
-    0.6 for image-to-image, 1.0 for inpainting."""
+    strength that leaves none is a 400. [Ignored](#ignored-fields-and---strict-fields) by models that take no strength
+    (instruction-edit models). Unset: 0.6 for image-to-image, 1.0 for inpainting."""
 
     _lora_from_form = field_validator("lora", mode="before")(lora_from_form)
 
@@ -277,8 +296,8 @@ class VideoGenerationRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     """At most ``--max-prompt-length`` characters."""
-    model: str | None = None
-    """One of the served model names (or a LoRA adapter's, as for images)."""
+    model: ModelName = None
+    """One of the served model names (or a LoRA adapter's, as for images). Unset or empty: the served model."""
     size: str | None = None
     """``WIDTHxHEIGHT`` in pixels: each side a multiple of 16 for Wan, ``width × height`` at most
     ``--max-image-pixels``. Unset: the model's default (or ``width`` and ``height``)."""
@@ -296,25 +315,29 @@ class VideoGenerationRequest(BaseModel):
     fps: Annotated[int | None, Sampling()] = Field(default=None, ge=1, le=240)
     """Extension: the frame rate of the MP4. Unset: 16."""
     negative_prompt: Annotated[str | None, Sampling()] = None
-    """Extension, as for images: at most ``--max-prompt-length`` characters; on Wan it needs ``guidance_scale``
-    above 1."""
+    """Extension, as for images: at most ``--max-prompt-length`` characters; on Wan it acts only with
+    ``guidance_scale`` above 1, else it is [ignored](#ignored-fields-and---strict-fields)."""
     num_inference_steps: Annotated[int | None, Sampling()] = Field(default=None, ge=1)
     """Extension: at most ``--max-inference-steps``. Unset: the pipeline's default."""
     guidance_scale: Annotated[float | None, Sampling()] = Field(default=None, ge=0.0, le=100.0)
     """Extension, as for images (Wan's is true classifier-free guidance). Unset: the pipeline's default."""
     true_cfg_scale: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, ge=0.0, le=100.0)
     """Extension: true classifier-free guidance with ``negative_prompt``, for pipelines that take it (Wan's
-    ``guidance_scale`` is true guidance already: it refuses this). Unset: the pipeline's default."""
+    ``guidance_scale`` is true guidance already: it ignores this). Unset: the pipeline's default."""
     flow_shift: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, gt=0.0, le=100.0)
     """Extension, as for images: the timestep shift of the scheduler (Wan's ``flow_shift``). Unset: the
     scheduler's."""
+    max_sequence_length: Annotated[int | None, Sampling(extra_args=True)] = Field(default=None, ge=1)
+    """Extension, as for images: the prompt's tokens for the text encoder, at most 512 for Wan. Unset: the
+    pipeline's (512 for Wan)."""
     guidance_scale_2: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, ge=0.0, le=100.0)
     """Extension for two-expert Wan 2.2 folders (``transformer_2`` and ``boundary_ratio`` in
-    ``model_index.json``): the low-noise expert's guidance. A one-expert folder refuses it naming it; step mode
-    refuses two-expert folders at start-up. Unset: ``guidance_scale``."""
+    ``model_index.json``): the low-noise expert's guidance. A one-expert folder
+    [ignores](#ignored-fields-and---strict-fields) it; step mode refuses two-expert folders at start-up. Unset:
+    ``guidance_scale``."""
     boundary_ratio: Annotated[float | None, Sampling(extra_args=True)] = Field(default=None, gt=0.0, lt=1.0)
     """Extension for two-expert Wan 2.2 folders: where the low-noise expert takes over, as a fraction of the
-    training timesteps. A one-expert folder refuses it naming it. Unset: the folder's."""
+    training timesteps. A one-expert folder [ignores](#ignored-fields-and---strict-fields) it. Unset: the folder's."""
     seed: Annotated[int | None, Sampling()] = Field(default=None, ge=0, le=MAX_SEED)
     """Extension, as for images. Unset: a random one."""
     lora: LoraField = None
@@ -430,7 +453,8 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: ModelName = None
+    """A served model name (or a LoRA adapter's); unset or empty: the served model."""
     messages: list[ChatMessage] = Field(min_length=1)
     extra_body: dict[str, Any] | None = None
     stream: bool = False

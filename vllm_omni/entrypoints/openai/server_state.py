@@ -95,7 +95,9 @@ def load_prompt_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
 async def load_and_warm_up(state: ServerState) -> None:
     """Load the model (off the event loop), warm it up, then mark the server ready; a failure is fatal."""
     try:
-        state.omni = await asyncio.to_thread(AsyncOmni.from_stage_configs, state.source, state.stage_configs)
+        state.omni = await asyncio.to_thread(
+            AsyncOmni.from_stage_configs, state.source, state.stage_configs, state.serving.strict_fields
+        )
         if not state.omni.model_card.is_video:
             state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, state.omni.model)
         for stage in state.stage_configs:

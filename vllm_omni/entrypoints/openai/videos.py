@@ -17,7 +17,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
-from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, selected_adapters
+from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
     check_query,
@@ -116,6 +116,7 @@ def build_videos_router() -> APIRouter:
                 timer=timer,
             )
             state.videos.add(job)
+            report_ignored(raw_request, body, admitted, "videos", job.id)
             job.task = asyncio.create_task(_run(state, job))
             outcome = None  # counted when the job ends
             return job.view(state.omni)
@@ -279,7 +280,9 @@ async def run_sync(
     try:
         admitted = await accept(state, body, read_image, timer, sync=True)
         outcome = "failed"
-        generation = state.omni.generate(body.prompt, admitted, request_id=f"video_{secrets.token_hex(16)}")
+        request_id = f"video_{secrets.token_hex(16)}"
+        report_ignored(raw_request, body, admitted, "videos", request_id)
+        generation = state.omni.generate(body.prompt, admitted, request_id=request_id)
         try:
             output = await until_disconnect(raw_request, anext(generation, None))
         except ClientDisconnected:
