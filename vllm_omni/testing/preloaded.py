@@ -7,7 +7,8 @@ fork of it that runs vLLM's own CLI ``main`` on the same argv (`serve`), in a se
 in the log file. Everything after the imports is the real CLI: argument parsing, the resolver, the engine, uvicorn,
 SIGTERM and the drain, the exit code.
 
-What a fork cannot give is an environment read at import time (``HF_HUB_OFFLINE``, Ray's signal handler,
+A fork runs with the starter's environment as it is when the server starts; what it cannot give is an environment
+read at import time (``HF_HUB_OFFLINE``, Ray's signal handler,
 ``VLLM_TARGET_DEVICE``): those were read once, by the forkserver. A server with an environment of its own is
 therefore started as a real ``vllm`` process (`RemoteOmniServer` decides).
 """
@@ -28,12 +29,13 @@ import vllm_omni.entrypoints.cli.serve  # noqa: E402, F401
 import vllm_omni.entrypoints.openai.app  # noqa: E402, F401
 
 
-def serve(argv: list[str], log_path: str | None, cwd: str) -> None:
+def serve(argv: list[str], log_path: str | None, cwd: str, environ: dict[str, str]) -> None:
     """A fork's body: a session of its own (so that a process-group kill reaches what it starts, as for a
-    ``Popen(start_new_session=True)``), the starter's working directory, stdout and stderr to the log, then vLLM's
-    CLI as the ``vllm`` script runs it."""
+    ``Popen(start_new_session=True)``), the starter's working directory and environment, stdout and stderr to the
+    log, then vLLM's CLI as the ``vllm`` script runs it."""
     os.setsid()
     os.chdir(cwd)
+    os.environ.update(environ)  # over what the preload set (the device hint), which the starter may lack
     log = os.open(log_path or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)

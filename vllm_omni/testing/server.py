@@ -80,10 +80,10 @@ def use_preloaded_servers() -> None:
         _preloaded = preloaded_context()
 
 
-def _serve_preloaded(argv: list[str], log_path: str | None, cwd: str) -> None:
+def _serve_preloaded(argv: list[str], log_path: str | None, cwd: str, environ: dict[str, str]) -> None:
     from vllm_omni.testing.preloaded import serve  # already imported: the forkserver's preload
 
-    serve(argv, log_path, cwd)
+    serve(argv, log_path, cwd, environ)
 
 
 class _PreloadedProcess:
@@ -92,7 +92,10 @@ class _PreloadedProcess:
     signal, as Popen reports it)."""
 
     def __init__(self, argv: list[str], log_path: str | None):
-        self._process = _preloaded.Process(target=_serve_preloaded, args=(argv, log_path, os.getcwd()), daemon=True)
+        # The starter's environment now, not the forkserver's from when it started: Ray's RAY_AUTH_MODE, for one, is
+        # set in the process that starts a local cluster, and a server without it cannot join that cluster.
+        started = (argv, log_path, os.getcwd(), dict(os.environ))
+        self._process = _preloaded.Process(target=_serve_preloaded, args=started, daemon=True)
         self._process.start()
         self.pid = self._process.pid
 
