@@ -8,7 +8,8 @@ import pytest
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from vllm_omni.diffusion.model_card import TWO_EXPERT_ARGS, ModelCard
+from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.pipeline_facts import TWO_EXPERT_ARGS
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -139,7 +140,7 @@ def test_what_a_pipeline_would_not_use_is_dropped_in_the_order_checked(sd, flux,
 def test_flow_shift_sets_the_schedulers_fixed_shift_and_is_dropped_without_one(flux, sd):
     from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-    from vllm_omni.diffusion.model_card import flow_shift_key
+    from vllm_omni.diffusion.pipeline_facts import flow_shift_key
 
     assert flow_shift_key(UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0)) == "flow_shift"  # Wan's
     assert flow_shift_key(FlowMatchEulerDiscreteScheduler(shift=3.0)) == "shift"  # SD3's

@@ -8,11 +8,21 @@ every stage admits a request where the request arrives, with no call to a replic
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.diffusion.pipeline_facts import (
+    IMAGE_REQUIRED,
+    ONE_IMAGE_PER_CALL,
+    RESERVED_ARGS,
+    SEVERAL_IMAGES,
+    TWO_EXPERT_ARGS,
+    default_size,
+    flow_shift_key,
+    image_variants,
+    sequence_limit,
+)
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
@@ -20,46 +30,11 @@ from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask, OmniDiffusion
 DEFAULT_VIDEO_FPS = 16
 """Frame rate a video is reported at when the request gives none (Wan models are trained at 16 fps)."""
 
-RESERVED_ARGS = frozenset(
-    {
-        "prompt",
-        "negative_prompt",
-        "height",
-        "width",
-        "num_inference_steps",
-        "guidance_scale",
-        "generator",
-        "output_type",
-        "num_images_per_prompt",
-        "num_videos_per_prompt",
-        "num_frames",
-        "callback_on_step_end",
-        "callback_on_step_end_tensor_inputs",
-        "return_dict",
-        "latents",
-        "prompt_embeds",
-        "image",
-        "mask_image",
-        "strength",
-    }
-)
-"""Arguments the runner sets itself; ``extra_args`` may not carry them."""
-
-TWO_EXPERT_ARGS = ("guidance_scale_2", "boundary_ratio")
-"""``extra_args`` of two-expert Wan 2.2 folders only: the low-noise expert's guidance, and where it takes over."""
-
 _PLAIN = (int, float, str, bool)
 
 DEFAULT_STRENGTH: dict[ImageTask, float] = {"image": 0.6, "inpaint": 1.0}
 """``strength`` of a request that gives none: keep much of the image when transforming it, repaint the masked
 area from scratch when inpainting."""
-
-_IMAGE_REQUIRED = frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"})
-"""Instruction-edit pipelines whose ``image`` defaults to ``None`` but that cannot run without one."""
-_SEVERAL_IMAGES = frozenset({"QwenImageEditPlusPipeline"})
-"""Pipelines that take several input images for one prompt."""
-_ONE_IMAGE_PER_CALL = frozenset({"QwenImageEditPlusPipeline", "WanImageToVideoPipeline"})
-"""Pipelines whose call takes the input images of one request only (one prompt's list; one image for all rows)."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +145,7 @@ class ModelCard:
             pipeline_name=name,
             call_args=frozenset(parameters),
             call_defaults=defaults,
-            default_size=_default_size(pipeline, defaults),
+            default_size=default_size(pipeline, defaults),
             size_multiple=max(8, 2 * int(scale)),
             frame_multiple=int(getattr(pipeline, "vae_scale_factor_temporal", 1) or 1),
             outputs_arg=next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters), None),
@@ -184,9 +159,9 @@ class ModelCard:
             and getattr(getattr(getattr(pipeline, "transformer", None), "config", None), "guidance_embeds", None)
             is False,
             image_required=image is not None
-            and (image.default is inspect.Parameter.empty or name in _IMAGE_REQUIRED or "strength" in parameters),
-            max_images=MAX_INPUT_IMAGES if name in _SEVERAL_IMAGES else 1,
-            batches_images=name not in _ONE_IMAGE_PER_CALL,
+            and (image.default is inspect.Parameter.empty or name in IMAGE_REQUIRED or "strength" in parameters),
+            max_images=MAX_INPUT_IMAGES if name in SEVERAL_IMAGES else 1,
+            batches_images=name not in ONE_IMAGE_PER_CALL,
             flow_matching="FlowMatch" in type(getattr(pipeline, "scheduler", None)).__name__,
             max_sequence_length=sequence_limit(pipeline_class, defaults),
             variants={}
@@ -267,16 +242,8 @@ class ModelCard:
             )
         if params.strength is not None and not self.noises_its_image:
             params = _drop(params, ignored, "strength", f"strength is not accepted by {name}: it noises no input image")
-        if "max_sequence_length" in params.extra_args and self.max_sequence_length is None:
-            params = _drop(
-                params,
-                ignored,
-                "extra_args.max_sequence_length",
-                f"max_sequence_length is not accepted by {name}: its call takes none (its text encoders have a fixed "
-                "length)",
-            )
         if "max_sequence_length" in params.extra_args:
-            self._check_sequence_length(params.extra_args["max_sequence_length"])
+            params = self._check_sequence_length(params, ignored)
         for arg in params.extra_args:
             if arg in RESERVED_ARGS:
                 raise SamplingParamsError(
@@ -319,16 +286,22 @@ class ModelCard:
             }
         )
 
-    def _check_sequence_length(self, length: Any) -> None:
+    def _check_sequence_length(
+        self, params: OmniDiffusionSamplingParams, ignored: list[IgnoredField]
+    ) -> OmniDiffusionSamplingParams:
         """A ``max_sequence_length`` within what the pipeline's text encoder takes: refused before the call, where
-        diffusers' own check would fail the whole batch."""
-        name, limit = self.pipeline_name, self.max_sequence_length
+        diffusers' own check would fail the whole batch; dropped into ``ignored`` where the call takes none."""
+        name, limit, length = self.pipeline_name, self.max_sequence_length, params.extra_args["max_sequence_length"]
+        if limit is None:
+            why = f"max_sequence_length is not accepted by {name}: its call takes none (its text encoders have a fixed "
+            return _drop(params, ignored, "extra_args.max_sequence_length", why + "length)")
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= limit:
             raise SamplingParamsError(
                 "extra_args.max_sequence_length",
                 f"max_sequence_length must be an integer from 1 to {limit} for {name} (what its text encoder takes), "
                 f"not {length!r}",
             )
+        return params
 
     def _check_guidance(
         self, params: OmniDiffusionSamplingParams, ignored: list[IgnoredField]
@@ -425,68 +398,3 @@ def _drop(
     if key == param:
         return params.model_copy(update={param: None})
     return params.model_copy(update={"extra_args": {k: v for k, v in params.extra_args.items() if k != key}})
-
-
-def flow_shift_key(scheduler) -> str | None:
-    """The config key that sets ``scheduler``'s fixed timestep shift: ``flow_shift`` (UniPC and DPM-Solver with
-    flow sigmas, as Wan folders have), ``shift`` (flow matching's Euler without shifting by image size: SD3, and
-    the tiny Wan); ``None`` for schedulers without one (Flux's shifts by image size; SD's are not flow matching)."""
-    config = getattr(scheduler, "config", None) or {}
-    if config.get("use_dynamic_shifting"):
-        return None
-    if "flow_shift" in config and config.get("use_flow_sigmas"):
-        return "flow_shift"
-    if "shift" in config and "FlowMatch" in type(scheduler).__name__:
-        return "shift"
-    return None
-
-
-_SEQUENCE_CHECK = re.compile(r"max_sequence_length\s*>\s*(\d+)")
-"""How diffusers' ``check_inputs`` states the bound: ``if max_sequence_length is not None and max_sequence_length >
-512: raise ValueError(...)``."""
-
-
-def sequence_limit(pipeline_class: type, defaults: Mapping[str, Any]) -> int | None:
-    """The largest ``max_sequence_length`` a pipeline's call takes: the bound its own ``check_inputs`` raises above
-    (512 for Flux and SD3, 1024 for Qwen-Image), else its call's default (Wan's 512, the text length its transformer
-    was trained with); ``None`` when its call takes none (or neither says)."""
-    if "max_sequence_length" not in inspect.signature(pipeline_class.__call__).parameters:
-        return None
-    try:
-        source = inspect.getsource(pipeline_class.check_inputs)
-    except (AttributeError, OSError, TypeError):  # no check_inputs, or no source to read
-        source = ""
-    match = _SEQUENCE_CHECK.search(source)
-    if match:
-        return int(match[1])
-    default = defaults.get("max_sequence_length")
-    return default if isinstance(default, int) and not isinstance(default, bool) else None
-
-
-def _default_size(pipeline, defaults: Mapping[str, Any]) -> tuple[int, int] | None:
-    height, width = defaults.get("height"), defaults.get("width")
-    if isinstance(height, int) and isinstance(width, int):
-        return height, width
-    sample = getattr(pipeline, "default_sample_size", None)
-    if sample is None:
-        denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
-        sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
-    scale = getattr(pipeline, "vae_scale_factor", None)
-    return (sample * scale,) * 2 if isinstance(sample, int) and isinstance(scale, int) else None
-
-
-def image_variants(pipeline_name: str) -> dict[ImageTask, type]:
-    """The image-to-image and inpainting pipeline classes of a text-to-image class (diffusers' AutoPipeline
-    tables), which ``from_pipe`` builds on its components."""
-    from diffusers.pipelines.auto_pipeline import (
-        AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
-        AUTO_INPAINT_PIPELINES_MAPPING,
-        AUTO_TEXT2IMAGE_PIPELINES_MAPPING,
-    )
-
-    family = next((k for k, v in AUTO_TEXT2IMAGE_PIPELINES_MAPPING.items() if v.__name__ == pipeline_name), None)
-    tables: dict[ImageTask, Mapping[str, type]] = {
-        "image": AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
-        "inpaint": AUTO_INPAINT_PIPELINES_MAPPING,
-    }
-    return {task: table[family] for task, table in tables.items() if family in table}

@@ -10,10 +10,8 @@ from vllm_omni.entrypoints.openai.protocol import (
     ImageEditRequest,
     ImageGenerationRequest,
     VideoGenerationRequest,
-    api_names,
-    sampled,
-    sampling_fields,
 )
+from vllm_omni.entrypoints.openai.request_fields import api_names, sampled, sampling_fields
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 REQUESTS = (ImageGenerationRequest, ImageEditRequest, VideoGenerationRequest)

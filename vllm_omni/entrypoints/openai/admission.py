@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.protocol import api_names, sampling_fields
+from vllm_omni.entrypoints.openai.request_fields import api_names, sampling_fields
 from vllm_omni.errors import SamplingParamsError, StageUnavailableError, UnknownLoraError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics

@@ -24,7 +24,7 @@ from vllm_omni.entrypoints.openai import images as images_api
 from vllm_omni.entrypoints.openai import videos as videos_api
 from vllm_omni.entrypoints.openai.checks import check_api_key, check_query, check_sides
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.protocol import (
+from vllm_omni.entrypoints.openai.chat_protocol import (
     ChatAnswer,
     ChatChoice,
     ChatCompletionRequest,
@@ -32,12 +32,14 @@ from vllm_omni.entrypoints.openai.protocol import (
     ChatMediaPart,
     ChatMediaURL,
     ChatUsage,
+)
+from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageEditRequest,
     ImageGenerationRequest,
     VideoGenerationRequest,
-    api_names,
 )
+from vllm_omni.entrypoints.openai.request_fields import api_names
 from vllm_omni.entrypoints.openai.uploads import decode_image
 from vllm_omni.metrics import prometheus as metrics
 

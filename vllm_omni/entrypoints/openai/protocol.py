@@ -6,67 +6,18 @@ for a field that its route copies into the sampling parameters, a `Sampling` in 
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import time
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from vllm_omni.config.serving import QualityLevel
+from vllm_omni.entrypoints.openai.request_fields import Sampling
 from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, LoraChoice
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """What makes a request field one that its route copies into the request's `OmniDiffusionSamplingParams` as it
-    is (``Annotated[T, Sampling()]``): under the sampling field ``name`` (the request field's own name when unset),
-    or with ``extra_args`` into ``extra_args`` (a keyword of the pipeline call, which the model card refuses naming
-    it where the pipeline cannot take it), there only when the request sets it. Admission (`sampling_fields`), the
-    ``param`` of an error about a sampling field (`api_names`) and the chat adapter's upstream names read it. Fields
-    that the route computes into sampling fields (``size``, ``quality``, ``seconds``, ``lora``) have none."""
-
-    name: str | None = None
-    """The `OmniDiffusionSamplingParams` field (or ``extra_args`` key) it fills, when its name differs."""
-
-    extra_args: bool = False
-    """It travels in ``extra_args``: an extension of one pipeline family rather than a sampling field of every one."""
-
-
-@functools.cache
-def sampled(model: type[BaseModel]) -> dict[str, Sampling]:
-    """The request model's fields that its route copies into the sampling parameters, each with its `Sampling`."""
-    return {
-        name: marker
-        for name, info in model.model_fields.items()
-        for marker in info.metadata
-        if isinstance(marker, Sampling)
-    }
-
-
-@functools.cache
-def api_names(model: type[BaseModel]) -> dict[str, str]:
-    """The request model's fields that fill a sampling field of another name, by that name (``n`` fills
-    ``num_outputs_per_prompt``)."""
-    return {marker.name: name for name, marker in sampled(model).items() if marker.name is not None}
-
-
-def sampling_fields(body: BaseModel) -> dict[str, Any]:
-    """The `OmniDiffusionSamplingParams` fields that the request's `Sampling` fields give, ``extra_args`` with the
-    extensions the request set."""
-    fields: dict[str, Any] = {}
-    extra_args: dict[str, Any] = {}
-    for name, marker in sampled(type(body)).items():
-        value = getattr(body, name)
-        if not marker.extra_args:
-            fields[marker.name or name] = value
-        elif value is not None:  # unset: left out, so the pipeline call keeps its own default
-            extra_args[marker.name or name] = value
-    return {**fields, "extra_args": extra_args}
 
 
 LoraField = LoraChoice | list[LoraChoice] | None
@@ -418,87 +369,3 @@ class VideoDeleted(BaseModel):
     id: str
     object: Literal["video.deleted"] = "video.deleted"
     deleted: bool = True
-
-
-class ChatImageURL(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    url: str
-    """A data URL (``data:image/png;base64,...``): the server fetches no URL."""
-
-
-class ChatContentPart(BaseModel):
-    """One part of a chat message's content: its text, or an input image."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text", "image_url"]
-    text: str | None = None
-    image_url: ChatImageURL | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: str
-    """``user``: the chat adapter refuses the others (a diffusion model has no conversation)."""
-    content: str | list[ChatContentPart]
-
-
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` for a diffusion model, in upstream vllm-omni's shape: the prompt is the user
-    messages' text, their ``image_url`` parts are input images, and the generation parameters come at the top level
-    (as openai-python's ``extra_body`` sends them) or in a literal ``extra_body`` object (as upstream's curl examples
-    do). Those are the Images (or Videos) API's fields, checked there; any other key is refused."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: ModelName = None
-    """A served model name (or a LoRA adapter's); unset or empty: the served model."""
-    messages: list[ChatMessage] = Field(min_length=1)
-    extra_body: dict[str, Any] | None = None
-    stream: bool = False
-    """Refused when true: a diffusion chat answer comes whole (``/v1/images/generations`` streams previews)."""
-
-
-class ChatMediaURL(BaseModel):
-    url: str
-    """``data:<media type>;base64,<bytes>``."""
-
-
-class ChatMediaPart(BaseModel):
-    """One generated image (``image_url``) or video (``video_url``) of the answer, as upstream's."""
-
-    type: Literal["image_url", "video_url"]
-    image_url: ChatMediaURL | None = None
-    video_url: ChatMediaURL | None = None
-
-
-class ChatAnswer(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: list[ChatMediaPart]
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatAnswer
-    finish_reason: Literal["stop"] = "stop"
-    logprobs: None = None
-
-
-class ChatUsage(BaseModel):
-    prompt_tokens: int
-    """The Images API's ``input_tokens``."""
-    completion_tokens: int
-    """The Images API's ``output_tokens``: denoiser positions of the images made."""
-    total_tokens: int
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: ChatUsage | None = None
-    """As the Images API counts it; unset for a video, or a model folder without a tokenizer."""

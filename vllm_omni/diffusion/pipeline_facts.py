@@ -1,0 +1,113 @@
+"""What a pipeline's class, call signature and scheduler say about the requests it takes, read by `ModelCard` when
+a pipeline loads: the call arguments vllm-omni sets itself, the pipelines that need or take several input images,
+the scheduler's shift key, the text encoder's sequence limit, the default size and the image-conditioned variants
+of a text-to-image pipeline."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_omni.sampling_params import ImageTask
+
+RESERVED_ARGS = frozenset(
+    {
+        "prompt",
+        "negative_prompt",
+        "height",
+        "width",
+        "num_inference_steps",
+        "guidance_scale",
+        "generator",
+        "output_type",
+        "num_images_per_prompt",
+        "num_videos_per_prompt",
+        "num_frames",
+        "callback_on_step_end",
+        "callback_on_step_end_tensor_inputs",
+        "return_dict",
+        "latents",
+        "prompt_embeds",
+        "image",
+        "mask_image",
+        "strength",
+    }
+)
+"""Arguments the runner sets itself; ``extra_args`` may not carry them."""
+
+TWO_EXPERT_ARGS = ("guidance_scale_2", "boundary_ratio")
+"""``extra_args`` of two-expert Wan 2.2 folders only: the low-noise expert's guidance, and where it takes over."""
+
+IMAGE_REQUIRED = frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"})
+"""Instruction-edit pipelines whose ``image`` defaults to ``None`` but that cannot run without one."""
+SEVERAL_IMAGES = frozenset({"QwenImageEditPlusPipeline"})
+"""Pipelines that take several input images for one prompt."""
+ONE_IMAGE_PER_CALL = frozenset({"QwenImageEditPlusPipeline", "WanImageToVideoPipeline"})
+"""Pipelines whose call takes the input images of one request only (one prompt's list; one image for all rows)."""
+
+
+def flow_shift_key(scheduler) -> str | None:
+    """The config key that sets ``scheduler``'s fixed timestep shift: ``flow_shift`` (UniPC and DPM-Solver with
+    flow sigmas, as Wan folders have), ``shift`` (flow matching's Euler without shifting by image size: SD3, and
+    the tiny Wan); ``None`` for schedulers without one (Flux's shifts by image size; SD's are not flow matching)."""
+    config = getattr(scheduler, "config", None) or {}
+    if config.get("use_dynamic_shifting"):
+        return None
+    if "flow_shift" in config and config.get("use_flow_sigmas"):
+        return "flow_shift"
+    if "shift" in config and "FlowMatch" in type(scheduler).__name__:
+        return "shift"
+    return None
+
+
+_SEQUENCE_CHECK = re.compile(r"max_sequence_length\s*>\s*(\d+)")
+"""How diffusers' ``check_inputs`` states the bound: ``if max_sequence_length is not None and max_sequence_length >
+512: raise ValueError(...)``."""
+
+
+def sequence_limit(pipeline_class: type, defaults: Mapping[str, Any]) -> int | None:
+    """The largest ``max_sequence_length`` a pipeline's call takes: the bound its own ``check_inputs`` raises above
+    (512 for Flux and SD3, 1024 for Qwen-Image), else its call's default (Wan's 512, the text length its transformer
+    was trained with); ``None`` when its call takes none (or neither says)."""
+    if "max_sequence_length" not in inspect.signature(pipeline_class.__call__).parameters:
+        return None
+    try:
+        source = inspect.getsource(pipeline_class.check_inputs)
+    except (AttributeError, OSError, TypeError):  # no check_inputs, or no source to read
+        source = ""
+    match = _SEQUENCE_CHECK.search(source)
+    if match:
+        return int(match[1])
+    default = defaults.get("max_sequence_length")
+    return default if isinstance(default, int) and not isinstance(default, bool) else None
+
+
+def default_size(pipeline, defaults: Mapping[str, Any]) -> tuple[int, int] | None:
+    height, width = defaults.get("height"), defaults.get("width")
+    if isinstance(height, int) and isinstance(width, int):
+        return height, width
+    sample = getattr(pipeline, "default_sample_size", None)
+    if sample is None:
+        denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
+        sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
+    scale = getattr(pipeline, "vae_scale_factor", None)
+    return (sample * scale,) * 2 if isinstance(sample, int) and isinstance(scale, int) else None
+
+
+def image_variants(pipeline_name: str) -> dict[ImageTask, type]:
+    """The image-to-image and inpainting pipeline classes of a text-to-image class (diffusers' AutoPipeline
+    tables), which ``from_pipe`` builds on its components."""
+    from diffusers.pipelines.auto_pipeline import (
+        AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
+        AUTO_INPAINT_PIPELINES_MAPPING,
+        AUTO_TEXT2IMAGE_PIPELINES_MAPPING,
+    )
+
+    family = next((k for k, v in AUTO_TEXT2IMAGE_PIPELINES_MAPPING.items() if v.__name__ == pipeline_name), None)
+    tables: dict[ImageTask, Mapping[str, type]] = {
+        "image": AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
+        "inpaint": AUTO_INPAINT_PIPELINES_MAPPING,
+    }
+    return {task: table[family] for task, table in tables.items() if family in table}
