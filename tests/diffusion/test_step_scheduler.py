@@ -262,6 +262,30 @@ def test_a_pending_call_does_not_hold_back_the_plan():
     assert _ids(scheduler.plan(timeout=0).to_prepare) == ["a"]
 
 
+def test_a_draining_call_runs_once_the_running_requests_finish_and_none_starts_before_it():
+    scheduler = _scheduler(max_num_seqs=2)
+    a = _request("a")
+    scheduler.add(a)
+    _encode(scheduler, scheduler.plan(timeout=0))
+    assert _ids(scheduler.plan(timeout=0).batch) == ["a"]
+    ran = []
+    future = scheduler.call(lambda: ran.append("weights") or "swapped", drain=True)
+    b = _request("b")
+    scheduler.add(b)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["a"] and plan.to_prepare == []  # b is neither encoded nor admitted
+    scheduler.run_calls()
+    assert ran == []  # a is still running
+    scheduler.retire([a])
+    scheduler.run_calls()
+    assert ran == []  # a is still being decoded
+    scheduler.complete(a, OmniRequestOutput(request_id="a", prompt="prompt a"))
+    assert scheduler.plan(timeout=0).batch == []  # the call is due: plan returns for it
+    scheduler.run_calls()
+    assert future.result(timeout=0) == "swapped"
+    assert _ids(scheduler.plan(timeout=0).to_prepare) == ["b"]
+
+
 def test_close_fails_pending_step_calls():
     scheduler = _scheduler()
     future = scheduler.call(lambda: "never")

@@ -22,7 +22,10 @@ schedulers that the steppers drive).
 - LoRA: a batch (in step mode, the requests running and being encoded) uses at
   most ``max_loras`` distinct adapters, so every adapter it needs is resident.
 - Engine calls (`call`): work that must run on the engine's thread between
-  batches or steps (loading an adapter) wakes the scheduler and runs first.
+  batches or steps (loading an adapter) wakes the scheduler and runs first. A
+  draining call (new weights, sleep) runs once the requests in progress have
+  finished, and no request starts (nor, in step mode, begins encoding) before
+  it has run: a batch finishes on the weights it started with.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -54,26 +57,38 @@ class BatchScheduler:
         self.max_loras = od_config.stage.max_loras
         self._waiting: list[DiffusionRequest] = []
         self._running: list[DiffusionRequest] = []
-        self._calls: list[tuple[Callable[[], Any], Future]] = []
+        self._calls: list[_Call] = []
         self._cond = threading.Condition()
         self._idle_since = time.monotonic()
         self._closed = False
 
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the engine's thread at the next batch or step boundary; the future holds its result."""
+    def call(self, fn: Callable[[], Any], *, drain: bool = False) -> Future:
+        """Run ``fn`` on the engine's thread at the next batch or step boundary; the future holds its result.
+        ``drain``: at the first boundary with no request in progress, and no request starts before it has run."""
         future: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("the diffusion engine is shut down")
-            self._calls.append((fn, future))
+            self._calls.append(_Call(fn, future, drain))
             self._cond.notify_all()
         return future
 
+    @property
+    def _draining(self) -> bool:
+        """Whether a draining call waits: no request may start until it has run."""
+        return any(call.drain for call in self._calls)
+
+    def _due_calls(self) -> list[_Call]:
+        """The pending calls that may run now (a draining one once nothing is in progress)."""
+        busy = bool(self._in_progress())
+        return [call for call in self._calls if not (call.drain and busy)]
+
     def run_calls(self) -> None:
-        """Run the pending `call` functions (the engine's thread, at a boundary)."""
+        """Run the pending `call` functions that are due (the engine's thread, at a boundary), in order."""
         with self._cond:
-            calls, self._calls = self._calls, []
-        for fn, future in calls:
+            calls = self._due_calls()
+            self._calls = [call for call in self._calls if call not in calls]
+        for fn, future, _ in calls:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
@@ -194,7 +209,7 @@ class BatchScheduler:
             self._cond.notify_all()
         for request in failed:
             _fail(request, RequestFailedError(request.request_id, reason))
-        for _, future in calls:
+        for _, future, _ in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError(reason))
 
@@ -222,6 +237,14 @@ def _fail(request: DiffusionRequest, error: RequestFailedError) -> None:
     if request.future.running() or request.future.set_running_or_notify_cancel():
         with contextlib.suppress(InvalidStateError):  # resolved meanwhile by another thread
             request.future.set_exception(error)
+
+
+class _Call(NamedTuple):
+    """A function to run on the engine's thread (`BatchScheduler.call`)."""
+
+    fn: Callable[[], Any]
+    future: Future
+    drain: bool
 
 
 @dataclass
@@ -286,7 +309,7 @@ class StepBatchScheduler(BatchScheduler):
                 budget = self.capacity - sum(r.preparing for r in self._waiting)
                 in_use = adapters_of(self._running + [r for r in self._waiting if r.preparing])
                 for request in self._waiting:
-                    if budget <= 0:
+                    if budget <= 0 or self._draining:
                         break
                     if not request.preparing:
                         wanted = in_use | adapters_of([request])
@@ -300,7 +323,7 @@ class StepBatchScheduler(BatchScheduler):
                     plan.to_prepare
                     or plan.batch
                     or plan.dropped
-                    or self._calls
+                    or self._due_calls()
                     or (self._closed and not self._finishing)
                 ):
                     return plan
@@ -311,7 +334,7 @@ class StepBatchScheduler(BatchScheduler):
 
     def _admit(self) -> None:
         """Move encoded waiting requests into the running batch (the policy of the class docstring)."""
-        if not self._waiting:
+        if not self._waiting or self._draining:
             return
         key = self._running[0].key if self._running else self._waiting[0].key
         for request in list(self._waiting):
