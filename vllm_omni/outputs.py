@@ -50,6 +50,9 @@ class RequestMetrics(_Record):
     """Video models: the frame rate its videos are meant to play at."""
     stages: list[StageMetrics] | None = None
     """A split pipeline: one record per stage, in request order."""
+    weights_version: int | None = None
+    """The version of the weights it ran with: the weight updates (``update_weights``) its replica had applied, 0
+    for the model's own (of the stage that holds the denoiser, in a split pipeline)."""
 
 
 @dataclass(kw_only=True)
@@ -79,6 +82,7 @@ def across_stages(stages: list[StageMetrics], denoiser_id: int) -> RequestMetric
         seed=last.seed,
         fps=last.fps,
         stages=stages,
+        weights_version=denoiser.weights_version,
     )
 
 
@@ -94,6 +98,26 @@ class IgnoredField:
     extension)."""
     reason: str
     """Why the model would not use it, and what would make it act: its refusal's message under ``strict_fields``."""
+
+
+@dataclass
+class Trajectory:
+    """What a request that sampled stochastically recorded (docs/rl.md): float32 tensors on the CPU, its latents in
+    the layout its denoiser takes (Flux: packed tokens), over the ``W`` steps of its SDE window (every step without
+    one). `OmniRequestOutput` carries each field as ``trajectory_*`` (and ``prompt_embeds``)."""
+
+    latents: Any
+    """``[n, W + 1, ...]``: each output's latents before the window's first step and after each of its steps."""
+    timesteps: Any
+    """``[W]``: the timestep of each window step."""
+    sigmas: Any
+    """``[W + 1]``: the σ of each recorded latent (the last is the σ the window's last step goes to)."""
+    log_probs: Any | None
+    """``[n, W]``: each step's log-probability per output (`sde.log_prob`); ``None`` without ``logprobs``."""
+    prompt_embeds: dict[str, Any]
+    """The denoiser's text inputs of the request's ``n`` rows, by the pipeline argument that takes them
+    (``prompt_embeds``, ``pooled_prompt_embeds`` or ``prompt_embeds_mask``; ``negative_*`` where classifier-free
+    guidance ran), so ``pipeline(**prompt_embeds)`` or a trainer's forward needs no text encoder."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +153,16 @@ class OmniRequestOutput:
     llm stage ran (none is deployed, or the request set ``enhance_prompt=False``)."""
     ignored_fields: list[IgnoredField] = field(default_factory=list)
     """The fields of its sampling parameters that the model would not use: dropped before it ran."""
+    trajectory_latents: Any | None = None
+    """Stochastic sampling (``extra_args.sde_type`` ...): `Trajectory.latents`; ``None`` for plain sampling."""
+    trajectory_timesteps: Any | None = None
+    """`Trajectory.timesteps`."""
+    trajectory_sigmas: Any | None = None
+    """`Trajectory.sigmas`."""
+    trajectory_log_probs: Any | None = None
+    """`Trajectory.log_probs`: ``None`` without ``extra_args.logprobs``."""
+    prompt_embeds: dict[str, Any] | None = None
+    """`Trajectory.prompt_embeds`: the text inputs its denoiser saw."""
 
 
 @dataclass
@@ -142,16 +176,28 @@ class StageOutput:
 
 
 def build_output(
-    request_id: str, prompt: str, result: Any, metrics: RequestMetrics, *, final: bool, video: bool
+    request_id: str,
+    prompt: str,
+    result: Any,
+    metrics: RequestMetrics,
+    *,
+    final: bool,
+    video: bool,
+    trajectory: Trajectory | None = None,
 ) -> OmniRequestOutput | StageOutput:
     """The one place a request's output is made: images or videos from a final stage (``result``: its
-    ``num_outputs_per_prompt`` items), else the payload the next stage takes."""
+    ``num_outputs_per_prompt`` items) with the ``trajectory`` it recorded, else the payload the next stage takes."""
     if not final:
         return StageOutput(request_id, result, metrics)
+    recorded = {}
+    if trajectory is not None:
+        recorded = {f"trajectory_{f.name}": getattr(trajectory, f.name) for f in dataclasses.fields(Trajectory)}
+        recorded["prompt_embeds"] = recorded.pop("trajectory_prompt_embeds")
     return OmniRequestOutput(
         request_id=request_id,
         prompt=prompt,
         images=[] if video else result,
         videos=result if video else [],
         metrics=metrics,
+        **recorded,
     )

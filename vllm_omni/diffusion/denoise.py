@@ -93,4 +93,6 @@ def denoise_step(
         request.state.forwards += 1
         request.state.batch_total += len(requests)
         request.steps_done = request.state.step
+        if request.state.done and request.state.sde is not None:
+            request.trajectory = request.state.sde.trajectory()
     return failed

@@ -23,6 +23,7 @@ from vllm_omni.diffusion.pipeline_facts import (
     image_variants,
     sequence_limit,
 )
+from vllm_omni.diffusion.sde import SDE_ARGS, steps_flow_euler
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
@@ -31,6 +32,8 @@ DEFAULT_VIDEO_FPS = 16
 """Frame rate a video is reported at when the request gives none (Wan models are trained at 16 fps)."""
 
 _PLAIN = (int, float, str, bool)
+ENGINE_ARGS = SDE_ARGS | {"flow_shift"}
+"""``extra_args`` keys the engine applies itself: no pipeline call takes them."""
 
 DEFAULT_STRENGTH: dict[ImageTask, float] = {"image": 0.6, "inpaint": 1.0}
 """``strength`` of a request that gives none: keep much of the image when transforming it, repaint the masked
@@ -76,6 +79,8 @@ class ModelCard:
     flow_matching: bool = False
     """Whether its scheduler is a flow-matching one, whose image pipelines count the steps a strength keeps
     differently (`strength_offset`)."""
+    flow_euler: bool = False
+    """Whether its scheduler steps flow matching's Euler, which stochastic sampling replaces (`sde.SDE_ARGS`)."""
     max_sequence_length: int | None = None
     """The largest ``max_sequence_length`` (the prompt's tokens for its T5-style text encoder) its call takes
     (`sequence_limit`); ``None``: its call takes no ``max_sequence_length``."""
@@ -163,6 +168,7 @@ class ModelCard:
             max_images=MAX_INPUT_IMAGES if name in SEVERAL_IMAGES else 1,
             batches_images=name not in ONE_IMAGE_PER_CALL,
             flow_matching="FlowMatch" in type(getattr(pipeline, "scheduler", None)).__name__,
+            flow_euler=steps_flow_euler(getattr(pipeline, "scheduler", None)),
             max_sequence_length=sequence_limit(pipeline_class, defaults),
             variants={}
             if image is not None or pipeline_class is not type(pipeline)
@@ -250,7 +256,7 @@ class ModelCard:
                     f"extra_args.{arg}",
                     f"extra_args may not set {arg!r}: it is a sampling parameter or set by vllm-omni",
                 )
-            if arg not in self.call_args and arg not in self.config_args and arg != "flow_shift":
+            if arg not in self.call_args and arg not in self.config_args and arg not in ENGINE_ARGS:
                 raise SamplingParamsError(
                     f"extra_args.{arg}", f"extra_args key {arg!r} is not an argument of {name}.__call__"
                 )
@@ -260,9 +266,8 @@ class ModelCard:
             width, height = params.image[0].size
             size = (height - height % self.size_multiple, width - width % self.size_multiple)
             if min(size) == 0:
-                raise SamplingParamsError(
-                    "image", f"the image is {width}x{height}; {name} needs sides of at least {self.size_multiple}"
-                )
+                why = f"the image is {width}x{height}; {name} needs sides of at least {self.size_multiple}"
+                raise SamplingParamsError("image", why)
         if (params.height is None or params.width is None) and size is None:
             raise SamplingParamsError("height", f"{name} has no default size: give height and width")
         height, width = params.height or size[0], params.width or size[1]
@@ -363,21 +368,15 @@ class ModelCard:
             return {}
         strength = params.strength if params.strength is not None else DEFAULT_STRENGTH[params.task]
         if self.strength_offset(steps, strength) >= steps:
-            raise SamplingParamsError(
-                "strength",
-                f"strength={strength} with num_inference_steps={steps} leaves no denoising step for "
-                f"{self.pipeline_name}: raise either",
-            )
+            why = f"strength={strength} with num_inference_steps={steps} leaves no denoising step for {self.pipeline_name}"
+            raise SamplingParamsError("strength", why + ": raise either")
         return {"strength": strength}
 
     def _complete_video(self, params: OmniDiffusionSamplingParams) -> dict[str, int]:
         """num_frames and fps for a video pipeline (checked against its temporal VAE factor); none for images."""
         if not self.is_video:
-            for field in ("num_frames", "fps"):
-                if getattr(params, field) is not None:
-                    raise SamplingParamsError(
-                        field, f"{field} applies to video pipelines; {self.pipeline_name} makes images"
-                    )
+            for field in [f for f in ("num_frames", "fps") if getattr(params, f) is not None]:
+                raise SamplingParamsError(field, f"{field} applies to video pipelines; {self.pipeline_name} makes images")
             return {}
         num_frames = params.num_frames or self.call_defaults.get("num_frames")
         if (num_frames - 1) % self.frame_multiple:

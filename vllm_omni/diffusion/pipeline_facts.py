@@ -111,3 +111,17 @@ def image_variants(pipeline_name: str) -> dict[ImageTask, type]:
         "inpaint": AUTO_INPAINT_PIPELINES_MAPPING,
     }
     return {task: table[family] for task, table in tables.items() if family in table}
+
+
+def schedule_index(scheduler, timestep) -> int:
+    """Where ``timestep`` is in the scheduler's schedule when its ``step`` is called with it (request mode, before
+    the scheduler moves on)."""
+    index = getattr(scheduler, "step_index", None)
+    if index is not None:
+        return index
+    begin = getattr(scheduler, "begin_index", None)
+    if begin is not None:
+        return begin
+    if hasattr(scheduler, "index_for_timestep"):
+        return int(scheduler.index_for_timestep(timestep))
+    return 0

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from vllm_omni.diffusion.pipeline_facts import schedule_index
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import Preview
 
@@ -64,20 +65,6 @@ def clean_latents(scheduler, index: int, timestep, prediction: torch.Tensor, sam
     if kind == "v_prediction":
         return alpha.sqrt() * sample - (1 - alpha).sqrt() * prediction
     return (sample - (1 - alpha).sqrt() * prediction) / alpha.sqrt()
-
-
-def schedule_index(scheduler, timestep) -> int:
-    """Where ``timestep`` is in the scheduler's schedule when its ``step`` is called with it (request mode, before
-    the scheduler moves on)."""
-    index = getattr(scheduler, "step_index", None)
-    if index is not None:
-        return index
-    begin = getattr(scheduler, "begin_index", None)
-    if begin is not None:
-        return begin
-    if hasattr(scheduler, "index_for_timestep"):
-        return int(scheduler.index_for_timestep(timestep))
-    return 0
 
 
 class LatentProjection:

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from vllm_omni.outputs import Preview
+from vllm_omni.outputs import Preview, Trajectory
 from vllm_omni.sampling_params import MAX_SEED, OmniDiffusionSamplingParams
 
 
@@ -80,6 +80,8 @@ class DiffusionRequest:
     """Where its partial images go (``params.partial_images`` of them), on the engine's thread; ``None``: nowhere."""
     previews_sent: int = 0
     """Previews made so far."""
+    trajectory: Trajectory | None = None
+    """What its stochastic sampling recorded (`sde.SdeSampler`), once its denoising is done; ``None``: none."""
 
     @property
     def pixels(self) -> int:

@@ -22,6 +22,7 @@ from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
 from vllm_omni.diffusion.runner import DiffusionRunner, check_batchable, read_model_index
+from vllm_omni.diffusion.sde import SdeSampler, check_sde
 from vllm_omni.diffusion.steppers import (
     SPLIT,
     STEP_MODE,
@@ -158,7 +159,7 @@ class DiffusionRole(StageRole):
         return self.runner.run(batch, self.previews)
 
     def begin(self, request: DiffusionRequest) -> StepState:
-        return self.stepper.prepare(request.prompt, request.params, request.seed)
+        return _sampling(self.stepper.prepare(request.prompt, request.params, request.seed), request)
 
     def end(self, requests: list[DiffusionRequest]) -> list[list[Any]]:
         return self.stepper.decode([request.state for request in requests])
@@ -190,10 +191,10 @@ class DenoiseRole(StageRole):
         return self._denoise(batch)
 
     def begin(self, request: DiffusionRequest) -> StepState:
-        return self.stepper.start(request.payload, request.params, request.seed)
+        return _sampling(self.stepper.start(request.payload, request.params, request.seed), request)
 
     def end(self, requests: list[DiffusionRequest]) -> list[Latents]:
-        return [Latents(request.state.latents, request.params) for request in requests]
+        return [Latents(request.state.latents, request.params, request.trajectory) for request in requests]
 
 
 class DecodeRole(StageRole):
@@ -210,7 +211,18 @@ class DecodeRole(StageRole):
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
         # The denoise stage may run on another device or in another dtype; on the same ones nothing is copied.
         device, dtype = self.stepper.device, self.stepper.pipeline.vae.dtype
+        for request in batch:  # the denoise stage's record becomes this final stage's output
+            request.trajectory = request.payload.trajectory
         return self.stepper.decode([Latents(r.payload.latents.to(device, dtype), r.params) for r in batch])
+
+
+def _sampling(state: StepState, request: DiffusionRequest) -> StepState:
+    """``state`` with the request's stochastic sampler (`sde.SdeSampler`), which records the text inputs its
+    denoiser sees; none for plain sampling."""
+    state.sde = SdeSampler.of(request.params, request.seed, len(state.timesteps))
+    if state.sde is not None:
+        state.sde.record_embeds(state.cond, state.uncond)
+    return state
 
 
 def _stepper_for_previews(runner: DiffusionRunner) -> Stepper | None:
@@ -243,6 +255,7 @@ class StageAdmission:
         ignored = ()
         if self.role.completes_params:
             params, ignored = self.card.complete_params(params)
+            check_sde(self.card, params)
             if params.partial_images and stepper_class(self.card.pipeline_name) is None:
                 raise SamplingParamsError(
                     "partial_images",

@@ -18,9 +18,10 @@ from vllm_omni.config.cache import WHOLE_CALL_BACKENDS
 from vllm_omni.diffusion.components import DENOISERS
 from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.lora import LoraAdapters
-from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.model_card import ENGINE_ARGS, ModelCard
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.diffusion.sde import sde_sampling
 from vllm_omni.diffusion.step_cache import CallCache, RequestCache, StepCache
 from vllm_omni.diffusion.steppers.base import fresh_noise_scheduler
 from vllm_omni.logger import init_logger
@@ -270,13 +271,16 @@ class DiffusionRunner:
             cached = self.step_cache.rows([cache for cache in caches for _ in range(n)])
         pipeline = self._pipeline(card)
         config = {arg: kwargs.pop(arg) for arg in card.config_args if arg in kwargs}
-        kwargs.pop("flow_shift", None)  # the batch's scheduler has it (`ModelCard.scheduler_overrides`)
-        with _configured(pipeline, config, card.scheduler_overrides(params)):
+        for arg in ENGINE_ARGS:  # the batch's scheduler has its flow_shift; the SDE keys are `sde_sampling`'s
+            kwargs.pop(arg, None)
+        with _configured(pipeline, config, card.scheduler_overrides(params)), sde_sampling(pipeline, batch) as sde:
             watching = contextlib.nullcontext() if previews is None else previews.watching(pipeline.scheduler, batch)
             with adapters, cached, watching as make_previews:
                 if "callback_on_step_end" in card.call_args:
                     kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
                 result = pipeline(**kwargs)
+        for request, sampler in zip(batch, sde, strict=True):
+            request.trajectory = None if sampler is None else sampler.trajectory()
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
         items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
         if len(items) != len(batch) * n:

@@ -1,8 +1,9 @@
 """Flow-matching DiTs (Flux, SD3, Wan): per-request schedules, one forward, a vectorised Euler update.
 
 ``FlowMatchEulerDiscreteScheduler.step`` is ``x + (σ_next − σ)·v``; `FlowMatchStepper.advance` does it for
-the whole batch at once with each request's own σ pair, with the scheduler's exact dtype steps. Any other
-scheduler (UniPC-flow, stochastic sampling) keeps a per-request ``scheduler.step``.
+the whole batch at once with each request's own σ pair, with the scheduler's exact dtype steps, and a request that
+samples stochastically (RL rollouts) takes its own `SdeSampler.step` in its window instead. Any other scheduler
+(UniPC-flow, the scheduler's own stochastic_sampling) keeps a per-request ``scheduler.step``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.sde import SDE_ARGS, steps_flow_euler
 from vllm_omni.diffusion.steppers.base import (
     Conditioning,
     Latents,
@@ -29,15 +31,12 @@ from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 class FlowMatchStepper(Stepper):
     """What Flux, SD3 and Wan share: the denoiser is ``pipeline.transformer``, the update is flow-matching Euler."""
 
-    extra_args = frozenset({"max_sequence_length", "flow_shift"})
+    extra_args = frozenset({"max_sequence_length", "flow_shift"}) | SDE_ARGS
 
     def __init__(self, pipeline, device: torch.device):
         super().__init__(pipeline, device)
         self.transformer = pipeline.transformer
-        config = pipeline.scheduler.config
-        self.vectorised = type(pipeline.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and not config.get(
-            "stochastic_sampling", False
-        )
+        self.vectorised = steps_flow_euler(pipeline.scheduler)
 
     @classmethod
     def max_sequence_length(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> int:
@@ -64,9 +63,15 @@ class FlowMatchStepper(Stepper):
         # difference rounds first), the sum is float32, the result is cast to v's dtype.
         updated = (x + dt.to(v.device, v.dtype) * v).to(v.dtype)
         start = 0
-        for state in states:
+        for state, prediction in zip(states, predictions, strict=True):
             n = len(state.latents)
-            state.latents = updated[start : start + n]
+            stochastic = None
+            if state.sde is not None:
+                index = state.offset + state.step
+                stochastic = state.sde.step(
+                    state.latents, prediction, state.timestep, state.noise_scheduler.sigmas, index
+                )
+            state.latents = updated[start : start + n] if stochastic is None else stochastic
             state.step += 1
             if state.inpaint is not None:
                 self.blend(state)
@@ -92,7 +97,7 @@ class FluxStepper(FlowMatchStepper):
     """FLUX.1 (schnell- and dev-like): guidance is a per-row denoiser input; true CFG adds negative rows."""
 
     pipeline_classes = ("FluxPipeline",)
-    extra_args = frozenset({"max_sequence_length", "true_cfg_scale", "flow_shift"})
+    extra_args = frozenset({"max_sequence_length", "true_cfg_scale", "flow_shift"}) | SDE_ARGS
     tasks = frozenset({"text", "image", "inpaint"})
     full_strength_inpaints_noise = False
 

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from vllm_omni.diffusion.sde import SdeSampler
 from vllm_omni.diffusion.step_cache import RequestCache
+from vllm_omni.outputs import Trajectory
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
@@ -55,6 +57,8 @@ class Latents(_Payload):
     """``[n, ...]``: the final latents of its ``n`` outputs."""
     params: OmniDiffusionSamplingParams
     """Its complete sampling parameters (size, frames, output type)."""
+    trajectory: Trajectory | None = None
+    """What its stochastic sampling recorded, for the final stage's output; ``None``: plain sampling."""
 
 
 @dataclass(eq=False)
@@ -107,6 +111,8 @@ class StepState:
     """Sum over those steps of the requests in the forward (for its mean batch size)."""
     cache: RequestCache = field(default_factory=RequestCache)
     """Its step-cache state (``cache_backend``), its own across its steps."""
+    sde: SdeSampler | None = None
+    """Its stochastic sampling (``extra_args.sde_type`` ...): its steps replace the scheduler's; ``None``: plain."""
 
     def __post_init__(self):
         self.cache.enabled = self.params.cache
