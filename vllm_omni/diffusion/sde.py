@@ -70,10 +70,11 @@ class SdeSettings:
 
     @classmethod
     def of(cls, params: OmniDiffusionSamplingParams, steps: int | None = None) -> SdeSettings | None:
-        """The settings of ``params``, ``None`` when it sets none of `SDE_ARGS`; `SamplingParamsError` naming the
-        key for a value out of range (``steps``: the steps the request runs, when known)."""
+        """The settings of ``params``, ``None`` when it sets none of `SDE_ARGS` (or only ``logprobs`` false);
+        `SamplingParamsError` naming the key for a value out of range (``steps``: the steps the request runs, when
+        known)."""
         given = {k: v for k, v in params.extra_args.items() if k in SDE_ARGS}
-        if not given:
+        if not given or given == {"logprobs": False}:
             return None
         sde_type = given.get("sde_type", "sde")
         if sde_type not in SDE_TYPES:

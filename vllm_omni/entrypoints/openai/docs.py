@@ -48,16 +48,22 @@ def _row(name: str, model: type[BaseModel]) -> str:
     return f"| `{name}` | {field_type(info, _WRITTEN_AS, _json)} | {default(info, _json)} | {meaning(info)} |\n"
 
 
+def _in_order(model: type[BaseModel]) -> list[str]:
+    """The model's fields, its own first: the shared extensions it inherits (`RolloutFields`) close the table."""
+    own = [name for name in model.model_fields if name in model.__annotations__]
+    return own + [name for name in model.model_fields if name not in own]
+
+
 def fields_table(model: type[BaseModel]) -> str:
     """One row per field of ``model``, in its order."""
-    return _HEADER + "".join(_row(name, model) for name in model.model_fields)
+    return _HEADER + "".join(_row(name, model) for name in _in_order(model))
 
 
 def edit_fields_table() -> str:
     """A row per field the edit request declares itself (new, or meaning something else than for generations), then
     one row for the fields it takes as generations do."""
     own = [name for name in ImageEditRequest.model_fields if name in ImageEditRequest.__annotations__]
-    same = ", ".join(f"`{name}`" for name in ImageEditRequest.model_fields if name not in own)
+    same = ", ".join(f"`{name}`" for name in _in_order(ImageGenerationRequest) if name not in own)
     return _HEADER + "".join(_row(name, ImageEditRequest) for name in own) + f"| {same} | | | As for generations. |\n"
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
+from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
 from vllm_omni.entrypoints.openai.image_files import encode_images
@@ -69,6 +70,7 @@ async def image_events(
                 timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
             fields = response_fields(state, body, params, output)
             encoded = await encode_images(output.images, body, True)
+            log_probs = output_log_probs(output) if output.finished else [None] * len(encoded)
             for i, b64 in enumerate(encoded):
                 event = {"b64_json": b64, "created_at": int(time.time()), **fields}
                 if len(encoded) > 1:
@@ -83,6 +85,8 @@ async def image_events(
                     "queue_ms": round(ran.queue_ms, 3),
                     "exec_ms": round(ran.exec_ms, 3),
                 }
+                if log_probs[i] is not None:
+                    event["log_probs"] = log_probs[i]
                 yield _sse(f"{kind}.completed", event)
             if output.finished:
                 outcome = "completed"

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
@@ -112,6 +113,13 @@ def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
     if body.partial_images and not body.stream:
         raise APIError(
             400, "partial_images are streamed: set stream to true", param="partial_images", code="invalid_value"
+        )
+    if body.logprobs and body.response_format == "file":
+        raise APIError(
+            400,
+            "logprobs are answered in JSON beside each image: use response_format b64_json or url",
+            param="logprobs",
+            code="invalid_value",
         )
     if body.stream and "response_format" in body.model_fields_set and body.response_format != "b64_json":
         raise APIError(
@@ -266,16 +274,20 @@ async def _respond(
             return files_response(encoded, body.output_format)
         # The prompt the images were made from: the llm stage's, or the request's own (as DALL·E 3 answers).
         revised_prompt = output.revised_prompt or body.prompt
+        log_probs = output_log_probs(output)
         if b64:
-            data = [ImageData(b64_json=text, revised_prompt=revised_prompt) for text in encoded]
+            data = [
+                ImageData(b64_json=text, revised_prompt=revised_prompt, log_probs=lp)
+                for text, lp in zip(encoded, log_probs, strict=True)
+            ]
         else:
             data = []
-            for payload in encoded:
+            for payload, lp in zip(encoded, log_probs, strict=True):
                 image_id = state.store.put(payload, MEDIA_TYPES[body.output_format])
                 if image_id is None:
                     raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
                 url = str(raw_request.url_for("get_image", image_id=image_id))
-                data.append(ImageData(url=url, revised_prompt=revised_prompt))
+                data.append(ImageData(url=url, revised_prompt=revised_prompt, log_probs=lp))
         outcome = "completed"
         return ImageGenerationResponse(data=data, **response_fields(state, body, admitted.params, output))
     finally:

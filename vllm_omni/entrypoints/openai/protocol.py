@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, f
 
 from vllm_omni.config.serving import QualityLevel
 from vllm_omni.entrypoints.openai.request_fields import Sampling
+from vllm_omni.entrypoints.openai.rollout_fields import RolloutFields
 from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, LoraChoice
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
@@ -43,7 +44,7 @@ def lora_from_form(value: Any) -> Any:
     return value
 
 
-class ImageGenerationRequest(BaseModel):
+class ImageGenerationRequest(RolloutFields):
     """``POST /v1/images/generations``; unknown fields are rejected."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -178,6 +179,8 @@ class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None
     revised_prompt: str | None = None
+    log_probs: list[float] | None = None
+    """Extension: with ``logprobs``, the log-probability of each stochastic step that made the image."""
 
 
 class ImageInputTokensDetails(BaseModel):
@@ -240,7 +243,7 @@ class ModelList(BaseModel):
     data: list[ModelEntry]
 
 
-class VideoGenerationRequest(BaseModel):
+class VideoGenerationRequest(RolloutFields):
     """``POST /v1/videos`` (JSON or form fields); unknown fields are rejected."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -355,6 +358,8 @@ class VideoObject(BaseModel):
     revised_prompt: str | None = None
     """Extension: the prompt the deploy's llm stage wrote, which the video was made from (a completed job of a
     deploy with an llm stage that the request did not skip)."""
+    log_probs: list[float] | None = None
+    """Extension: with ``logprobs``, the log-probability of each stochastic step that made the video."""
 
 
 class VideoList(BaseModel):

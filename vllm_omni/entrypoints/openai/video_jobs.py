@@ -61,6 +61,8 @@ class VideoJob:
     """Index of the preview in ``thumbnail`` while it runs."""
     revised_prompt: str | None = None
     """The prompt the llm stage wrote, once it completed (``None`` without an llm stage, or when it was skipped)."""
+    log_probs: list[float] | None = None
+    """With ``logprobs``, the log-probability of each stochastic step that made its video, once it completed."""
     task: asyncio.Task | None = None
     timer: metrics.PhaseTimer = field(default_factory=metrics.PhaseTimer)
     """Its phases (creation, engine, MP4 encoding), observed when it completes."""
@@ -82,6 +84,7 @@ class VideoJob:
             error=self.error,
             preview_index=self.preview_index if self.status == "queued" else None,
             revised_prompt=self.revised_prompt,
+            log_probs=self.log_probs,
         )
 
 

@@ -17,6 +17,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
+from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
@@ -61,6 +62,7 @@ async def _run(state: ServerState, job: VideoJob) -> None:
             raise RequestFailedError(job.id, "aborted")
         job.timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
         frames, job.revised_prompt = output.videos[0], output.revised_prompt
+        job.log_probs = output_log_probs(output)[0]
         job.content = await asyncio.to_thread(encode_mp4, frames, job.admitted.params.fps)
         job.timer.mark("encoding")
         job.thumbnail = await asyncio.to_thread(encode_png, frames[len(frames) // 2])
@@ -244,13 +246,14 @@ async def accept(
     model is refused before any file is decoded) and its parameters admitted (on the loop, as in images.py), timing
     each phase; ``sync``: answered at once, with no job to show previews on."""
     _check(state, body, task="image" if read_image else "text")
-    if sync and body.partial_images:
-        raise APIError(
-            400,
-            "a synchronous video answers with the MP4 only: use POST /v1/videos for previews of a running job",
-            param="partial_images",
-            code="invalid_value",
-        )
+    for field, why in (("partial_images", "previews of a running job"), ("logprobs", "its log_probs")):
+        if sync and getattr(body, field):
+            raise APIError(
+                400,
+                f"a synchronous video answers with the MP4 only: use POST /v1/videos for {why}",
+                param=field,
+                code="invalid_value",
+            )
     image = await read_image() if read_image else None
     timer.mark("validation")
     admitted = _admit(state, body, image)
