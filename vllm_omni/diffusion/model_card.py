@@ -376,7 +376,8 @@ class ModelCard:
         """num_frames and fps for a video pipeline (checked against its temporal VAE factor); none for images."""
         if not self.is_video:
             for field in [f for f in ("num_frames", "fps") if getattr(params, f) is not None]:
-                raise SamplingParamsError(field, f"{field} applies to video pipelines; {self.pipeline_name} makes images")
+                why = f"{field} applies to video pipelines; {self.pipeline_name} makes images"
+                raise SamplingParamsError(field, why)
             return {}
         num_frames = params.num_frames or self.call_defaults.get("num_frames")
         if (num_frames - 1) % self.frame_multiple:
