@@ -10,7 +10,14 @@ from vllm_omni.version import __version__
 if TYPE_CHECKING:
     from vllm_omni.entrypoints.async_omni import AsyncOmni
     from vllm_omni.entrypoints.omni import Omni
-    from vllm_omni.errors import RequestAbortedError, RequestFailedError, SamplingParamsError, StageUnavailableError
+    from vllm_omni.diffusion.weights import WeightUpdateGroup
+    from vllm_omni.errors import (
+        RequestAbortedError,
+        RequestFailedError,
+        SamplingParamsError,
+        StageUnavailableError,
+        WeightUpdateError,
+    )
     from vllm_omni.outputs import IgnoredField, OmniRequestOutput, RequestMetrics
     from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
@@ -27,6 +34,8 @@ _PUBLIC = {
     "RequestFailedError": "vllm_omni.errors",
     "SamplingParamsError": "vllm_omni.errors",
     "StageUnavailableError": "vllm_omni.errors",
+    "WeightUpdateError": "vllm_omni.errors",
+    "WeightUpdateGroup": "vllm_omni.diffusion.weights",
 }
 
 # Spelled out (not derived from the table) so that linters and type checkers read it.
@@ -41,6 +50,8 @@ __all__ = [
     "RequestFailedError",
     "SamplingParamsError",
     "StageUnavailableError",
+    "WeightUpdateError",
+    "WeightUpdateGroup",
     "__version__",
 ]
 

@@ -61,3 +61,16 @@ class StageUnavailableError(RequestFailedError):
 
     def __reduce__(self):
         return type(self), (self.stage_id, self.reason, self.request_id)
+
+
+class WeightUpdateError(ValueError):
+    """Weights that cannot be applied (``update_weights``, ``update_weights_from_distributed``): an unknown
+    parameter, a wrong shape, a component the model lacks. Nothing of the update was applied; ``param`` names the
+    parameter (``None`` when the update as a whole is refused)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickled across processes (Ray replicas) with both arguments
+        return type(self), (self.param, str(self))

@@ -358,6 +358,33 @@ def test_a_call_wakes_an_idle_schedule():
     assert scheduler.num_waiting == 1
 
 
+def test_while_paused_no_request_starts_but_calls_run_and_resume_starts_the_waiting_ones():
+    """Sleep: requests that arrive wait (not refused, not lost), the wake-up call still runs, and once resumed they
+    start at once (they have waited already), however long the admission wait."""
+    scheduler = _scheduler(wait_ms=600_000)
+    scheduler.pause(True)
+    scheduler.add(_request("a"))
+    assert scheduler.schedule(timeout=0) == [] and scheduler.num_waiting == 1
+    assert scheduler.state("a")[0] == "waiting"
+    future = scheduler.call(lambda: scheduler.pause(False) or "awake", drain=True)
+    assert scheduler.schedule() == []  # no timeout: returns for the call
+    scheduler.run_calls()
+    assert future.result(timeout=0) == "awake" and not scheduler.paused
+    assert _ids(scheduler.schedule(timeout=0)) == ["a"]
+
+
+def test_resume_wakes_an_idle_schedule():
+    scheduler = _scheduler()
+    scheduler.pause(True)
+    scheduler.add(_request("a"))
+    batches = []
+    waiter = threading.Thread(target=lambda: batches.append(scheduler.schedule()))
+    waiter.start()
+    scheduler.pause(False)
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and [_ids(batch) for batch in batches] == [["a"]]
+
+
 def test_close_fails_pending_calls_and_refuses_new_ones():
     scheduler = _scheduler()
     ran = []

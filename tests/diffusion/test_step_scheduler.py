@@ -286,6 +286,36 @@ def test_a_draining_call_runs_once_the_running_requests_finish_and_none_starts_b
     assert _ids(scheduler.plan(timeout=0).to_prepare) == ["b"]
 
 
+def test_while_paused_no_request_is_encoded_or_admitted_and_resume_starts_them():
+    scheduler = _scheduler(max_num_seqs=2)
+    a = _request("a")
+    scheduler.add(a)
+    plan = scheduler.plan(timeout=0)
+    scheduler.pause(True)
+    _encode(scheduler, plan)  # encoded before the sleep: it waits, encoded
+    scheduler.add(_request("b"))
+    plan = scheduler.plan(timeout=0)
+    assert (plan.batch, plan.to_prepare) == ([], []) and scheduler.num_waiting == 2
+    scheduler.pause(False)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["a"] and _ids(plan.to_prepare) == ["b"]
+
+
+def test_a_draining_call_waits_for_a_request_on_the_encode_worker():
+    """With an encode worker (CUDA), a request being encoded is in progress: weights must not move under it."""
+    scheduler = _scheduler()
+    a = _request("a")
+    scheduler.add(a)
+    plan = scheduler.plan(timeout=0)  # handed to the encode worker
+    ran = []
+    future = scheduler.call(lambda: ran.append("sleep"), drain=True)
+    scheduler.run_calls()
+    assert ran == [] and not future.done()
+    _encode(scheduler, plan)
+    scheduler.run_calls()
+    assert ran == ["sleep"]
+
+
 def test_close_fails_pending_step_calls():
     scheduler = _scheduler()
     future = scheduler.call(lambda: "never")

@@ -15,6 +15,7 @@ from vllm_omni.testing.edits import noise_image, square_mask
 from vllm_omni.config import DeployConfig, StageDeployConfig
 from vllm_omni.diffusion.steppers import Conditioning
 from vllm_omni.testing.lora import stock_lora_images, write_random_lora
+from vllm_omni.testing.server import came_true
 
 ray = pytest.importorskip("ray")
 
@@ -236,6 +237,25 @@ def test_progress_and_abort_reach_the_replica_that_holds_the_request(omni):
         with pytest.raises(RequestAbortedError):
             future.result(timeout=120)
     assert engine.progress("long-0") is None and not engine.abort("long-0")
+
+
+def test_every_replica_sleeps_and_wakes_and_a_request_that_arrives_meanwhile_waits(omni):
+    """Sleep at level 2 reaches each actor (its weights dropped in its own process); the driver counts what a
+    sleeping replica holds as waiting, and the request runs once they wake (weights reloaded from the files)."""
+    engine = omni.engine
+    params = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, seed=11)
+    before = omni.generate(["a cat"], params)[0]
+    omni.sleep(2)
+    assert omni.is_sleeping() and [h.status for h in omni.health()] == ["sleeping"]
+    assert [_sample("engine_sleeping", stage="0", replica=r) for r in "01"] == [1, 1]
+    future = engine.add_request("ray-asleep", "a cat", params)
+    assert engine.num_waiting == 1
+    assert came_true(lambda: engine.progress("ray-asleep") == ("waiting", 0.0))  # held by its actor, not started
+    assert not future.done()
+    omni.wake_up()
+    assert not omni.is_sleeping() and [h.status for h in omni.health()] == ["ok"]
+    assert np.abs(_pixels(future.result(timeout=600)) - _pixels(before)).max() <= 2
+    assert [_sample("engine_sleeping", stage="0", replica=r) for r in "01"] == [0, 0]
 
 
 def test_killing_a_replica_mid_load_loses_no_request_and_it_comes_back(omni, capsys):

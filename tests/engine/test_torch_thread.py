@@ -82,6 +82,21 @@ def test_async_omni_warm_up_and_requests_stay_on_the_engine_thread(tiny_flux):
     assert main not in ops and len(ops) == 1
 
 
+def test_sleep_and_wake_up_run_torch_only_on_the_engine_thread(tiny_flux):
+    """Dropping the weights, reloading them from the files and moving them all happen on the engine's thread."""
+    with Omni(model=tiny_flux) as omni:
+
+        def run():
+            for level in (2, 1):
+                omni.sleep(level)
+                omni.wake_up()
+            assert omni.generate(["a red cube"], PARAMS)[0].error is None
+
+        ops, main = _ops_by_thread(run)
+    assert main not in ops and len(ops) == 1
+    assert any("aten::empty_like" in names for names in ops.values())  # the level-2 drop ran, and was recorded
+
+
 async def _one(omni: AsyncOmni, prompt: str, params: OmniDiffusionSamplingParams):
     async for output in omni.generate(prompt, params):
         return output

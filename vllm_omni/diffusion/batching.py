@@ -26,6 +26,8 @@ schedulers that the steppers drive).
   draining call (new weights, sleep) runs once the requests in progress have
   finished, and no request starts (nor, in step mode, begins encoding) before
   it has run: a batch finishes on the weights it started with.
+- Sleep (`pause`): while paused no request starts (nor begins encoding); requests that arrive wait, and calls
+  still run, so that the wake-up (a call) can resume it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._idle_since = time.monotonic()
         self._closed = False
+        self.paused = False
+        """Whether the engine sleeps: no request starts until `pause` (False)."""
 
     def call(self, fn: Callable[[], Any], *, drain: bool = False) -> Future:
         """Run ``fn`` on the engine's thread at the next batch or step boundary; the future holds its result.
@@ -77,6 +81,12 @@ class BatchScheduler:
     def _draining(self) -> bool:
         """Whether a draining call waits: no request may start until it has run."""
         return any(call.drain for call in self._calls)
+
+    def pause(self, paused: bool) -> None:
+        """Sleep (True) or serve again (False; the requests that waited meanwhile start at once)."""
+        with self._cond:
+            self.paused, self._idle_since = paused, time.monotonic()
+            self._cond.notify_all()
 
     def _due_calls(self) -> list[_Call]:
         """The pending calls that may run now (a draining one once nothing is in progress)."""
@@ -170,7 +180,7 @@ class BatchScheduler:
                 self._waiting = [r for r in self._waiting if not r.future.cancelled()]
                 if self._calls:
                     return []
-                if self._waiting:
+                if self._waiting and not self.paused:
                     head = self._waiting[0]
                     batch, left_out = self._fitting([r for r in self._waiting if r.key == head.key], set())
                     start_at = head.arrival_time + self.max_wait_s if head.arrival_time >= self._idle_since else now
@@ -281,7 +291,8 @@ class StepBatchScheduler(BatchScheduler):
         self._finishing: list[DiffusionRequest] = []
 
     def _in_progress(self) -> list[DiffusionRequest]:
-        return self._running + self._finishing
+        """Running, decoding, and on an encode worker: a draining call waits for those too."""
+        return self._running + self._finishing + [r for r in self._waiting if r.preparing and r.state is None]
 
     def adapters_in_use(self) -> set[str]:
         """The adapters of the running requests and of those encoded or being encoded."""
@@ -309,7 +320,7 @@ class StepBatchScheduler(BatchScheduler):
                 budget = self.capacity - sum(r.preparing for r in self._waiting)
                 in_use = adapters_of(self._running + [r for r in self._waiting if r.preparing])
                 for request in self._waiting:
-                    if budget <= 0 or self._draining:
+                    if budget <= 0 or self._draining or self.paused:
                         break
                     if not request.preparing:
                         wanted = in_use | adapters_of([request])
@@ -334,7 +345,7 @@ class StepBatchScheduler(BatchScheduler):
 
     def _admit(self) -> None:
         """Move encoded waiting requests into the running batch (the policy of the class docstring)."""
-        if not self._waiting or self._draining:
+        if not self._waiting or self._draining or self.paused:
             return
         key = self._running[0].key if self._running else self._waiting[0].key
         for request in list(self._waiting):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
+from vllm_omni.diffusion.lora_tensors import TENSOR_SOURCE, LoraTensors, adapter_metadata
 from vllm_omni.logger import init_logger
 from vllm_omni.sampling_params import LoraSelection
 
@@ -70,7 +71,12 @@ class LoraAdapters:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.resident: OrderedDict[str, str] = OrderedDict()
-        """Loaded adapters (name → path), least recently used first."""
+        """Loaded adapters (name → path, or the source tag of one given as tensors), least recently used first."""
+        self._tensors: dict[str, tuple[str, LoraTensors]] = {}
+        """The adapters given as tensors (name → source tag, tensors), kept while served: one that was evicted
+        loads again from them."""
+        self._retired: set[str] = set()
+        """Tensor adapters no longer served but still resident: their tensors go when they are evicted."""
         self._plans: dict[str, _RowPlan | None] = {"text": None, "denoiser": None}
         self._hooked: set[int] = set()
         self.lock = threading.Lock()
@@ -86,10 +92,16 @@ class LoraAdapters:
 
     # Loading and eviction.
 
-    def load(self, name: str, path: str, keep: Iterable[str] = ()) -> None:
+    def load(self, name: str, path: str, keep: Iterable[str] = (), tensors: LoraTensors | None = None) -> None:
         """Make adapter ``name`` resident from ``path``, evicting the least recently used adapter not in ``keep``
-        when ``max_loras`` are resident (raises `LoraLoadError` naming the file)."""
+        when ``max_loras`` are resident (raises `LoraLoadError` naming the file). ``tensors``: an adapter given as
+        tensors, whose source tag is ``path``; they are kept, so that it loads again after an eviction."""
         protected = set(keep)
+        if tensors is not None and self._tensors.get(name, ("",))[0] != path:
+            self._tensors[name] = (path, tensors.copy())
+            self._retired.discard(name)
+        elif not path.startswith(TENSOR_SOURCE):
+            self._tensors.pop(name, None)
         if name in self.resident:
             if self.resident[name] == path:
                 self.resident.move_to_end(name)
@@ -113,17 +125,32 @@ class LoraAdapters:
         with self.lock, torch.inference_mode(False):
             try:
                 self._load(name, path)
+            except LoraLoadError:
+                if tensors is not None:
+                    self._tensors.pop(name, None)
+                raise
             finally:
                 _release_freed_memory()
         self.resident[name] = path
 
     def _load(self, name: str, path: str) -> None:
-        if not os.path.exists(path):
+        given = self._tensors.get(name)
+        if path.startswith(TENSOR_SOURCE) and (given is None or given[0] != path):
+            raise LoraLoadError(
+                f"LoRA adapter {name!r} was given as tensors ({path}), which this replica does not hold"
+            )
+        if not path.startswith(TENSOR_SOURCE) and not os.path.exists(path):
             raise LoraLoadError(f"LoRA adapter {name!r}: {path} does not exist")
         folder, weight_name = (path, None) if os.path.isdir(path) else os.path.split(path)
         try:
-            expected = self._layers_in_file(folder, weight_name)
-            self.pipeline.load_lora_weights(folder, weight_name=weight_name, adapter_name=name)
+            if path.startswith(TENSOR_SOURCE):
+                state, metadata = given[1].state_dict(self.pipeline)
+                expected = self._layers_in_file(dict(state))
+                with adapter_metadata(self.pipeline, metadata):
+                    self.pipeline.load_lora_weights(state, adapter_name=name)
+            else:
+                expected = self._layers_in_file(folder, weight_name=weight_name)
+                self.pipeline.load_lora_weights(folder, weight_name=weight_name, adapter_name=name)
         except Exception as exc:  # noqa: BLE001 - any loader error is the file's
             self._delete(name)
             raise LoraLoadError(f"LoRA adapter {name!r} from {path} cannot be loaded: {exc}") from exc
@@ -161,6 +188,9 @@ class LoraAdapters:
         """Evict adapter ``name`` if it is resident; whether it was."""
         if self.resident.pop(name, None) is None:
             return False
+        if name in self._retired:
+            self._retired.discard(name)
+            self._tensors.pop(name, None)
         with self.lock, torch.inference_mode(False):
             self._delete(name)
         _release_freed_memory()
@@ -170,8 +200,13 @@ class LoraAdapters:
     def retire(self, name: str, in_use: Iterable[str]) -> bool:
         """An adapter no longer served: evicted now if no request in flight uses it (then True), else made the
         next to evict."""
+        if name in self._tensors:
+            self._retired.add(name)
         if name not in in_use:
-            return self.unload(name)
+            evicted = self.unload(name)
+            self._retired.discard(name)
+            self._tensors.pop(name, None)
+            return evicted
         if name in self.resident:
             self.resident.move_to_end(name, last=False)
         return False
@@ -191,10 +226,10 @@ class LoraAdapters:
 
         return {m: (name, kind) for name, kind, c in self.components() for m in c.modules() if isinstance(m, LoraLayer)}
 
-    def _layers_in_file(self, folder: str, weight_name: str | None) -> Counter:
-        """The layers an adapter file holds per component, as diffusers reads (and converts) it: each layer has
-        one down (``lora_A``) matrix."""
-        state = self.pipeline.lora_state_dict(folder, weight_name=weight_name)
+    def _layers_in_file(self, source: str | dict, **kwargs) -> Counter:
+        """The layers an adapter file (or state dict) holds per component, as diffusers reads (and converts) it:
+        each layer has one down (``lora_A``) matrix."""
+        state = self.pipeline.lora_state_dict(source, **kwargs)
         state = state[0] if isinstance(state, tuple) else state  # some families add network alphas
         return Counter(key.split(".")[0] for key in state if key.rsplit(".", 2)[-2] in ("lora_A", "down"))
 

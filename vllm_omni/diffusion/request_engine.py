@@ -62,6 +62,7 @@ class RequestEngine(EngineCore):
                     exec_ms=(finished - started) * 1000.0,
                     seed=request.seed,
                     replica=self.od_config.replica,
+                    weights_version=self.weights_version,
                 ),
             )
             for request, result in zip(batch, results, strict=True)

@@ -113,6 +113,7 @@ class StepEngine(EngineCore):
                     exec_ms=(finished - request.started_time) * 1000.0,
                     seed=request.seed,
                     replica=self.od_config.replica,
+                    weights_version=self.weights_version,
                 ),
             )
             for request, result in zip(requests, results, strict=True)

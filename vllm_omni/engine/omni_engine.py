@@ -19,10 +19,13 @@ from typing import Any
 
 from vllm_omni.config import STAGE_TYPES, LoRAModulePath, StageDeployConfig, engine_torch_threads
 from vllm_omni.config.stage_types import check_stage_graph
+from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.roles import check_splittable
+from vllm_omni.diffusion.sleep import check_level, check_tags
 from vllm_omni.engine.replica import ReplicaLostError
 from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime
+from vllm_omni.engine.weight_updates import WeightUpdates
 from vllm_omni.errors import RequestAbortedError, SamplingParamsError, StageUnavailableError, UnknownLoraError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -97,9 +100,12 @@ class OmniEngine:
         """The adapters requests may select, by name: ``--lora-modules`` and those loaded since."""
         self._loading: set[str] = set()
         """Adapter names being loaded now (a second load of one is refused)."""
+        self.weights = WeightUpdates(self.stages)
+        """Weight updates from a trainer, to every replica of the stages that hold a component."""
         metrics.replica_metrics.add(self._replica_metrics)
         self._flights: dict[str, _Flight | None] = {}
         self._lock = threading.Lock()
+        self._sleep_lock = threading.Lock()
         self.strict_fields = strict_fields
         """Whether a field the model would not use is refused (`SamplingParamsError`) rather than dropped."""
 
@@ -142,24 +148,27 @@ class OmniEngine:
             resolved.append(selection.model_copy(update={"path": module.path}))
         return tuple(resolved)
 
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str, tensors: LoraTensors | None = None) -> None:
         """Serve adapter ``name`` from ``path`` from now on: every replica loads it (between batches) and checks it
-        first. Raises `LoraLoadError` naming the file, or ValueError when the name is taken or LoRA is off."""
+        first. Raises `LoraLoadError` naming the file, or ValueError when the name is taken or LoRA is off.
+        ``tensors``: an adapter given as tensors (``path``: its source tag), put once into a Ray stage's object store."""
         if self._lora_stage is None:
             raise ValueError("this server serves no LoRA adapters: start it with --enable-lora to load them")
+        tensors = None if tensors is None else self._lora_stage.shared(tensors)
         with self._lock:
             if name in self.loras or name in self._loading:
                 raise ValueError(f"The LoRA adapter '{name}' has already been loaded")
             self._loading.add(name)
         try:
-            replicas = [r for r in self._lora_stage.replicas if r.is_alive]
-            futures = [replica.load_lora(name, path) for replica in replicas]
+            # A Ray replica that is down keeps an adapter given as tensors for when it is back (ReplicaLostError).
+            replicas = [r for r in self._lora_stage.replicas if r.is_alive or tensors is not None]
+            futures = [replica.load_lora(name, path, tensors) for replica in replicas]
             errors = [future.exception() for future in futures]
-            failed = next((error for error in errors if error is not None), None)
+            failed = next((e for e in errors if e is not None and not isinstance(e, ReplicaLostError)), None)
             if failed is not None:
                 for replica, error in zip(replicas, errors, strict=True):
-                    if error is None:
-                        replica.unload_lora(name).result()
+                    if error is None or isinstance(error, ReplicaLostError):
+                        replica.unload_lora(name).exception()
                 raise failed
             with self._lock:
                 self.loras[name] = LoRAModulePath(name=name, path=path)
@@ -345,6 +354,28 @@ class OmniEngine:
 
     def health(self) -> list[StageHealth]:
         return [stage.health() for stage in self.stages]
+
+    def sleep(self, level: int = 1) -> None:
+        """Put every replica of every diffusers stage to sleep at ``level`` (diffusion/sleep.py), stage by stage;
+        returns once all sleep, their running batches finished. Requests that arrive meanwhile wait."""
+        for stage in self.stages:
+            check_level(level, stage.stage_config.cpu_offload)
+        with self._sleep_lock:  # one sleep or wake-up at a time, so that every stage ends in the same state
+            for stage in self.stages:
+                stage.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the memory of ``tags`` (``None``: all) on every replica; returns once all serve again (or, for a
+        partial ``tags``, have woken those)."""
+        tags = check_tags(tags)
+        with self._sleep_lock:
+            for stage in self.stages:
+                stage.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether every live replica of every diffusers stage sleeps."""
+        return all(stage.is_sleeping for stage in self.stages if stage.sleeps)
 
     def _replica_metrics(self) -> list:
         return [families for stage in self.stages for families in stage.collect_metrics()]

@@ -23,6 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.previews import previews_until
 from vllm_omni.engine.ray_cluster import start_actors  # first: it sets Ray's environment, then imports Ray
+from vllm_omni.engine.ray_updates import CatchUp
 from vllm_omni.engine.replica import EngineReplica, ReplicaInfo, ReplicaLostError
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
@@ -105,8 +106,17 @@ class _ReplicaActor:
     async def progress(self, request_id: str) -> tuple[str, float] | None:
         return self.replica.progress(request_id)
 
+    async def catch_up(self, calls: list, version: int) -> None:
+        """A restarted replica makes again the calls its driver kept (`CatchUp`), in order, before it serves."""
+        for method, *args in calls:
+            args = [await arg if isinstance(arg, ray.ObjectRef) else arg for arg in args]
+            await asyncio.wrap_future(getattr(self.replica, method)(*args))
+        self.replica.engine.weights_version = version
+
     async def lora(self, method: str, *args):
-        """``load_lora`` or ``unload_lora``: its result, or its error returned (not raised) as `generate` does."""
+        """An `EngineReplica` method that answers a future (``load_lora``, ``unload_lora``, ``update_weights``, ...):
+        its result, or its error returned (not raised) as `generate` does. An ``ObjectRef`` argument arrives
+        resolved: tensors come from the object store."""
         try:
             return await asyncio.wrap_future(getattr(self.replica, method)(*args))
         except Exception as exc:  # noqa: BLE001 - the driver raises it
@@ -131,8 +141,11 @@ class RayReplica:
         self._alive = True
         self._down_since = 0.0
         self._lock = threading.Lock()
+        self._sleeping = False
+        """Whether the actor sleeps, as its last sleep or wake-up answered (a restarted actor is awake)."""
         self._held = 0
         """Requests submitted to it whose result has not come back."""
+        self._catch_up = CatchUp(self, self._lora)
         self._stopping = threading.Event()
         self._watcher = threading.Thread(
             target=self._watch, name=f"vllm-omni-watch-{stage_config.stage_id}-{info.index}", daemon=True
@@ -165,6 +178,7 @@ class RayReplica:
             while not self._stopping.wait(WATCH_INTERVAL_S):
                 try:
                     self.info = self._read_info(ray.get(self._actor.info.remote(), timeout=CALL_TIMEOUT_S))
+                    self._catch_up.restore(self._actor, self._stage.stage_id)
                     self.warm_up()
                 except (RayActorError, GetTimeoutError):
                     continue
@@ -181,7 +195,7 @@ class RayReplica:
                     time.monotonic() - self._down_since,
                     self.info.pid,
                 )
-                self._alive = True
+                self._alive, self._sleeping = True, False
                 break
 
     def _read_info(self, info: ReplicaInfo) -> ReplicaInfo:
@@ -258,11 +272,26 @@ class RayReplica:
         self._actor.abort.remote(request_id)
         return True
 
-    def load_lora(self, name: str, path: str) -> Future:
-        return self._lora("load_lora", name, path)
+    def load_lora(self, name: str, path: str, tensors: Any = None) -> Future:
+        """``tensors`` come through the object store, and load again when the replica restarts (`CatchUp`)."""
+        return self._lora("load_lora", name, path) if tensors is None else self._catch_up.load_lora(name, path, tensors)
 
     def unload_lora(self, name: str) -> Future:
+        self._catch_up.forget_lora(name)
         return self._lora("unload_lora", name)
+
+    def update_weights(self, weights: Any, component: str) -> Future:
+        """Through the object store, kept for a restart (`CatchUp`): a replica that is down applies them when back."""
+        return self._catch_up.update_weights(weights, component)
+
+    def init_weight_update_group(
+        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str | None = None
+    ) -> Future:
+        return self._lora("init_weight_update_group", master_address, master_port, rank, world_size, backend)
+
+    def update_weights_from_distributed(self, names_dtypes_shapes: list, component: str, src: int) -> Future:
+        self._catch_up.received(component)  # not kept: a restarted replica has the model folder's component
+        return self._lora("update_weights_from_distributed", names_dtypes_shapes, component, src)
 
     def _lora(self, method: str, *args) -> Future:
         future: Future = Future()
@@ -279,6 +308,31 @@ class RayReplica:
         ref.future().add_done_callback(lambda done, ref=ref: settle(done))
         return future
 
+    def sleep(self, level: int) -> Future:
+        return self._noting_sleep(self._lora("sleep", level), lambda _: True)
+
+    def wake_up(self, tags: list[str] | None = None) -> Future:
+        return self._noting_sleep(self._lora("wake_up", tags), lambda awake: not awake)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """As the actor's last sleep or wake-up answered, without a call (``/health`` reads it)."""
+        return self._sleeping
+
+    def _noting_sleep(self, inner: Future, sleeping: Callable[[Any], bool]) -> Future:
+        """``inner``'s outcome, settled once `is_sleeping` says what it left."""
+        future: Future = Future()
+
+        def settle(done: Future) -> None:
+            if done.exception() is not None:
+                future.set_exception(done.exception())
+                return
+            self._sleeping = sleeping(done.result())
+            future.set_result(done.result())
+
+        inner.add_done_callback(settle)
+        return future
+
     def progress(self, request_id: str) -> tuple[str, float] | None:
         try:
             return self._call("progress", request_id)
@@ -287,10 +341,11 @@ class RayReplica:
 
     @property
     def num_waiting(self) -> int:
-        """Counted here, without a call: the requests it holds beyond the ``max_num_seqs`` it runs at once (the
-        actor's own count, which also knows of a partly filled batch, is its ``num_requests_waiting`` metric)."""
+        """Counted here, without a call: the requests it holds beyond the ``max_num_seqs`` it runs at once, or all of
+        them while it sleeps (the actor's own count, which also knows of a partly filled batch, is its
+        ``num_requests_waiting`` metric)."""
         with self._lock:
-            return max(0, self._held - self._stage.max_num_seqs)
+            return self._held if self._sleeping else max(0, self._held - self._stage.max_num_seqs)
 
     def collect_metrics(self) -> list[Metric]:
         try:

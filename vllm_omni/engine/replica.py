@@ -22,8 +22,10 @@ from prometheus_client.metrics_core import Metric
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.engines import make_engine
+from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.runner import parse_size
+from vllm_omni.diffusion.weights import pipeline_components
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import Preview
@@ -44,6 +46,8 @@ class ReplicaInfo:
     pid: int
     node_id: str | None = None
     """The Ray node it runs on; ``None`` inline."""
+    components: tuple[str, ...] = ()
+    """The torch components its pipeline holds (what ``update_weights`` may name); none for an llm replica."""
 
 
 def warm_up_params(card: ModelCard, compile_sizes: tuple[str, ...] = ()) -> list[OmniDiffusionSamplingParams]:
@@ -100,12 +104,26 @@ class Replica(Protocol):
     def progress(self, request_id: str) -> tuple[str, float] | None:
         """``(waiting|running, fraction of denoising steps done)``, or ``None`` if it does not hold the request."""
 
-    def load_lora(self, name: str, path: str) -> Future:
+    def load_lora(self, name: str, path: str, tensors: LoraTensors | None = None) -> Future:
         """Load a LoRA adapter between batches or steps (`EngineCore.load_lora`); the future fails with
-        `LoraLoadError` naming the file."""
+        `LoraLoadError` naming the file. ``tensors``: an adapter given as tensors (``path`` is its source tag), which
+        a Ray replica receives through the object store (as an ``ObjectRef``) and loads again when it restarts."""
 
     def unload_lora(self, name: str) -> Future:
         """Evict a LoRA adapter unless a request in flight uses it (`EngineCore.unload_lora`)."""
+
+    def update_weights(self, weights: Any, component: str) -> Future:
+        """Apply new weights (a dict of name → tensor; for a Ray replica also its ``ObjectRef``) to ``component``
+        once the requests in progress have finished, before any other starts (`EngineCore.update_weights`); the
+        future holds `WeightsApplied`, or fails with `WeightUpdateError` (nothing applied) or `ReplicaLostError`."""
+
+    def init_weight_update_group(
+        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str | None = None
+    ) -> Future:
+        """Join a trainer's `WeightUpdateGroup` as ``rank``; the future resolves once every member has joined."""
+
+    def update_weights_from_distributed(self, names_dtypes_shapes: list, component: str, src: int) -> Future:
+        """`update_weights` with the tensors broadcast by rank ``src`` of its weight group."""
 
     @property
     def num_waiting(self) -> int:
@@ -119,6 +137,17 @@ class Replica(Protocol):
 
     def collect_metrics(self) -> list[Metric]:
         """Its engine's metric families."""
+
+    def sleep(self, level: int) -> Future:
+        """Sleep at ``level`` once the requests in progress have finished (`EngineCore.sleep`): requests it is given
+        meanwhile wait; the future resolves once it sleeps."""
+
+    def wake_up(self, tags: list[str] | None = None) -> Future:
+        """Wake the memory of ``tags`` (`EngineCore.wake_up`); the future holds whether it serves again."""
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether it sleeps (takes requests, starts none)."""
 
     def shutdown(self) -> None:
         """Stop taking requests, fail the waiting ones, let the running ones finish."""
@@ -150,7 +179,12 @@ class EngineReplica:
         self.engine = loaded.result()  # raises what failed the load
         runner = self.engine.runner
         self.info = ReplicaInfo(
-            index=od_config.replica, card=runner.card, device=str(runner.device), pid=os.getpid(), node_id=node_id
+            index=od_config.replica,
+            card=runner.card,
+            device=str(runner.device),
+            pid=os.getpid(),
+            node_id=node_id,
+            components=pipeline_components(runner.pipeline),
         )
 
     @property
@@ -208,11 +242,38 @@ class EngineReplica:
         found = self.engine.scheduler.state(request_id)
         return None if found is None else (found[0], found[1].progress)
 
-    def load_lora(self, name: str, path: str) -> Future:
-        return self.engine.load_lora(name, path)
+    def load_lora(self, name: str, path: str, tensors: LoraTensors | None = None) -> Future:
+        return self.engine.load_lora(name, path, tensors)
 
     def unload_lora(self, name: str) -> Future:
         return self.engine.unload_lora(name)
+
+    def update_weights(self, weights: Any, component: str) -> Future:
+        if self.is_alive:
+            return self.engine.update_weights(weights, component)
+        lost: Future = Future()  # it serves nothing: there is nothing to update
+        lost.set_exception(ReplicaLostError(f"{self._name} is not running (error: {self.error!r})"))
+        return lost
+
+    def init_weight_update_group(
+        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str | None = None
+    ) -> Future:
+        """Joins on a thread of its own: the engine keeps serving, and the caller waits on the future."""
+        future: Future = Future()
+
+        def join() -> None:
+            try:
+                self.engine.init_weight_update_group(master_address, master_port, rank, world_size, backend)
+            except BaseException as exc:  # noqa: BLE001 - the caller's future says why
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        threading.Thread(target=join, name=f"vllm-omni-weight-group-{self.info.index}", daemon=True).start()
+        return future
+
+    def update_weights_from_distributed(self, names_dtypes_shapes: list, component: str, src: int) -> Future:
+        return self.engine.update_weights_from_distributed(names_dtypes_shapes, component, src)
 
     @property
     def num_waiting(self) -> int:
@@ -220,6 +281,16 @@ class EngineReplica:
 
     def collect_metrics(self) -> list[Metric]:
         return self.engine.metrics.collect()
+
+    def sleep(self, level: int) -> Future:
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> Future:
+        return self.engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
 
     def shutdown(self) -> None:
         self._stopping.set()

@@ -11,10 +11,11 @@ from collections import Counter
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.roles import ROLES, Admission
-from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo
+from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo, ReplicaLostError
 from vllm_omni.errors import StageUnavailableError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -31,10 +32,15 @@ class StageHealth:
     num_replicas: int
     alive: list[int]
     """Indices of the replicas that take requests now."""
+    sleeping: tuple[int, ...] = ()
+    """Indices of the live replicas that sleep (they take requests, and run them once awake)."""
 
     @property
     def status(self) -> str:
-        """``ok`` (every replica alive), ``degraded`` (some) or ``down`` (none)."""
+        """``ok`` (every replica alive), ``degraded`` (some), ``down`` (none), or ``sleeping`` (every live replica
+        sleeps)."""
+        if self.alive and set(self.alive) <= set(self.sleeping):
+            return "sleeping"
         if len(self.alive) == self.num_replicas:
             return "ok"
         return "degraded" if self.alive else "down"
@@ -91,7 +97,40 @@ class StageRuntime:
 
     def health(self) -> StageHealth:
         alive = [i for i, replica in enumerate(self.replicas) if replica.is_alive]
-        return StageHealth(self.stage_id, len(self.replicas), alive)
+        sleeping = tuple(i for i in alive if self.sleeps and self.replicas[i].is_sleeping)
+        return StageHealth(self.stage_id, len(self.replicas), alive, sleeping)
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether its replicas sleep and wake: a diffusers stage's do; an llm stage serves on."""
+        return STAGE_TYPES[self.stage_config.stage_type].runs != "vllm"
+
+    def sleep(self, level: int) -> None:
+        """Put every live replica to sleep at ``level``; returns once all sleep (their running batches finished)."""
+        self._on_each_replica(lambda replica: replica.sleep(level))
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """Wake the memory of ``tags`` on every live replica; returns once all have."""
+        self._on_each_replica(lambda replica: replica.wake_up(tags))
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether every live replica sleeps."""
+        health = self.health()
+        return bool(health.alive) and health.status == "sleeping"
+
+    def _on_each_replica(self, call) -> None:
+        """``call`` on every live replica at once (its future), then wait for all; a replica lost meanwhile comes back
+        awake (Ray restarts it), so its loss is only logged."""
+        if not self.sleeps:
+            return
+        futures = [(i, call(replica)) for i, replica in enumerate(self.replicas) if replica.is_alive]
+        for index, future in futures:
+            error = future.exception()
+            if isinstance(error, ReplicaLostError):
+                logger.warning("stage %d replica %d: %s", self.stage_id, index, error)
+            elif error is not None:
+                raise error
 
     @property
     def is_alive(self) -> bool:
@@ -130,6 +169,15 @@ class StageRuntime:
     def num_waiting(self) -> int:
         """Requests waiting for a batch on the live replicas (`Replica.num_waiting`)."""
         return sum(replica.num_waiting for replica in self.replicas if replica.is_alive)
+
+    def shared(self, value: Any) -> Any:
+        """``value`` as its replicas take it (weights, a LoRA adapter's tensors): a Ray stage's put into the object
+        store once, so that each actor reads that one copy rather than one pickle per call."""
+        if self.stage_config.distributed_executor_backend != "ray":
+            return value
+        from vllm_omni.engine.ray_updates import shared
+
+        return shared(value)
 
     def collect_metrics(self) -> list[list]:
         """Every live replica's metric families (asked of all replicas at once)."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any
 
 from vllm_omni.diffusion.previews import previews_until
 from vllm_omni.engine.omni_engine import AdmittedParams
+from vllm_omni.diffusion.weights import Weights
 from vllm_omni.engine.replica import warm_up_params
-from vllm_omni.entrypoints.omni_base import OmniBase
+from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestAbortedError
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -75,14 +77,49 @@ class AsyncOmni(OmniBase):
         for params in warm_up_params(self.model_card, compile_sizes):
             await asyncio.gather(*(one() for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
 
-    async def add_lora(self, name: str, path: str) -> None:
-        """Serve LoRA adapter ``name`` from ``path`` from now on (needs ``enable_lora``); every replica loads and
-        checks it between batches. Raises `LoraLoadError` naming the file, ValueError if the name is taken."""
-        await asyncio.to_thread(self.engine.load_lora, name, path)
+    async def add_lora(self, name: str, source: LoraSource, peft_config: Any = None) -> None:
+        """`Omni.add_lora`: serve adapter ``name`` from its path, or from its tensors with their ``peft_config``."""
+        await asyncio.to_thread(self.engine.load_lora, name, *self._lora_source(name, source, peft_config))
 
     async def remove_lora(self, name: str) -> None:
         """Stop serving adapter ``name`` (`UnknownLoraError` if it is not served); accepted requests keep it."""
         await asyncio.to_thread(self.engine.unload_lora, name)
+
+    async def update_weights(self, weights: Weights, component: str = "transformer") -> None:
+        """`Omni.update_weights`: returns once every replica that holds ``component`` serves ``weights``."""
+        await asyncio.to_thread(self.engine.weights.update_weights, weights, component)
+
+    async def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        component: str = "transformer",
+        backend: str | None = None,
+    ) -> int:
+        """`Omni.init_weight_update_group`: returns how many replicas joined, once every member has."""
+        args = (master_address, master_port, rank_offset, world_size, component, backend)
+        return await asyncio.to_thread(self.engine.weights.init_weight_update_group, *args)
+
+    async def update_weights_from_distributed(
+        self, names_dtypes_shapes: Iterable[tuple[str, Any, Any]], component: str = "transformer", src: int = 0
+    ) -> None:
+        """`Omni.update_weights_from_distributed`: returns once every replica serves the broadcast tensors."""
+        args = (names_dtypes_shapes, component, src)
+        await asyncio.to_thread(self.engine.weights.update_weights_from_distributed, *args)
+
+    async def sleep(self, level: int = 1) -> None:
+        """`Omni.sleep`: returns once every replica of every diffusers stage sleeps; requests wait for `wake_up`."""
+        await asyncio.to_thread(self.engine.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """`Omni.wake_up`: returns once every replica has woken the memory of ``tags`` (``None``: all)."""
+        await asyncio.to_thread(self.engine.wake_up, tags)
+
+    async def is_sleeping(self) -> bool:
+        """Whether every replica of every diffusers stage sleeps."""
+        return self.engine.is_sleeping
 
     async def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""

@@ -17,6 +17,7 @@ from vllm_omni.config import (
     resolve_stage_configs,
 )
 from vllm_omni.config.model_source import ModelSource
+from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.model_files import local_model_folder
 from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
 from vllm_omni.logger import init_logger
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from vllm_omni.engine.stage_runtime import StageHealth
 
 logger = init_logger(__name__)
+
+LoraSource = str | os.PathLike[str] | Mapping[str, Any]
+"""What ``add_lora`` takes: an adapter's path, or its tensors (name → tensor)."""
 
 
 class OmniBase:
@@ -148,8 +152,18 @@ class OmniBase:
 
     @property
     def lora_adapters(self) -> list[LoRAModulePath]:
-        """The LoRA adapters requests may select (``lora``): those of ``lora_modules`` and those added since."""
+        """The LoRA adapters requests may select (``lora``): those of ``lora_modules`` and those added since (one
+        added as tensors is listed with its source tag, ``tensors://NAME/ID``, as its path)."""
         return list(self.engine.loras.values())
+
+    @staticmethod
+    def _lora_source(name: str, source: LoraSource, peft_config: Any) -> tuple[str, LoraTensors | None]:
+        """``add_lora``'s adapter: its path, or the source tag and checked tensors of one given as tensors."""
+        if isinstance(source, (str, os.PathLike)):
+            if peft_config is not None:
+                raise ValueError("peft_config goes with an adapter given as tensors; a file's adapter has its own")
+            return os.fspath(source), None
+        return LoraTensors.source(name), LoraTensors.of(source, peft_config)
 
     def shutdown(self) -> None:
         """Stop the engine: waiting requests fail, the running batch finishes."""

@@ -71,6 +71,12 @@ class EngineMetrics:
             list(ids),
             registry=self.registry,
         ).labels(**ids)
+        self.engine_sleeping = Gauge(
+            "vllm_omni:engine_sleeping",
+            "1 while the replica sleeps (sleep, at any level; requests wait for wake_up), else 0.",
+            list(ids),
+            registry=self.registry,
+        ).labels(**ids)
 
     def collect(self) -> list[Metric]:
         """This replica's metric families (picklable, so a Ray actor can return them)."""

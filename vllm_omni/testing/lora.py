@@ -89,6 +89,34 @@ def write_random_lora(
     return path
 
 
+def write_lora_with_config(model: str, path: str, *, seed: int = 0, rank: int = 4):
+    """A random denoiser adapter for the pipeline folder ``model`` at ``lora_alpha = ALPHA_PER_RANK · rank``,
+    written to the folder ``path`` with its config as diffusers' adapter metadata (so that the file's scaling is
+    that alpha's; without it diffusers infers alpha = rank). Returns ``(path, tensors, config)``: the tensors keyed
+    as the file holds them (``transformer.…``) and the ``peft.LoraConfig``, what ``add_lora(name, tensors,
+    config)`` takes."""
+    import json
+
+    import diffusers
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from vllm_omni.diffusion.runner import read_model_index
+
+    plain = write_random_lora(model, os.path.join(path, "plain"), seed=seed, rank=rank)
+    tensors = load_file(os.path.join(plain, "pytorch_lora_weights.safetensors"))
+    denoiser = "unet" if "unet" in read_model_index(model) else "transformer"
+    targets = list(DENOISER_TARGETS) + (list(CONV_TARGETS) if denoiser == "unet" else [])
+    config = LoraConfig(r=rank, lora_alpha=ALPHA_PER_RANK * rank, target_modules=targets)
+    pipeline_cls = getattr(diffusers, read_model_index(model)["_class_name"])
+    pipeline_cls.save_lora_weights(
+        path,
+        **{f"{denoiser}_lora_layers": {k.removeprefix(f"{denoiser}."): v for k, v in tensors.items()}},
+        **{f"{denoiser}_lora_adapter_metadata": json.loads(json.dumps(config.to_dict(), default=sorted))},
+    )
+    return path, tensors, config
+
+
 def _kohya(layers: dict[str, dict[str, torch.Tensor]], rank: int) -> dict[str, torch.Tensor]:
     """PEFT-format layers as kohya's keys: ``lora_unet_<module_path>.lora_down.weight`` / ``.lora_up.weight`` /
     ``.alpha``, ``lora_te_`` for the text encoder."""

@@ -21,6 +21,7 @@ from vllm_omni.entrypoints.openai.images import build_images_router
 from vllm_omni.entrypoints.openai.models import build_models_router
 from vllm_omni.entrypoints.openai.playground import build_playground_router
 from vllm_omni.entrypoints.openai.server_state import ServerState, load_and_warm_up
+from vllm_omni.entrypoints.openai.sleep import build_sleep_router, dev_mode
 from vllm_omni.entrypoints.openai.uploads import UPLOAD_PATHS, upload_body_limit
 from vllm_omni.entrypoints.openai.videos import build_videos_router
 
@@ -119,6 +120,8 @@ def build_app(
     add_error_handlers(app)
     app.include_router(build_health_router())
     app.include_router(build_models_router())
+    if dev_mode():  # vLLM's development routes, as its api_server serves them
+        app.include_router(build_sleep_router())
     app.include_router(build_images_router())
     app.include_router(build_videos_router())
     app.include_router(build_chat_router())

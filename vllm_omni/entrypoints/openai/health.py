@@ -11,7 +11,8 @@ from vllm_omni.entrypoints.openai.server_state import ServerState
 
 
 async def health(raw_request: Request) -> Response:
-    """200 while every stage has a live replica (``status`` says ``degraded`` when some are down), else 503."""
+    """200 while every stage has a live replica (``status`` says ``degraded`` when some are down, ``sleeping`` while
+    the diffusers stages sleep: alive, taking requests that run once awake), else 503."""
     state: ServerState = raw_request.app.state.server
     reason = state.unavailable_reason()
     if reason is not None:
@@ -20,7 +21,8 @@ async def health(raw_request: Request) -> Response:
         {"stage_id": h.stage_id, "status": h.status, "num_replicas": h.num_replicas, "alive_replicas": h.alive}
         for h in state.omni.health()
     ]
-    status = "ok" if all(s["status"] == "ok" for s in stages) else "degraded"
+    statuses = {s["status"] for s in stages}
+    status = "ok" if statuses == {"ok"} else "sleeping" if statuses <= {"ok", "sleeping"} else "degraded"
     return JSONResponse({"status": status, "stages": stages})
 
 
