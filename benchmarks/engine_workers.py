@@ -65,19 +65,25 @@ Hook = Callable[[AsyncOmni, str], Any]
 called before each run, its ``report`` before and after, and the run's figures gain ``report``'s difference."""
 
 
-def serve(conn, prepare: Hook | None, report: Hook | None) -> None:
-    """A worker: waits for ``(model, engine knobs)`` (``None``: exit), starts its `AsyncOmni` and warms it up
-    (answering with the seconds that took), then runs ``(variant, clients)`` commands until ``None``, answering
-    each with its figures (or the traceback that failed it)."""
+def serve(
+    conn, prepare: Hook | None, report: Hook | None, describe: Hook | None = None, setup: Callable | None = None
+) -> None:
+    """A worker: waits for ``(model, engine knobs)`` (``None``: exit), calls ``setup()`` (what the engine's load
+    needs in this process), starts its `AsyncOmni` and warms it up (answering with the seconds that took, and with
+    ``describe``: ``(seconds, describe(omni, model))``), then runs ``(variant, clients)`` commands until ``None``,
+    answering each with its figures (or the traceback that failed it)."""
     omni = None
     try:
         if (config := conn.recv()) is None:
             return
         model, engine = config
+        if setup is not None:
+            setup()
         started = time.perf_counter()
         omni = AsyncOmni(model, **engine)
         asyncio.run(omni.warm_up())
-        conn.send(("ready", time.perf_counter() - started))
+        ready = time.perf_counter() - started
+        conn.send(("ready", ready if describe is None else (ready, describe(omni, model))))
         while (command := conn.recv()) is not None:
             variant, clients = command
             if prepare is not None:
@@ -97,10 +103,18 @@ def serve(conn, prepare: Hook | None, report: Hook | None) -> None:
 class Worker:
     """A worker process: forked from `WORKERS`, then `start`-ed with its engine's knobs."""
 
-    def __init__(self, name: str, prepare: Hook | None = None, report: Hook | None = None):
+    def __init__(
+        self,
+        name: str,
+        prepare: Hook | None = None,
+        report: Hook | None = None,
+        describe: Hook | None = None,
+        setup: Callable | None = None,
+    ):
         self.name = name
         self.conn, theirs = WORKERS.Pipe()
-        self.process = WORKERS.Process(target=serve, args=(theirs, prepare, report), name=f"bench-{name}", daemon=True)
+        args = (theirs, prepare, report, describe, setup)
+        self.process = WORKERS.Process(target=serve, args=args, name=f"bench-{name}", daemon=True)
         self.process.start()
         theirs.close()
 

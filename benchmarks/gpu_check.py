@@ -3,7 +3,7 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
 
     python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
         [--families flux,sd3,wan,sd,sdxl] [--engine-families flux,wan] [--skip-engine] [--skip-poisson]
-        [--skip-speed-knobs] [--speed-knobs-args '...'] [--quick]
+        [--skip-speed-knobs] [--speed-knobs-args '...'] [--skip-quantization] [--quantization-args '...'] [--quick]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
    (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it
@@ -28,6 +28,10 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
    (every step-cache backend, ``compile=regional``, VAE tiling and slicing, a two-request pixel budget and model CPU
    offload, each against none; ``SPEED_KNOBS_FULL``), run the same way; its results go to
    ``results/<name>-speed-knobs.{json,md}`` and its table is copied here (reported, never an exit code).
+5. **Quantization** (on CUDA only, unless ``--skip-quantization``): ``benchmarks/quantization.py --gpu``: none,
+   int8, fp8, fp8_storage, nf4 and GGUF Q8_0 / Q4_0 on a transformer of FLUX.1's width (3072), the denoiser's
+   bytes, peak memory, latency alone and images/s at 4 in flight against none; its results go to
+   ``results/<name>-quantization.{json,md}`` and its table is copied here (reported, never an exit code).
 
 Pass bars (worst pixel difference against the stock pipeline alone):
 
@@ -505,6 +509,13 @@ def run_poisson(args) -> dict[str, Any]:
     return run_script("step_batching.py", script_args, f"{args.name}-poisson", args.poisson_timeout, keys, args)
 
 
+def run_quantization(args) -> dict[str, Any]:
+    """quantization.py --gpu: every quantization mode against none on a Flux-sized transformer."""
+    script_args = ["--gpu", *(["--quick"] if args.quick else []), *args.quantization_args]
+    name = f"{args.name}-quantization"
+    return run_script("quantization.py", script_args, name, args.quantization_timeout, ("rows",), args)
+
+
 def run_speed_knobs(args) -> dict[str, Any]:
     """speed_knobs.py on flux-bench: every speed and memory knob against none."""
     script_args = ["--family", "flux-bench", *(["--quick"] if args.quick else SPEED_KNOBS_FULL), *args.speed_knobs_args]
@@ -575,6 +586,13 @@ def markdown(summary: dict[str, Any]) -> str:
     if _part(lines, knobs, "Speed and memory knobs against none (flux-bench)", "--skip-speed-knobs"):
         lines += [f"`{knobs['command']}` ({knobs['wall_s']} s); full results in `{knobs['json']}`.", ""]
         lines.append(knobs["table_md"].strip())
+    quantization = summary.get("quantization")
+    title = "Quantization modes against none (Flux-sized transformer)"
+    if _part(lines, quantization, title, "no CUDA, or --skip-quantization"):
+        lines += [
+            f"`{quantization['command']}` ({quantization['wall_s']} s); full results in `{quantization['json']}`."
+        ]
+        lines += ["", quantization["table_md"].strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -631,6 +649,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--speed-knobs-args", default="", help="further speed_knobs.py arguments, e.g. '--variants none,pab'"
     )
+    parser.add_argument("--skip-quantization", action="store_true", help="no quantization comparison (CUDA only)")
+    parser.add_argument(
+        "--quantization-timeout", type=float, default=600.0, help="seconds before the quantization run is stopped"
+    )
+    parser.add_argument(
+        "--quantization-args", default="", help="further quantization.py arguments, e.g. '--modes none,fp8'"
+    )
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     args.dtypes, args.families, args.engine_families = (
@@ -639,6 +664,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         [] if args.skip_engine else _csv(args.engine_families),
     )
     args.poisson_args, args.speed_knobs_args = args.poisson_args.split(), args.speed_knobs_args.split()
+    args.quantization_args = args.quantization_args.split()
     if unknown := [d for d in args.dtypes if d not in DTYPES]:
         parser.error(f"unknown dtypes {unknown}; choose from {', '.join(DTYPES)}")
     for option, chosen in (("--families", args.families), ("--engine-families", args.engine_families)):
@@ -686,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         "correctness": [],
         "poisson": None,
         "speed_knobs": None,
+        "quantization": None,
         "pass": True,
         "wall_s": None,
     }
@@ -743,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     for part, skip, run in (
         ("poisson", args.skip_poisson, run_poisson),
         ("speed_knobs", args.skip_speed_knobs, run_speed_knobs),
+        ("quantization", args.skip_quantization or device.type != "cuda", run_quantization),
     ):
         if skip:
             continue

@@ -422,3 +422,42 @@ def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(
     assert result["config"]["python_executable"] == llm_cpu_python and result["config"]["max_tokens"] == 4
     assert isinstance(result["example"]["revised_prompt"], str)
     assert (tmp_path / "smoke.md").read_text().startswith("| phase | deploy | concurrency | req/s")
+
+
+def test_rl_rollouts_quick_reports_every_variant_against_the_ceiling(bench, tiny_sd3, tmp_path):
+    """``--quick``: N = 2, both modes and the ceiling, logprobs on and off, the same work as the ceiling, and the
+    update time of the tiny transformer (values are timings of a shared machine: only their shape is checked)."""
+    bench("rl_rollouts", "--quick", "--model", tiny_sd3, "--out-dir", str(tmp_path), "--name", "smoke")
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["config"]["quick"] and result["config"]["ns"] == [2]
+    keys = [(r["n"], r["variant"], r["logprobs"]) for r in result["rows"]]
+    assert keys == [(2, v, lp) for v in ("ceiling", "request", "step") for lp in (True, False)]
+    for row in result["rows"]:
+        assert row["rollouts_per_s"] > 0 and row["over_ceiling"] > 0 and 1 <= row["batch_mean"] <= row["n"]
+    # The ceiling draws what the engine draws: the same log-probs, up to batching arithmetic.
+    assert set(result["same_work"]) == {"request N=2", "step N=2"}
+    assert max(result["same_work"].values()) <= 1e-5
+    [update] = result["updates"]
+    assert update["size"] == "32x2" and update["mb"] > 0 and update["ms_per_mb"] > 0
+    assert update["weights_version_after"] == 2  # two updates (--quick)
+    assert (tmp_path / "smoke.md").read_text().startswith("| N | variant | logprobs |")
+
+
+def test_quantization_quick_reports_every_cpu_mode_against_none(bench, tiny_flux, tmp_path):
+    """``--quick`` on the tiny Flux: none, int8, fp8_storage and the two GGUFs each start, hold a smaller denoiser
+    than none and serve both loops (timings of a shared machine: only their shape is checked)."""
+    bench("quantization", "--quick", "--model", tiny_flux, "--out-dir", str(tmp_path), "--name", "smoke")
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert list(rows) == ["none", "int8", "fp8_storage", "gguf-Q8_0", "gguf-Q4_0"]
+    for mode, row in rows.items():
+        assert "refused" not in row, row
+        assert row["denoiser_mib"] > 0 and row["peak_rss_mib"] > 0 and row["p50_ms_alone"] > 0
+        assert row["images_per_s_4"] > 0 and 1 <= row["batch_mean_4"] <= 4
+        if mode != "none":
+            assert 0 < row["denoiser_over_none"] < 1 and row["p50_alone_over_none"] > 0
+    assert rows["gguf-Q4_0"]["denoiser_mib"] < rows["gguf-Q8_0"]["denoiser_mib"]
+    assert rows["gguf-Q8_0"]["model"].endswith("-Q8_0.gguf") and rows["gguf-Q8_0"]["quantized"].startswith(
+        "transformer gguf"
+    )
+    assert (tmp_path / "smoke.md").read_text().startswith("Quantization on ")

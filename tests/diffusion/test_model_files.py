@@ -22,7 +22,8 @@ REPO = "tiny-org/flux"
 @pytest.fixture(scope="module")
 def hub(tiny_flux, tmp_path_factory):
     """``tiny-org/flux`` with two commits on main (the first also tag ``v1``), ``tiny-org/flux-dup`` whose denoiser
-    has a ``.bin`` copy beside its ``.safetensors`` and files no pipeline reads, and a gated ``tiny-org/gated``."""
+    has a ``.bin`` copy beside its ``.safetensors`` and files no pipeline reads, a gated ``tiny-org/gated``, and
+    ``tiny-org/flux-gguf``: GGUFs of the tiny Flux's transformer (`_gguf_repo`)."""
     changed = tmp_path_factory.mktemp("flux-v2") / "flux"
     shutil.copytree(tiny_flux, changed)
     scheduler = changed / "scheduler" / "scheduler_config.json"
@@ -43,7 +44,20 @@ def hub(tiny_flux, tmp_path_factory):
         hub.publish("tiny-org/flux-dup", str(dup))
         hub.publish("tiny-org/gated", tiny_flux)
         hub.gate("tiny-org/gated", "hf_granted")
+        hub.publish("tiny-org/flux-gguf", str(_gguf_repo(tiny_flux, tmp_path_factory.mktemp("flux-gguf"))))
         yield hub
+
+
+def _gguf_repo(tiny_flux: str, folder) -> str:
+    """A repo as city96's: the transformer at Q8_0 and Q4_0 (one file each), two Q5 files, a README."""
+    from vllm_omni.testing.gguf_files import write_gguf
+
+    for qtype in ("Q8_0", "Q4_0"):
+        write_gguf(tiny_flux, "flux", str(folder / f"flux-tiny-{qtype}.gguf"), qtype)
+    for name in ("flux-tiny-Q5_0.gguf", "flux-tiny-v2-Q5_0.gguf"):
+        shutil.copyfile(folder / "flux-tiny-Q4_0.gguf", folder / name)
+    (folder / "README.md").write_text("tiny GGUFs")
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +95,11 @@ _DOWNLOAD = """
 import json, sys
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.diffusion.model_files import local_model_folder
-for repo, revision, token, stages in json.loads(sys.argv[1]):
+for repo, revision, token, stages, *base in json.loads(sys.argv[1]):
     sys.stdin.readline()  # the test's go: it counts the hub's downloads between calls
     try:
-        folder = local_model_folder(ModelSource(repo, revision=revision, hf_token=token), stages)
+        source = ModelSource(repo, revision=revision, hf_token=token, model_config=(base or [None])[0])
+        folder = local_model_folder(source, stages)
         print(json.dumps({"folder": folder}), flush=True)
     except ModelSourceError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
@@ -92,8 +107,9 @@ for repo, revision, token, stages in json.loads(sys.argv[1]):
 
 
 def _download(hub, tmp_path, *calls) -> list[tuple[dict, list[str]]]:
-    """``local_model_folder`` for each ``(repo, revision, token, stage_types)`` in turn, in one process whose
-    ``huggingface_hub`` talks to ``hub`` (it reads ``HF_ENDPOINT`` at import), into a fresh cache: each call's
+    """``local_model_folder`` for each ``(repo, revision, token, stage_types[, model_config])`` in turn, in one
+    process whose ``huggingface_hub`` talks to ``hub`` (it reads ``HF_ENDPOINT`` at import), into a fresh cache (and
+    ``$VLLM_CACHE_ROOT``, for a single file's folder): each call's
     answer, and the paths the hub served for it (a call starts only when told to, and answers after its last
     download was served)."""
     env = os.environ | {
@@ -102,6 +118,7 @@ def _download(hub, tmp_path, *calls) -> list[tuple[dict, list[str]]]:
         "HF_HUB_CACHE": str(tmp_path / "hub"),
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
     }
     command = [sys.executable, "-c", _DOWNLOAD, json.dumps(calls)]
     answers = []
@@ -178,3 +195,32 @@ def test_a_real_hub_repo_downloads_only_its_pipeline_files(tmp_path):
     assert os.path.isfile(os.path.join(folder, "model_index.json"))
     files = [name for _, _, names in os.walk(folder) for name in names]
     assert not (any(f.endswith(".bin") for f in files) and any(f.endswith(".safetensors") for f in files))
+
+
+@pytest.mark.slow
+def test_a_gguf_in_a_repo_is_fetched_alone_by_name_or_by_type_and_a_missing_one_is_named(hub, tmp_path):
+    """``org/name:QUANT_TYPE`` fetches that one file (not the others, not the README) and the base's files but its
+    denoiser's weights; ``org/name:FILE`` the file it names; the folder links to the file in the hub cache. A type
+    the repo holds twice or not at all, and a file it lacks, are errors that name them."""
+    calls = [
+        (f"tiny-org/flux-gguf:{file}", None, None, ["diffusion"], REPO)
+        for file in ("Q4_0", "flux-tiny-Q8_0.gguf", "Q5_0", "Q2_K", "flux-tiny-Q6_K.gguf")
+    ]
+    (by_type, fetched), (by_name, fetched_by_name), (twice, _), (none, _), (missing, _) = _download(
+        hub, tmp_path, *calls
+    )
+    assert [p for p in fetched if p.endswith(".gguf") or p == "README.md"] == ["flux-tiny-Q4_0.gguf"]
+    assert not [p for p in fetched if p.startswith("transformer/") and p != "transformer/config.json"]
+    assert [p for p in fetched_by_name if p.endswith(".gguf")] == ["flux-tiny-Q8_0.gguf"]
+    for answer, qtype in ((by_type, "Q4_0"), (by_name, "Q8_0")):
+        link = os.path.join(answer["folder"], "transformer", f"flux-tiny-{qtype}.gguf")
+        assert os.path.realpath(link).startswith(str(tmp_path / "hub" / "models--tiny-org--flux-gguf" / "blobs"))
+    assert twice["error"] == (
+        "model 'tiny-org/flux-gguf:Q5_0' at revision 'main': the repo has 2 .gguf files of type Q5_0 "
+        "(flux-tiny-Q5_0.gguf, flux-tiny-v2-Q5_0.gguf); name the file: org/name:FILE.gguf"
+    )
+    assert none["error"].startswith("model 'tiny-org/flux-gguf:Q2_K' at revision 'main': the repo has no .gguf file")
+    assert "flux-tiny-Q4_0.gguf, flux-tiny-Q5_0.gguf" in none["error"]
+    assert missing["error"] == (
+        "model 'tiny-org/flux-gguf' at revision 'main': the repo has no flux-tiny-Q6_K.gguf at this revision"
+    )

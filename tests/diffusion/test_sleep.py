@@ -65,6 +65,9 @@ def test_levels_and_tags_are_vllms_and_others_are_refused_naming_the_allowed_val
     with pytest.raises(ValueError, match="cpu_offload='sequential'"):
         check_level(2, "sequential")
     assert check_level(2, "model") == 2
+    with pytest.raises(ValueError, match=r"the GGUF denoiser \(quantization 'gguf'\) has none.*: use level 1"):
+        check_level(2, "none", "gguf")
+    assert check_level(1, "none", "gguf") == 1
     assert check_tags(None) is None and check_tags(["weights", "kv_cache"]) == ["weights", "kv_cache"]
     assert check_tags("weights") == ["weights"]
     with pytest.raises(ValueError, match="tags must be among weights, kv_cache, scheduling; got 'gpu'"):
@@ -128,6 +131,28 @@ def test_a_tensor_torch_cannot_swap_is_replaced_in_every_module_that_holds_it(tm
     assert held() is None  # no module holds the old one: freed
     sleep.wake_up(None)
     assert _equal(block, before) and block.b.weight is block.a.weight
+
+
+def test_a_gguf_parameter_moved_in_place_stays_one_with_its_quantization_type():
+    """Level 1 moves a GGUF denoiser's weights (diffusers' ``GGUFParameter``: bytes and a ``quant_type``) as they
+    are (their __torch_function__ keeps the subclass through the move); a plain ``Parameter`` would hand the layer raw
+    bytes. The move itself, here CPU to CPU."""
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
+
+    from vllm_omni.diffusion.sleep import _tensors
+
+    torch.manual_seed(0)
+    weight = torch.randn(4, 64)
+    packed = torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0))
+    layer = GGUFLinear(64, 4, bias=False, compute_dtype=torch.float32)
+    layer.weight = GGUFParameter(packed, quant_type=gguf.GGMLQuantizationType.Q8_0)
+    x = torch.randn(2, 64)
+    before = layer(x)
+    entry = _tensors(layer)["weight"]
+    entry.replace(entry.tensor.to("cpu", copy=True))
+    assert isinstance(layer.weight, GGUFParameter) and layer.weight.quant_type == gguf.GGMLQuantizationType.Q8_0
+    assert torch.equal(layer(x), before)
 
 
 def test_lora_adapter_tensors_stay_and_a_wrapped_layer_reloads_from_its_own_key(tmp_path):

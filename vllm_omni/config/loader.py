@@ -9,11 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from vllm_omni.config.legacy import pop_yaml_aliases
-from vllm_omni.config.stage import (
-    DeployConfig,
-    StageDeployConfig,
-    describe_validation_error,
-)
+from vllm_omni.config.stage import YAML_STAGE_KEYS, DeployConfig, StageDeployConfig
 
 
 def load_deploy_config(path: str | os.PathLike[str]) -> DeployConfig:
@@ -54,3 +50,17 @@ def _load_stage(raw: Any, index: int, path: str) -> StageDeployConfig:
         return StageDeployConfig(**raw, provenance=provenance)
     except ValidationError as exc:
         raise ValueError(describe_validation_error(exc, where)) from None
+
+
+def describe_validation_error(exc: ValidationError, where: str) -> str:
+    """One readable line per problem, each naming the key, the value and ``where`` it was written."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown key {key!r} in {where}; allowed keys: {', '.join(YAML_STAGE_KEYS)}")
+        elif err["type"] == "value_error":  # our own validators: the message names the problem
+            lines.append(f"invalid {key} in {where}: {err['ctx']['error']}")
+        else:
+            lines.append(f"invalid {key}={err.get('input')!r} in {where}: {err['msg']}")
+    return "; ".join(lines)

@@ -26,6 +26,8 @@ from vllm_omni.config.cache import (
 )
 from vllm_omni.config.llm import check_llm_stage
 from vllm_omni.config.loader import load_deploy_config
+from vllm_omni.config.model_source import ModelSource
+from vllm_omni.config.quantization import GGUF_SOURCE, check_quantization, is_gguf
 from vllm_omni.config.stage import (
     KNOBS,
     LORA_KNOBS,
@@ -103,12 +105,14 @@ def resolve_stage_configs(
     global_source: GlobalSource = "python",
     global_alias_knobs: frozenset[str] | set[str] = frozenset(),
     stage_overrides: Mapping[int | str, Mapping[str, Any]] | None = None,
+    model: ModelSource | None = None,
 ) -> list[StageDeployConfig]:
     """Apply the four layers and return one frozen config per stage, with provenance.
 
     ``deploy`` is a `DeployConfig` or the path of a deploy YAML. ``global_knobs`` holds
     only the knobs the user gave (CLI flags or Python keywords); ``global_alias_knobs``
-    names those of them that a deprecated alias supplied.
+    names those of them that a deprecated alias supplied. ``model``: the served model, for the knobs it decides
+    (a ``.gguf`` file sets ``quantization: gguf``, provenance ``model``); ``None``: not checked against one.
     """
     if deploy is None:
         deploy = DeployConfig()
@@ -153,6 +157,8 @@ def resolve_stage_configs(
             use_ray = values["num_replicas"] > 1 or values["ray_address"] is not None
             use_ray |= stage.stage_type in LLM_STAGE_TYPES  # vLLM's engine runs in an actor of its own
             values["distributed_executor_backend"] = "ray" if use_ray else "inline"
+        if stage.stage_type in STAGE_TYPES_OF_KNOB["quantization"]:
+            _resolve_quantization(stage.stage_id, values, provenance, model)
         _check_combination(stage.stage_id, values, provenance)
         if stage.stage_type in LLM_STAGE_TYPES:
             check_llm_stage(stage.stage_id, values, _writer(values, provenance))
@@ -189,6 +195,12 @@ def engine_torch_threads(stage_configs: list[StageDeployConfig]) -> dict[int, in
     return {s.stage_id: s.num_cpus if s.distributed_executor_backend == "ray" else share for s in stage_configs}
 
 
+def knob_as_written(stage: StageDeployConfig, knob: str) -> str:
+    """A resolved stage's ``knob`` as the resolver's errors name it: as it was written, its value and its layer
+    (``--quantization 'fp8' (cli)``), for the checks made when the stage loads."""
+    return _writer({knob: getattr(stage, knob)}, {knob: stage.provenance.get(knob, "default")})(knob)
+
+
 def _writer(values: Mapping[str, Any], provenance: Mapping[str, Source]) -> Callable[..., str]:
     """How an error names a knob: as it was written, with its value and its layer."""
 
@@ -196,6 +208,32 @@ def _writer(values: Mapping[str, Any], provenance: Mapping[str, Source]) -> Call
         return f"{_knob_name(knob, provenance[knob])} {verb}{values[knob]!r} ({provenance[knob]})"
 
     return written
+
+
+def check_model(stage_configs: list[StageDeployConfig], model: ModelSource) -> None:
+    """Stage configs resolved without ``model`` (``OmniBase.from_stage_configs``) checked against it, as
+    `resolve_stage_configs` checks the knobs the model decides: a ``.gguf`` file needs ``quantization: gguf``,
+    which resolving with ``model`` sets."""
+    for stage in stage_configs:
+        if stage.stage_type in STAGE_TYPES_OF_KNOB["quantization"]:
+            values = {k: getattr(stage, k) for k in STAGE_KNOBS}
+            provenance = {k: stage.provenance.get(k, "default") for k in STAGE_KNOBS}
+            try:
+                check_quantization(stage.stage_id, values, _writer(values, provenance), model, stage.lora_enabled)
+            except ValueError as exc:
+                hint = " (resolve_stage_configs(..., model=...) sets it)" if model.is_gguf else ""
+                raise ValueError(f"{exc}{hint}") from None
+
+
+def _resolve_quantization(
+    stage_id: int, values: dict[str, Any], provenance: dict[str, Source], model: ModelSource | None
+) -> None:
+    """A ``.gguf`` model file sets ``quantization: gguf`` (provenance ``model``) where no layer set it; then the
+    quantization knobs are checked against the model and the other knobs (`check_quantization`)."""
+    if is_gguf(model) and provenance["quantization"] == "default":
+        values["quantization"], provenance["quantization"] = "gguf", GGUF_SOURCE
+    lora = values["enable_lora"] or bool(values["lora_modules"])
+    check_quantization(stage_id, values, _writer(values, provenance), model, lora)
 
 
 def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Mapping[str, Source]) -> None:

@@ -10,14 +10,15 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vllm_omni.config.cache import CacheBackendName, parse_cache_config
 from vllm_omni.config.llm import LlmMode, check_engine_args, check_sampling
 from vllm_omni.config.lora import LoRAModulePath
+from vllm_omni.config.quantization import Quantization, parse_components
 from vllm_omni.config.stage_types import STAGE_TYPES, check_stage_graph
 
-Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "legacy_alias"]
+Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "legacy_alias", "model"]
 """Where a resolved knob value came from (see docs/configuration.md)."""
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -200,6 +201,18 @@ class StageDeployConfig(BaseModel):
     cache_config: Annotated[dict[str, Any] | None, Knob("denoising", metavar="JSON")] = None
     """The backend's settings (its config's fields, e.g. ``{"threshold": 0.2}``); ``None``: its defaults."""
 
+    quantization: Annotated[Quantization, Knob("pipeline", flag="vllm")] = "none"
+    """Quantize the stage's ``quantize_components`` as they load ([quantization.md](quantization.md)): ``int8``
+    (torchao int8 weight-only; CPU and CUDA), ``fp8`` (torchao float8 weights and activations; CUDA of compute
+    capability 8.9 and up), ``fp8_storage`` (weights stored in float8, computed in ``dtype``: diffusers' layerwise
+    casting; CPU and CUDA), ``nf4`` (bitsandbytes 4-bit; CUDA). ``gguf`` is set by a ``.gguf`` model file (provenance
+    ``model``) and refused for any other. A folder saved quantized loads as saved. vLLM's ``--quantization``."""
+
+    quantize_components: Annotated[tuple[str, ...], Knob("pipeline", metavar="NAME,...")] = ()
+    """The components ``quantization`` quantizes, such as ``transformer,text_encoder_2`` (Flux's T5); empty: the
+    denoiser(s) (``transformer``, ``transformer_2``, ``unet``). A stage quantizes those it loads; a name the model
+    lacks is refused at start-up. ``--quantize-components``."""
+
     model: Annotated[str | None, Knob("llm", flag="none")] = None
     """``llm`` stages: the LLM's folder or Hugging Face repo id (required). Not the served ``MODEL``, which stays
     the diffusers model."""
@@ -268,6 +281,7 @@ class StageDeployConfig(BaseModel):
         return value
 
     _parse_cache_config = field_validator("cache_config", mode="before")(parse_cache_config)
+    _parse_components = field_validator("quantize_components", mode="before")(parse_components)
     _check_engine_args = field_validator("engine_args", mode="before")(check_engine_args)
     _check_sampling = field_validator("sampling", mode="before")(check_sampling)
 
@@ -368,17 +382,3 @@ class DeployConfig(BaseModel):
             raise ValueError(f"stage_id values must be unique, repeated: {duplicates}")
         check_stage_graph(stages)
         return stages
-
-
-def describe_validation_error(exc: ValidationError, where: str) -> str:
-    """One readable line per problem, each naming the key, the value and ``where`` it was written."""
-    lines = []
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"unknown key {key!r} in {where}; allowed keys: {', '.join(YAML_STAGE_KEYS)}")
-        elif err["type"] == "value_error":  # our own validators: the message names the problem
-            lines.append(f"invalid {key} in {where}: {err['ctx']['error']}")
-        else:
-            lines.append(f"invalid {key}={err.get('input')!r} in {where}: {err['msg']}")
-    return "; ".join(lines)

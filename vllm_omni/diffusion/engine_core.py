@@ -141,6 +141,7 @@ class EngineCore:
                 None, "cpu_offload='sequential' keeps the weights in accelerate's hooks: serve with 'model' or 'none'"
             )
         module = component_of(self.runner.pipeline, component)
+        self.runner.quantization.check_update(component)
         # A dropped weight comes back where its component's weights are now: in CPU memory while they sleep.
         home = "cpu" if "weights" in self.sleeper.asleep else self.sleeper.home
         complete = apply_weights(module, weights, component, home)
@@ -151,7 +152,8 @@ class EngineCore:
     def sleep(self, level: int = 1) -> Future:
         """Sleep at ``level`` (`PipelineSleep`) once the requests in progress have finished: from then on no request
         starts (those that arrive wait) until `wake_up`; calls still run. The future is done once it sleeps."""
-        check_level(level, self.od_config.stage.cpu_offload)
+        check_level(level, self.od_config.stage.cpu_offload, self.od_config.stage.quantization)
+        self.runner.quantization.check_sleep(level)
         return self.scheduler.call(lambda: self._sleep(level), drain=True)
 
     def _sleep(self, level: int) -> None:

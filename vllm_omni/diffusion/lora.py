@@ -58,6 +58,10 @@ def _per_row_layers() -> tuple[type, ...]:
     return (Linear, _ConvNd)
 
 
+_STORAGE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Dtypes that weights are stored in but not computed in (layerwise casting's)."""
+
+
 class LoraLoadError(ValueError):
     """An adapter that cannot be served; the message names its file."""
 
@@ -66,10 +70,13 @@ class LoraAdapters:
     """The adapters resident in one pipeline (at most ``max_loras``, least recently used evicted first) and the
     hooks that apply them per row."""
 
-    def __init__(self, pipeline, max_loras: int, max_lora_rank: int):
+    def __init__(self, pipeline, max_loras: int, max_lora_rank: int, dtype: torch.dtype = torch.float32):
+        """``dtype``: the stage's; adapters compute in it where PEFT made them in a layer's storage dtype (the float8
+        of ``fp8_storage``, which no matmul takes)."""
         self.pipeline = pipeline
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
         self.resident: OrderedDict[str, str] = OrderedDict()
         """Loaded adapters (name → path, or the source tag of one given as tensors), least recently used first."""
         self._tensors: dict[str, tuple[str, LoraTensors]] = {}
@@ -182,6 +189,9 @@ class LoraAdapters:
             self._hook(module, kind)
         for module in layers:
             module.enable_adapters(False)  # PEFT's forward returns the base output; the hook adds the deltas
+            for adapter in (module.lora_A[name], module.lora_B[name]):
+                if adapter.weight.dtype in _STORAGE_DTYPES:  # PEFT takes its base layer's dtype: fp8_storage's
+                    adapter.to(self.dtype)
         logger.info("Loaded LoRA adapter %r from %s (%d layers)", name, path, len(layers))
 
     def unload(self, name: str) -> bool:

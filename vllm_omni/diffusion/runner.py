@@ -16,10 +16,12 @@ import torch
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.config.cache import WHOLE_CALL_BACKENDS
 from vllm_omni.diffusion.components import DENOISERS
+from vllm_omni.diffusion.gguf import gguf_components, load_gguf_component
 from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.lora import LoraAdapters
 from vllm_omni.diffusion.model_card import ENGINE_ARGS, ModelCard
 from vllm_omni.diffusion.previews import Previews
+from vllm_omni.diffusion.quantization import QuantizationPlan
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.sde import sde_sampling
 from vllm_omni.diffusion.step_cache import CallCache, RequestCache, StepCache
@@ -85,10 +87,16 @@ def read_model_index(model: str) -> dict[str, Any]:
 
 
 def load_pipeline(
-    model: str, dtype: torch.dtype, device: torch.device, skips: tuple[str, ...] = (), cpu_offload: str = "none"
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    skips: tuple[str, ...] = (),
+    cpu_offload: str = "none",
+    quantization: QuantizationPlan | None = None,
 ):
     """The pipeline on ``device`` (or offloaded to the CPU, moving to ``device`` to run), without the components
-    named in ``skips``."""
+    named in ``skips``, its components quantized as ``quantization`` plans (`QuantizationPlan`)."""
+    import diffusers
     from diffusers import DiffusionPipeline
 
     # transformers loads a model's weights on a pool of worker threads unless this is set: torch ops on other
@@ -96,8 +104,21 @@ def load_pipeline(
     os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
     components = read_model_index(model)
     skipped = {name: None for name in skips if name in components}
-    pipeline = DiffusionPipeline.from_pretrained(model, dtype=dtype, local_files_only=True, **skipped)
+    # A GGUF denoiser loads from its file, quantized (vllm_omni.diffusion.gguf); the pipeline takes it as it is.
+    held_as_gguf = gguf_components(model, components)
+    ggufs = {
+        name: load_gguf_component(model, name, components[name][1], dtype)
+        for name in held_as_gguf
+        if name not in skipped
+    }
+    # DiffusionPipeline.from_pretrained loads an optional component (Wan's transformer) from the folder even when it
+    # is passed or skipped; the pipeline's own class does not, and a GGUF denoiser's folder holds no weights.
+    loader = getattr(diffusers, components["_class_name"]) if held_as_gguf else DiffusionPipeline
+    quantized = {} if quantization is None else {"quantization_config": quantization.pipeline_config()}
+    pipeline = loader.from_pretrained(model, dtype=dtype, local_files_only=True, **skipped, **ggufs, **quantized)
     pipeline.set_progress_bar_config(disable=True)
+    if quantization is not None:
+        quantization.apply(pipeline)
     if cpu_offload == "none":
         return pipeline.to(device)
     if device.type != "cuda":
@@ -162,7 +183,11 @@ class DiffusionRunner:
         self.device = select_device(od_config.stage.devices)
         self.dtype = select_dtype(od_config.stage.dtype, self.device)
         started = time.perf_counter()
-        self.pipeline = load_pipeline(od_config.model, self.dtype, self.device, skips, od_config.stage.cpu_offload)
+        self.quantization = QuantizationPlan.of(od_config.model, od_config.stage, self.device, self.dtype, skips)
+        """What the stage holds quantized (``quantization``, or a folder saved quantized)."""
+        self.pipeline = load_pipeline(
+            od_config.model, self.dtype, self.device, skips, od_config.stage.cpu_offload, self.quantization
+        )
         set_vae_memory(self.pipeline, od_config.stage.vae_tiling, od_config.stage.vae_slicing)
         self.step_cache = None
         """The step cache on the denoisers (``cache_backend``): diffusers' hooks run per request, or cache-dit per
@@ -189,7 +214,7 @@ class DiffusionRunner:
         """The pipelines run so far by class name: the loaded one, and its image variants (`ModelCard.variants`)
         built on its components when a request first needs one."""
         self.lora = (
-            LoraAdapters(self.pipeline, od_config.stage.max_loras, od_config.stage.max_lora_rank)
+            LoraAdapters(self.pipeline, od_config.stage.max_loras, od_config.stage.max_lora_rank, self.dtype)
             if od_config.stage.lora_enabled
             else None
         )
@@ -197,7 +222,7 @@ class DiffusionRunner:
         for module in od_config.stage.lora_modules:  # each is checked now; the last max_loras stay resident
             self.lora.load(module.name, module.path)
         logger.info(
-            "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s)",
+            "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s); quantized: %s",
             self.card.pipeline_name,
             od_config.model,
             self.device,
@@ -205,6 +230,7 @@ class DiffusionRunner:
             time.perf_counter() - started,
             od_config.stage.stage_id,
             od_config.stage.stage_type,
+            self.quantization.describe(),
         )
 
     def note_size(self, params) -> None:

@@ -36,13 +36,19 @@ _MEMORY_TAGS = frozenset({"weights", "kv_cache"})
 """What a sleep of level 1 or 2 puts to sleep; the engine serves again once none is asleep."""
 
 
-def check_level(level: object, cpu_offload: str = "none") -> int:
+def check_level(level: object, cpu_offload: str = "none", quantization: str = "none") -> int:
     """``level`` if it is one of `SLEEP_LEVELS`, else ValueError naming the allowed values (and level 2 under
-    sequential CPU offload, whose hooks hold the weights where it cannot drop them)."""
+    sequential CPU offload, whose hooks hold the weights where it cannot drop them, or of a GGUF model, whose
+    denoiser has no safetensors files to reload from)."""
     if not isinstance(level, int) or isinstance(level, bool) or level not in SLEEP_LEVELS:
         raise ValueError(f"level must be one of {', '.join(map(str, SLEEP_LEVELS))}; got {level!r}")
     if level == 2 and cpu_offload == "sequential":
         raise ValueError("level 2 cannot drop weights that cpu_offload='sequential' holds in its hooks; use level 1")
+    if level == 2 and quantization == "gguf":
+        raise ValueError(
+            "level 2 drops the weights and wake_up reloads them from each component's safetensors files; the GGUF "
+            "denoiser (quantization 'gguf') has none, only its .gguf file's quantized blocks: use level 1"
+        )
     return level
 
 

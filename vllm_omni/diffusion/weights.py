@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm_omni.diffusion.gguf import is_gguf_module
 from vllm_omni.errors import WeightUpdateError
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -83,7 +84,13 @@ def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def check_weights(module: torch.nn.Module, weights: Mapping[str, torch.Tensor], component: str) -> dict:
     """What each of ``weights`` replaces in ``module`` (`named_tensors`), or `WeightUpdateError` naming the first
-    unknown name (and the closest known one) or wrong shape."""
+    unknown name (and the closest known one) or wrong shape, or a GGUF-quantized ``module``."""
+    if is_gguf_module(module):
+        raise WeightUpdateError(
+            None,
+            f"{component} is GGUF-quantized (loaded from a .gguf file): its weights are the file's quantized blocks, "
+            "which an update cannot replace; serve the base model's diffusers folder to update them",
+        )
     targets = named_tensors(module)
     for name, tensor in weights.items():
         target = targets.get(name)

@@ -359,7 +359,7 @@ class OmniEngine:
         """Put every replica of every diffusers stage to sleep at ``level`` (diffusion/sleep.py), stage by stage;
         returns once all sleep, their running batches finished. Requests that arrive meanwhile wait."""
         for stage in self.stages:
-            check_level(level, stage.stage_config.cpu_offload)
+            check_level(level, stage.stage_config.cpu_offload, stage.stage_config.quantization)
         with self._sleep_lock:  # one sleep or wake-up at a time, so that every stage ends in the same state
             for stage in self.stages:
                 stage.sleep(level)

@@ -17,6 +17,7 @@ from vllm_omni.config import (
     resolve_stage_configs,
 )
 from vllm_omni.config.model_source import ModelSource
+from vllm_omni.config.resolver import check_model
 from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.model_files import local_model_folder
 from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
@@ -76,16 +77,26 @@ class OmniBase:
             execution_mode=execution_mode,
             **engine_kwargs,
         )
+        try:
+            source = ModelSource(
+                os.fspath(model),
+                revision=revision,
+                download_dir=download_dir,
+                hf_token=hf_token,
+                model_config=model_config,
+            )
+        except ValueError as exc:  # the knobs' errors come first
+            source, bad_source = None, exc
         stage_configs = resolve_stage_configs(
             deploy_config,
             global_knobs={k: v for k, v in given.items() if v is not None},
             global_source="python",
             global_alias_knobs={"max_num_seqs"} if from_alias else set(),
             stage_overrides=stage_overrides,
+            model=source,
         )
-        source = ModelSource(
-            os.fspath(model), revision=revision, download_dir=download_dir, hf_token=hf_token, model_config=model_config
-        )
+        if source is None:
+            raise bad_source
         self._start(source, stage_configs, strict_fields)
 
     @classmethod
@@ -102,6 +113,7 @@ class OmniBase:
         return self
 
     def _start(self, source: ModelSource, stage_configs: list[StageDeployConfig], strict_fields: bool) -> None:
+        check_model(stage_configs, source)  # configs resolved without the model (from_stage_configs)
         self.model_source = source
         self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs])
         """The diffusers folder every stage loads (the snapshot or converted folder for a repo id or a file)."""

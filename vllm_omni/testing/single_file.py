@@ -18,6 +18,9 @@ that ``from_single_file`` gives back the folder's weights bit for bit:
       with flux_converter_for_any_width():
           FluxTransformer2DModel.from_single_file(out, config=folder, subfolder="transformer", local_files_only=True)
 
+- ``sd3`` / ``wan``: the transformer alone, in Stability's MMDiT and Wan-AI's layouts
+  (:mod:`vllm_omni.testing.single_file_dit`); ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` load it as above.
+
 ``config=folder`` is required: without it diffusers infers the model type from the keys ("v1", "flux-dev") and
 fetches the *real* model's config from the Hub, which fails offline and, online, builds a full-size model that the
 tiny weights do not fit. No ``original_config`` is needed (it is the alternative to ``config``; not both). The tiny SD
@@ -42,6 +45,8 @@ import re
 from collections.abc import Callable, Iterator
 
 import torch
+
+from vllm_omni.testing.single_file_dit import sd3_layout, wan_layout
 
 # diffusers -> LDM names inside one ResNet block (``update_unet_resnet_ldm_to_diffusers`` and the VAE's, reversed).
 _UNET_RESNET = {
@@ -225,11 +230,22 @@ def _flux(folder: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _transformer_in(layout: Callable[[dict, dict], dict[str, torch.Tensor]]) -> Callable[[str], dict]:
+    """The folder's transformer alone, in ``layout`` (one of `vllm_omni.testing.single_file_dit`'s)."""
+    return lambda folder: layout(*_component(folder, "transformer"))
+
+
 SINGLE_FILE_FAMILIES: dict[str, Callable[[str], dict[str, torch.Tensor]]] = {
     "sd": _sd,
     "flux": _flux,
     "flux-schnell": _flux,
+    "sd3": _transformer_in(sd3_layout),
+    "wan": _transformer_in(wan_layout),
 }
+"""Each family's single file: the whole pipeline (sd) or its denoiser alone (the others)."""
+
+DENOISER_ONLY_FAMILIES = ("flux", "flux-schnell", "sd3", "wan")
+"""The families whose single file holds the denoiser alone, as city96's GGUFs do."""
 
 
 def write_single_file(folder: str, family: str, out: str) -> str:

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 from PIL import Image
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
@@ -95,13 +96,37 @@ def test_make_tiny_model_writes_a_single_file_that_serves_the_folders_images(tmp
 
 def test_make_tiny_model_refuses_single_file_for_a_family_without_a_layout(tmp_path):
     made = subprocess.run(
-        [*_VLLM_OMNI, "make-tiny-model", str(tmp_path / "w"), "--family", "wan", "--single-file"],
+        [*_VLLM_OMNI, "make-tiny-model", str(tmp_path / "w"), "--family", "sdxl", "--single-file"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert made.returncode == 2
     assert (
-        "argument --single-file: family 'wan' has no single-file layout here (families with one: sd, flux, flux-schnell)"
-        in made.stderr
-    )
+        "argument --single-file: family 'sdxl' has no single-file layout here "
+        "(families with one: sd, flux, flux-schnell, sd3, wan)"
+    ) in made.stderr
+
+
+def test_make_tiny_model_writes_ggufs_that_vllm_serve_serves_with_model_config(tmp_path, monkeypatch, capsys):
+    """``make-tiny-model --gguf Q8_0 --gguf Q4_0`` (its ``main``, in this process), then ``vllm serve DIR-Q4_0.gguf
+    --model-config DIR --omni``: the image of stock diffusers with the transformer from ``from_single_file(GGUF,
+    GGUFQuantizationConfig)``."""
+    from vllm_omni.entrypoints.cli.main import main
+    from vllm_omni.testing.gguf_files import stock_gguf_pipeline
+
+    folder = tmp_path / "tiny-sd3"
+    main(["make-tiny-model", str(folder), "--family", "sd3", "--gguf", "Q8_0", "--gguf", "Q4_0"])
+    assert capsys.readouterr().out.split() == [str(folder), f"{folder}-Q8_0.gguf", f"{folder}-Q4_0.gguf"]
+    gguf = f"{folder}-Q4_0.gguf"
+
+    stock = stock_gguf_pipeline(str(folder), gguf)
+    image = stock("a cat", height=64, width=64, num_inference_steps=2, generator=torch.Generator().manual_seed(5))
+    want = np.asarray(image.images[0], dtype=np.int16)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))  # a preloaded server takes the environment
+    with RemoteOmniServer(gguf, ["--model-config", str(folder)]) as server:
+        client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none")
+        answer = client.images.generate(prompt="a cat", size="64x64", extra_body={"num_inference_steps": 2, "seed": 5})
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), dtype=np.int16)
+    assert np.abs(got - want).max() <= 2
+    assert len(os.listdir(tmp_path / "vllm" / "omni" / "single-file")) == 1

@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(serve(argv[1:], prog="vllm serve" if via_vllm else "vllm-omni serve"))
 
+    from vllm_omni.testing.gguf_files import GGUF_TYPES
     from vllm_omni.testing.tiny_models import MODEL_FAMILIES
 
     parser = argparse.ArgumentParser(prog="vllm-omni", description="Serve diffusion models with vLLM.")
@@ -46,13 +47,24 @@ def main(argv: list[str] | None = None) -> None:
         "--single-file",
         action="store_true",
         help="Also write DIR.safetensors, a single-file checkpoint in the original (non-diffusers) key layout: the "
-        "whole pipeline for sd, the transformer alone for flux and flux-schnell. Serve it with --model-config DIR.",
+        "whole pipeline for sd, the transformer alone for flux, flux-schnell, sd3 and wan. Serve it with "
+        "--model-config DIR.",
+    )
+    tiny.add_argument(
+        "--gguf",
+        action="append",
+        choices=GGUF_TYPES,
+        default=[],
+        metavar="TYPE",
+        help="Also write DIR-TYPE.gguf (Q8_0 or Q4_0; may be repeated): the transformer alone (flux, flux-schnell, "
+        "sd3, wan) in the original key layout, quantized by the gguf package, as city96's GGUFs. Serve it with "
+        "--model-config DIR.",
     )
     tiny.add_argument("--omni", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES
-    from vllm_omni.testing.single_file import SINGLE_FILE_FAMILIES
+    from vllm_omni.testing.single_file import DENOISER_ONLY_FAMILIES, SINGLE_FILE_FAMILIES
 
     if args.lora < 0:
         tiny.error(f"argument --lora: N must be 0 or more, not {args.lora}")
@@ -71,6 +83,11 @@ def main(argv: list[str] | None = None) -> None:
             f"argument --single-file: family {args.family!r} has no single-file layout here "
             f"(families with one: {', '.join(SINGLE_FILE_FAMILIES)})"
         )
+    if args.gguf and args.family not in DENOISER_ONLY_FAMILIES:
+        tiny.error(
+            f"argument --gguf: a GGUF holds a denoiser alone in its original layout, and family {args.family!r} has "
+            f"no such layout here (families with one: {', '.join(DENOISER_ONLY_FAMILIES)})"
+        )
 
     from vllm_omni.testing.tiny_models import make_tiny_model
 
@@ -79,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_omni.testing.single_file import write_single_file
 
         print(write_single_file(args.dir, args.family, args.dir.rstrip("/") + ".safetensors"), flush=True)
+    for qtype in dict.fromkeys(args.gguf):
+        from vllm_omni.testing.gguf_files import write_gguf
+
+        print(write_gguf(args.dir, args.family, f"{args.dir.rstrip('/')}-{qtype}.gguf", qtype), flush=True)
     if args.lora:
         import os
 

@@ -45,6 +45,7 @@ _USED_VLLM_FLAGS = frozenset(
         "distributed_executor_backend",
         *("revision", "download_dir", "hf_token"),
         *("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
+        "quantization",
     }
 )
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
@@ -241,6 +242,8 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
     given = {name: getattr(args, name) for name in ("max_num_seqs", "distributed_executor_backend", *_OMNI_STAGE_FLAGS)}
     if "dtype" in explicit:
         given["dtype"] = _VLLM_DTYPES.get(args.dtype, args.dtype)
+    if "quantization" in explicit:  # vLLM's flag takes any text; the resolver checks it against our values
+        given["quantization"] = args.quantization
     # vLLM's LoRA flags, parsed by vLLM (--lora-modules as name=path or JSON); its defaults are not ours.
     given.update(
         {name: getattr(args, name) for name in ("enable_lora", "max_loras", "max_lora_rank") if name in explicit}
@@ -255,6 +258,7 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
             global_knobs={k: v for k, v in given.items() if v is not None},
             global_source="cli",
             stage_overrides=args.stage_overrides,
+            model=source,
         )
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
