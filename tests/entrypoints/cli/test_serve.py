@@ -141,7 +141,9 @@ def test_model_must_be_a_diffusers_folder_a_checkpoint_or_a_repo_id(parser, tmp_
     assert "give the model (a diffusers folder" in _error(parser, ["--max-num-seqs", "2"], capsys)
     (tmp_path / "notes.txt").write_text("not weights")
     assert "is a file but not a single-file checkpoint" in _error(parser, [str(tmp_path / "notes.txt")], capsys)
-    assert "a Hugging Face repo id (org/name) nor a file in one (org/name:FILE): no such path" in _error(parser, ["./no/such/dir"], capsys)
+    assert "a Hugging Face repo id (org/name) nor a file in one (org/name:FILE): no such path" in _error(
+        parser, ["./no/such/dir"], capsys
+    )
 
 
 def test_a_repo_id_takes_vllms_hub_flags_and_is_the_served_name(parser):
