@@ -27,9 +27,8 @@ Each engine and the ceiling run in worker processes of their own (forked from th
 worker's main thread (docs/performance.md: a second thread running torch slows every forward). All are up before
 any is measured; each of the ``--reps`` reps runs, per N, every (variant, logprobs) in turn, the order rotating
 per rep, so a shared machine's drift hits all alike. Each measurement is preceded by one untimed wave in the same
-worker (other seeds): the warm-up of its shapes, and a priming, since this VM pages out the memory of processes
-that idle (the kernel's DAMON ``pageout`` scheme) and a worker that waited through the others' measurements
-otherwise ran its first waves up to 10 times slower, faulting its libraries and weights back in.
+worker (other seeds), its warm-up. On the 2-core machine a measurement during which another process takes a core
+runs several times slower (each op's 2-thread OpenMP team waits for its descheduled thread): ``others`` shows it.
 
 Per row: rollouts/s (median over the reps), ``÷ ceiling`` (per rep, engine ÷ the ceiling of the same N and
 logprobs in that rep; the median over the reps), ``best ÷ best ceiling`` (the fastest rep of each: other work only
@@ -362,7 +361,7 @@ def measure(args, model: str, spec: dict) -> tuple[list[dict], dict]:
                 shift = rep % len(keys)
                 waves = [wave(n, args.seed + w * n) for w in range(max(1, args.rollouts // n))]
                 for key in keys[shift:] + keys[:shift]:
-                    worker(n, key[1]).run([wave(n, 900_000)], key[2], spec)  # warm-up and priming (docstring)
+                    worker(n, key[1]).run([wave(n, 900_000)], key[2], spec)  # warm-up
                     started, (ours, machine) = time.perf_counter(), cpu_seconds(pids)
                     result = worker(n, key[1]).run(waves, key[2], spec)
                     ours_after, machine_after = cpu_seconds(pids)
@@ -392,6 +391,7 @@ def measure(args, model: str, spec: dict) -> tuple[list[dict], dict]:
                 ),
                 "batch_mean": round(statistics.median(r["batch_mean"] for r in reps), 2),
                 "other_cores": round(statistics.median(r["other_cores"] for r in reps), 2),
+                "other_cores_reps": [round(r["other_cores"], 2) for r in reps],
             }
         )
     same_work = {}

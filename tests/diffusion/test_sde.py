@@ -203,3 +203,16 @@ def test_qwen_image_edits_sample_stochastically_in_request_mode(tiny_qwen_edit):
     assert [o.metrics.batch_size for o in batched] == [2, 2]
     _same_trajectory(batched[1], alone)
     assert batched[1].trajectory_latents.shape[1] == 4 and "prompt_embeds" in batched[1].prompt_embeds
+
+
+def test_inpainting_refuses_stochastic_sampling(tiny_sd3):
+    """Inpainting blends the kept image back after each step: a recorded transition's result would not be the next
+    step's input, so the log-probs could not be recomputed from the trajectory."""
+    from vllm_omni.testing.edits import noise_image, square_mask
+
+    params = OmniDiffusionSamplingParams(
+        height=32, width=32, image=[noise_image(0, 32)], mask_image=square_mask(32), extra_args={"logprobs": True}
+    )
+    with Omni(model=tiny_sd3) as omni, pytest.raises(SamplingParamsError) as error:
+        omni.generate("a cat", params)
+    assert error.value.param == "extra_args.logprobs" and "mask_image" in str(error.value)

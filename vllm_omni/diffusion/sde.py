@@ -341,6 +341,13 @@ def check_sde(card, params: OmniDiffusionSamplingParams) -> None:
     settings = SdeSettings.of(params)
     if settings is None:
         return
+    if params.task == "inpaint":
+        key = next(k for k in params.extra_args if k in SDE_ARGS)
+        raise _error(
+            key,
+            "stochastic sampling does not take a mask_image: inpainting blends the kept image back into the latents "
+            "after each step, so a recorded step's result would not be the next step's input",
+        )
     if not card.flow_euler:
         key = next(k for k in params.extra_args if k in SDE_ARGS)
         raise _error(
