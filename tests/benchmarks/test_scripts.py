@@ -444,20 +444,22 @@ def test_rl_rollouts_quick_reports_every_variant_against_the_ceiling(bench, tiny
 
 
 def test_quantization_quick_reports_every_cpu_mode_against_none(bench, tiny_flux, tmp_path):
-    """``--quick`` on the tiny Flux: none, int8, fp8_storage and the two GGUFs each start, hold a smaller denoiser
-    than none and serve both loops (timings of a shared machine: only their shape is checked)."""
-    bench("quantization", "--quick", "--model", tiny_flux, "--out-dir", str(tmp_path), "--name", "smoke")
+    """``--quick`` on the tiny Flux with three of the modes (each is an engine process): each starts, holds a
+    smaller denoiser than none and serves both loops (timings of a shared machine: only their shape is checked)."""
+    modes = "none,int8,gguf-Q4_0"
+    bench(
+        "quantization", "--quick", "--model", tiny_flux, "--modes", modes, "--out-dir", str(tmp_path), "--name", "smoke"
+    )
     result = json.loads((tmp_path / "smoke.json").read_text())
     rows = {row["mode"]: row for row in result["rows"]}
-    assert list(rows) == ["none", "int8", "fp8_storage", "gguf-Q8_0", "gguf-Q4_0"]
+    assert list(rows) == modes.split(",")
     for mode, row in rows.items():
         assert "refused" not in row, row
         assert row["denoiser_mib"] > 0 and row["peak_rss_mib"] > 0 and row["p50_ms_alone"] > 0
         assert row["images_per_s_4"] > 0 and 1 <= row["batch_mean_4"] <= 4
         if mode != "none":
             assert 0 < row["denoiser_over_none"] < 1 and row["p50_alone_over_none"] > 0
-    assert rows["gguf-Q4_0"]["denoiser_mib"] < rows["gguf-Q8_0"]["denoiser_mib"]
-    assert rows["gguf-Q8_0"]["model"].endswith("-Q8_0.gguf") and rows["gguf-Q8_0"]["quantized"].startswith(
+    assert rows["gguf-Q4_0"]["model"].endswith("-Q4_0.gguf") and rows["gguf-Q4_0"]["quantized"].startswith(
         "transformer gguf"
     )
     assert (tmp_path / "smoke.md").read_text().startswith("Quantization on ")

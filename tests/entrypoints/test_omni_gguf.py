@@ -129,7 +129,7 @@ def test_split_stages_load_the_denoiser_from_the_gguf_alone(ggufs, stock):
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])
-def test_lora_adapters_apply_per_row_on_a_gguf_denoiser(ggufs, tmp_path_factory, mode):
+def test_lora_adapters_apply_per_row_on_a_gguf_denoiser(ggufs, stock, tmp_path_factory, mode):
     """PEFT wraps GGUF's linear layers as any other: a batch of [adapter a at 0.8, the base model] equals the stock
     GGUF pipeline with ``load_lora_weights`` + ``set_adapters``, each request alone."""
     folder, path = ggufs[("flux", "Q4_0")]
@@ -146,14 +146,9 @@ def test_lora_adapters_apply_per_row_on_a_gguf_denoiser(ggufs, tmp_path_factory,
     pipeline.load_lora_weights(adapter, adapter_name="a")
     pipeline.set_adapters(["a"], [0.8])
     with_adapter = _stock(pipeline, "flux", PROMPTS[0], 0)
-    assert np.abs(with_adapter - stock_gguf_image(ggufs, "flux", "Q4_0")).max() > 10 / 255, "a hardly changes it"
+    assert np.abs(with_adapter - stock[("flux", "Q4_0")][1][0]).max() > 10 / 255, "a hardly changes it"
     _assert_close(_pixels(outputs[0]), with_adapter, f"{mode}: adapter a at 0.8")
     _assert_close(_pixels(outputs[1]), base, f"{mode}: the base model in the same batch")
-
-
-def stock_gguf_image(ggufs, family: str, qtype: str) -> np.ndarray:
-    folder, path = ggufs[(family, qtype)]
-    return _stock(stock_gguf_pipeline(folder, path), family, PROMPTS[0], 0)
 
 
 def test_a_step_cache_on_a_gguf_denoiser_equals_stock_with_the_same_cache(ggufs):

@@ -136,12 +136,15 @@ def hub_file(source: ModelSource) -> str:
 
 
 def _gguf_of_type(source: ModelSource, names: list[str], qtype: str) -> str:
+    from huggingface_hub import constants
+
     suffixes = tuple(f"{sep}{qtype}{GGUF_SUFFIX}".lower() for sep in ("-", "_", "."))
     found = sorted(n for n in names if n.lower().endswith(suffixes) or os.path.basename(n).lower() == suffixes[0][1:])
     if len(found) != 1:
         ggufs = sorted(n for n in names if n.endswith(GGUF_SUFFIX))
         raise ModelSourceError(
-            f"model {source.model!r} at revision {source.revision or 'main'!r}: the repo has "
+            f"model {source.model!r} at revision {source.revision or 'main'!r}: the repo "
+            f"{'as the Hugging Face cache holds it (HF_HUB_OFFLINE=1) ' if constants.HF_HUB_OFFLINE else ''}has "
             f"{'no' if not found else len(found)} .gguf file{'' if len(found) == 1 else 's'} of type {qtype} "
             f"({', '.join(found or ggufs) or 'no .gguf files at all'}); name the file: org/name:FILE.gguf"
         )
