@@ -53,6 +53,11 @@ class RequestMetrics(_Record):
     weights_version: int | None = None
     """The version of the weights it ran with: the weight updates (``update_weights``) its replica had applied, 0
     for the model's own (of the stage that holds the denoiser, in a split pipeline)."""
+    components: dict[str, float] | None = None
+    """Milliseconds each pipeline component took on the work it took part in (``component_timings``): each text
+    encoder, ``denoise`` (its steps), ``denoise_step`` (the mean step), ``vae_decode``, ``vae_encode``, ``preview``,
+    ``postprocess``; a component shared by a batch counts whole for each of its requests. Summed over the stages of
+    a split pipeline."""
 
 
 @dataclass(kw_only=True)
@@ -83,7 +88,19 @@ def across_stages(stages: list[StageMetrics], denoiser_id: int) -> RequestMetric
         fps=last.fps,
         stages=stages,
         weights_version=denoiser.weights_version,
+        components=_summed_components(stages, denoiser),
     )
+
+
+def _summed_components(stages: list[StageMetrics], denoiser: StageMetrics) -> dict[str, float] | None:
+    """Each component's time summed over the stages; the mean step is the denoising stage's."""
+    summed: dict[str, float] = {}
+    for stage in stages:
+        for name, ms in (stage.components or {}).items():
+            summed[name] = round(summed.get(name, 0.0) + ms, 3)
+    if denoiser.components and "denoise_step" in denoiser.components:
+        summed["denoise_step"] = denoiser.components["denoise_step"]
+    return summed or None
 
 
 @dataclass(frozen=True)

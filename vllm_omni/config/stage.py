@@ -175,6 +175,14 @@ class StageDeployConfig(BaseModel):
     """Run the VAE on one image of a batch at a time (diffusers' ``vae.enable_slicing()``): lower peak memory for
     large batches, same images. ``--vae-slicing`` / ``--no-vae-slicing``."""
 
+    component_timings: Annotated[bool, Knob("pipeline")] = True
+    """Time each pipeline component (text encoders, denoising steps, VAE, previews, postprocessing) for
+    ``vllm_omni:component_seconds`` and each output's ``metrics.components`` ([observability](observability.md)).
+    ``--no-component-timings`` turns the hooks off."""
+
+    log_pipeline_timings: Annotated[bool, Knob("pipeline")] = False
+    """Log one line per batch naming each component's time (needs ``component_timings``)."""
+
     cpu_offload: Annotated[CpuOffload, Knob("pipeline")] = "none"
     """diffusers' CPU offload: weights live in CPU memory and move to the GPU to run, a component at a time
     (``model``, ``enable_model_cpu_offload``) or a submodule at a time (``sequential``, least memory and slowest).

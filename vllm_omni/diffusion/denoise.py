@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from vllm_omni.diffusion import timings
 from vllm_omni.diffusion.previews import Previews, clean_latents
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.logger import init_logger
@@ -63,32 +64,40 @@ def denoise_step(
     previews: Previews | None = None,
 ) -> list[tuple[DiffusionRequest, BaseException]]:
     """One denoising step for every request: one denoiser forward over all their rows (a failure there is isolated
-    to its request), the previews due after this step (from the predictions), then each request moves one step
-    along its own schedule. Returns the requests that failed, with why; a failed scheduler update fails every
+    to its request), then each request moves one step along its own schedule, then the previews due after this step
+    (from the predictions). Returns the requests that failed, with why; a failed scheduler update fails every
     request it held, whose state it may have changed."""
     with torch.inference_mode():
-        predictions = run_isolated(
-            lambda batch: stepper.predict([r.state for r in batch]),
-            requests,
-            what="request",
-            name=lambda r: r.request_id,
-            on_oom_split=on_oom_split,
-        )
-        failed = [(r, p) for r, p in zip(requests, predictions, strict=True) if isinstance(p, BaseException)]
-        stepped = [(r, p) for r, p in zip(requests, predictions, strict=True) if not isinstance(p, BaseException)]
-        if not stepped:
-            return failed
-        for request, prediction in stepped:
-            state = request.state
-            if previews is not None and previews.due(request, state.step + 1):
-                index = state.offset + state.step
-                clean = clean_latents(state.noise_scheduler, index, state.timestep, prediction, state.latents)
-                previews.emit(request, clean)
-        try:
-            stepper.advance([r.state for r, _ in stepped], [p for _, p in stepped])
-        except Exception as exc:  # noqa: BLE001 - a scheduler update that fails leaves its requests unusable
-            logger.warning("scheduler step of %d requests failed: %s: %s", len(stepped), type(exc).__name__, exc)
-            return failed + [(r, exc) for r, _ in stepped]
+        with timings.step(requests):
+            predictions = run_isolated(
+                lambda batch: stepper.predict([r.state for r in batch]),
+                requests,
+                what="request",
+                name=lambda r: r.request_id,
+                on_oom_split=on_oom_split,
+            )
+            failed = [(r, p) for r, p in zip(requests, predictions, strict=True) if isinstance(p, BaseException)]
+            stepped = [(r, p) for r, p in zip(requests, predictions, strict=True) if not isinstance(p, BaseException)]
+            if not stepped:
+                return failed
+            due = []  # the clean latents of the previews due, taken before the update moves the latents on
+            for request, prediction in stepped:
+                state = request.state
+                if previews is not None and previews.due(request, state.step + 1):
+                    index = state.offset + state.step
+                    due.append(
+                        (
+                            request,
+                            clean_latents(state.noise_scheduler, index, state.timestep, prediction, state.latents),
+                        )
+                    )
+            try:
+                stepper.advance([r.state for r, _ in stepped], [p for _, p in stepped])
+            except Exception as exc:  # noqa: BLE001 - a scheduler update that fails leaves its requests unusable
+                logger.warning("scheduler step of %d requests failed: %s: %s", len(stepped), type(exc).__name__, exc)
+                return failed + [(r, exc) for r, _ in stepped]
+        for request, clean in due:
+            previews.emit(request, clean)
     for request, _ in stepped:
         request.state.forwards += 1
         request.state.batch_total += len(requests)

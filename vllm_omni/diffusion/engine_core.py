@@ -17,6 +17,7 @@ from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.runner import DiffusionRunner
 from vllm_omni.diffusion.sleep import PipelineSleep, check_level, check_tags
+from vllm_omni.diffusion.timings import ComponentTimer
 from vllm_omni.diffusion.weights import WeightsApplied, WeightUpdateGroup, apply_weights, component_of
 from vllm_omni.errors import WeightUpdateError
 from vllm_omni.logger import init_logger
@@ -53,6 +54,13 @@ class EngineCore:
         self.metrics.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
         lora = self.runner.lora
         self.metrics.lora_adapters_resident.set_function(lambda: 0 if lora is None else len(lora.resident))
+        self.timer = ComponentTimer(
+            self.runner.device,
+            self.metrics.component,
+            enabled=self.runner.timed,
+            log=od_config.stage.log_pipeline_timings,
+        )
+        """Where its requests' time goes inside the pipeline (``component_timings``)."""
         if self.runner.step_cache is not None:
             self.runner.step_cache.on_skip = self.metrics.cache_skipped_steps.inc
         self.sleeper = PipelineSleep(
@@ -188,6 +196,7 @@ class EngineCore:
         video = self.runner.card.is_video
         if video:
             metrics.fps = request.params.fps
+        metrics.components = self.timer.finish(request)
         return build_output(
             request.request_id,
             request.prompt,

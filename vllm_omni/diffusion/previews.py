@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vllm_omni.diffusion.pipeline_facts import schedule_index
+from vllm_omni.diffusion.timings import section
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import Preview
 
@@ -126,7 +127,9 @@ class Previews:
         request.previews_sent += 1
         try:
             # Handing it over may fail too (an event loop closed since): in step mode that would end the engine loop.
-            request.on_preview(Preview(index, self.images(clean, request.params)))
+            with section("preview", [request]):
+                images = self.images(clean, request.params)
+            request.on_preview(Preview(index, images))
         except Exception as exc:  # noqa: BLE001 - a preview must not fail its request
             logger.warning("preview of request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
             request.previews_sent = request.params.partial_images

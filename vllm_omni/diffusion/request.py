@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from vllm_omni.diffusion.timings import ComponentTimes
 from vllm_omni.outputs import Preview, Trajectory
 from vllm_omni.sampling_params import MAX_SEED, OmniDiffusionSamplingParams
 
@@ -82,6 +83,8 @@ class DiffusionRequest:
     """Previews made so far."""
     trajectory: Trajectory | None = None
     """What its stochastic sampling recorded (`sde.SdeSampler`), once its denoising is done; ``None``: none."""
+    timings: ComponentTimes = field(default_factory=ComponentTimes)
+    """The time of each pipeline component on the work it took part in (`timings.ComponentTimer`)."""
 
     @property
     def pixels(self) -> int:

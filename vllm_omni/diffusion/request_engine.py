@@ -12,7 +12,10 @@ from vllm_omni.diffusion.batching import BatchScheduler, adapters_of
 from vllm_omni.diffusion.denoise import run_isolated
 from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.request import DiffusionRequest
+from vllm_omni.logger import init_logger
 from vllm_omni.outputs import RequestMetrics
+
+logger = init_logger(__name__)
 
 
 class RequestEngine(EngineCore):
@@ -33,6 +36,11 @@ class RequestEngine(EngineCore):
         if not batch:
             return 0
         started = time.monotonic()
+        logger.debug(  # the batch scheduler's admission decision, as the report in docs/observability.md reads it
+            "admission wait done waiting=%d max_batch=%d batch=%d waited_ms=%.1f",
+            *(self.scheduler.num_waiting + len(batch), self.scheduler.capacity, len(batch)),
+            (started - batch[0].arrival_time) * 1000.0,
+        )
         for request in batch:
             request.started_time = started
             self.metrics.queue_time.observe(started - request.arrival_time)
@@ -46,10 +54,11 @@ class RequestEngine(EngineCore):
         """One call of the role for ``batch`` (all of a scheduled batch, or part of one that failed)."""
         self.metrics.batch_num_requests.observe(len(batch))
         started = time.monotonic()
-        with self.metrics.batch_execution_time.time(), torch.inference_mode():
+        with self.metrics.batch_execution_time.time(), torch.inference_mode(), self.timer.recording(batch):
             self.runner.load_adapters(batch, keep=adapters_of(batch))
             results = self.role.run(batch)
         finished = time.monotonic()
+        self.timer.log_batch(self.od_config.stage.stage_id, batch)
         return [
             result
             if isinstance(result, BaseException)

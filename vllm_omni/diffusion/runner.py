@@ -26,6 +26,8 @@ from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.sde import sde_sampling
 from vllm_omni.diffusion.step_cache import CallCache, RequestCache, StepCache
 from vllm_omni.diffusion.steppers.base import fresh_noise_scheduler
+from vllm_omni.diffusion.timings import install as install_timings
+from vllm_omni.diffusion.timings import pipeline_call, step_end
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -210,6 +212,10 @@ class DiffusionRunner:
             )
         self.card = ModelCard.of(self.pipeline)
         """What admission needs of the pipeline."""
+        self.timed = od_config.stage.component_timings
+        """Whether its components are hooked for `timings.ComponentTimer` (``component_timings``)."""
+        if self.timed:
+            install_timings(self.pipeline)
         self._pipelines = {self.card.pipeline_name: self.pipeline}
         """The pipelines run so far by class name: the loaded one, and its image variants (`ModelCard.variants`)
         built on its components when a request first needs one."""
@@ -304,7 +310,8 @@ class DiffusionRunner:
             with adapters, cached, watching as make_previews:
                 if "callback_on_step_end" in card.call_args:
                     kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
-                result = pipeline(**kwargs)
+                with pipeline_call():
+                    result = pipeline(**kwargs)
         for request, sampler in zip(batch, sde, strict=True):
             request.trajectory = None if sampler is None else sampler.trajectory()
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
@@ -322,6 +329,8 @@ class DiffusionRunner:
 
             variant = getattr(diffusers, card.pipeline_name).from_pipe(self.pipeline)
             variant.set_progress_bar_config(disable=True)
+            if self.timed:  # its processors are its own; its modules are hooked already
+                install_timings(variant)
             self._pipelines[card.pipeline_name] = variant
         return self._pipelines[card.pipeline_name]
 
@@ -355,6 +364,7 @@ class DiffusionRunner:
         was aborted."""
 
         def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
+            step_end()
             for request in batch:
                 request.steps_done = step + 1
             if make_previews is not None:

@@ -62,7 +62,7 @@ class StepEngine(EngineCore):
         if not batch:
             return 0
         self.metrics.batch_num_requests.observe(len(batch))
-        with self.metrics.batch_execution_time.time():
+        with self.metrics.batch_execution_time.time(), self.timer.recording(batch):
             for request, error in denoise_step(batch, self.role.stepper, self._on_oom_split, self.role.previews):
                 self.scheduler.complete(request, error)
         done = [request for request in batch if request.state is not None and request.state.done]
@@ -76,7 +76,7 @@ class StepEngine(EngineCore):
         request.started_time = time.monotonic()
         self.metrics.queue_time.observe(request.started_time - request.arrival_time)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self.timer.recording([request]):
                 self.runner.load_adapters([request], keep=self.scheduler.adapters_in_use())
                 state = self.role.begin(request)
         except Exception as exc:  # noqa: BLE001 - fails this request only
@@ -99,9 +99,10 @@ class StepEngine(EngineCore):
             self.scheduler.complete(request, output)
 
     def _end(self, requests: list[DiffusionRequest]) -> list:
-        with torch.inference_mode():
+        with torch.inference_mode(), self.timer.recording(requests):
             results = self.role.end(requests)
         finished = time.monotonic()
+        self.timer.log_batch(self.od_config.stage.stage_id, requests)
         return [
             self.output(
                 request,

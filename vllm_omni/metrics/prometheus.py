@@ -16,6 +16,7 @@ from prometheus_client.metrics_core import Metric
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *_SECONDS_BUCKETS)
 
 
 class EngineMetrics:
@@ -46,6 +47,17 @@ class EngineMetrics:
             "Wall time of each executed diffusion batch (one pipeline call or denoiser step).",
             _SECONDS_BUCKETS,
         )
+        self._component_seconds = Histogram(
+            "vllm_omni:component_seconds",
+            "Time of each pipeline component (component_timings): one observation per call of a text encoder, "
+            "vae_decode, vae_encode, preview or postprocess, per denoise_step over a batch, and per request for its "
+            "denoise loop (see docs/observability.md).",
+            [*labels, "component"],
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self._labels = labels
+        self._components: dict[str, Histogram] = {}
         self.oom_batch_splits = Counter(
             "vllm_omni:oom_batch_splits",
             "Batches that ran out of device memory and were split in halves and retried.",
@@ -77,6 +89,13 @@ class EngineMetrics:
             list(ids),
             registry=self.registry,
         ).labels(**ids)
+
+    def component(self, name: str, seconds: float) -> None:
+        """One observation of component ``name`` in ``vllm_omni:component_seconds``."""
+        child = self._components.get(name)
+        if child is None:  # once per component: labels() takes a lock and builds the key every time
+            child = self._components[name] = self._component_seconds.labels(**self._labels, component=name)
+        child.observe(seconds)
 
     def collect(self) -> list[Metric]:
         """This replica's metric families (picklable, so a Ray actor can return them)."""
@@ -172,7 +191,6 @@ ignored_fields = Counter(
     ["api", "field"],
 )
 
-_PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *_SECONDS_BUCKETS)
 request_phase_seconds = Histogram(
     "vllm_omni:request_phase_seconds",
     "Where a completed request's time went on the server, by API (images, videos) and phase: parse, validation, "
