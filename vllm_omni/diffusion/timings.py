@@ -25,15 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from vllm_omni.diffusion.components import DENOISERS
 from vllm_omni.logger import init_logger
-
-if TYPE_CHECKING:
-    from vllm_omni.diffusion.request import DiffusionRequest
 
 logger = init_logger(__name__)
 
@@ -65,6 +62,13 @@ class ComponentTimes:
         return ms
 
 
+class Timed(Protocol):
+    """What is timed: a request (`DiffusionRequest`) with its times."""
+
+    request_id: str
+    timings: ComponentTimes
+
+
 class _Span:
     """A component's run between two clock readings, and whose times it adds to."""
 
@@ -77,7 +81,7 @@ class _Span:
 class _Scope:
     """What one thread is recording: its timer, the requests its work is for, and a pipeline call's loop marks."""
 
-    def __init__(self, timer: ComponentTimer, requests: list[DiffusionRequest]):
+    def __init__(self, timer: ComponentTimer, requests: list[Timed]):
         self.timer = timer
         self.times = [request.timings for request in requests]
         self.depth = 0
@@ -119,7 +123,7 @@ class ComponentTimer:
         return event
 
     @contextlib.contextmanager
-    def recording(self, requests: list[DiffusionRequest]) -> Iterator[None]:
+    def recording(self, requests: list[Timed]) -> Iterator[None]:
         """Components run on this thread meanwhile count for ``requests``."""
         if not self.enabled:
             yield
@@ -168,7 +172,7 @@ class ComponentTimer:
         if span.observed:
             self.observe(span.component, seconds)
 
-    def finish(self, request: DiffusionRequest) -> dict[str, float] | None:
+    def finish(self, request: Timed) -> dict[str, float] | None:
         """The request's component times in milliseconds, once its work is done (observing its ``denoise``);
         ``None`` when nothing was timed."""
         self.flush(block=self.cuda)
@@ -177,7 +181,7 @@ class ComponentTimer:
             self.observe("denoise", times.seconds["denoise"])
         return times.milliseconds() or None
 
-    def log_batch(self, stage: int, requests: list[DiffusionRequest]) -> None:
+    def log_batch(self, stage: int, requests: list[Timed]) -> None:
         """With ``log_pipeline_timings``: one line naming each component's time for ``requests`` (their mean)."""
         if not (self.enabled and self.log and requests):
             return
@@ -195,7 +199,7 @@ class ComponentTimer:
 
 
 @contextlib.contextmanager
-def section(component: str, requests: list[DiffusionRequest] | None = None) -> Iterator[None]:
+def section(component: str, requests: list[Timed] | None = None) -> Iterator[None]:
     """``component`` runs inside: its time counts for ``requests`` (``None``: the recording's), unless a section
     is open already on this thread (the outermost one records)."""
     scope = _scope()
@@ -214,7 +218,7 @@ def section(component: str, requests: list[DiffusionRequest] | None = None) -> I
 
 
 @contextlib.contextmanager
-def step(requests: list[DiffusionRequest]) -> Iterator[None]:
+def step(requests: list[Timed]) -> Iterator[None]:
     """One denoising step of ``requests`` (step mode and the split ``denoise`` stage): it adds to their
     ``denoise_step`` and ``denoise``."""
     scope = _scope()
