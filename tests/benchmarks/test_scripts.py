@@ -425,17 +425,18 @@ def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(
 
 
 def test_rl_rollouts_quick_reports_every_variant_against_the_ceiling(bench, tiny_sd3, tmp_path):
-    """``--quick``: N = 2, both modes and the ceiling, logprobs on and off, the same work as the ceiling, and the
-    update time of the tiny transformer (values are timings of a shared machine: only their shape is checked)."""
-    bench("rl_rollouts", "--quick", "--model", tiny_sd3, "--out-dir", str(tmp_path), "--name", "smoke")
+    """``--quick``, one engine mode (a worker each; request equals step in test_sde.py): N = 2, the mode and the
+    ceiling, logprobs on and off, the same work as the ceiling, and the update time of the tiny transformer (values
+    are timings of a shared machine: only their shape is checked)."""
+    bench("rl_rollouts", "--quick", "--modes", "step", "--model", tiny_sd3, "--out-dir", str(tmp_path), "--name=smoke")
     result = json.loads((tmp_path / "smoke.json").read_text())
-    assert result["config"]["quick"] and result["config"]["ns"] == [2]
+    assert result["config"]["quick"] and result["config"]["ns"] == [2] and result["config"]["modes"] == ["step"]
     keys = [(r["n"], r["variant"], r["logprobs"]) for r in result["rows"]]
-    assert keys == [(2, v, lp) for v in ("ceiling", "request", "step") for lp in (True, False)]
+    assert keys == [(2, v, lp) for v in ("ceiling", "step") for lp in (True, False)]
     for row in result["rows"]:
         assert row["rollouts_per_s"] > 0 and row["over_ceiling"] > 0 and 1 <= row["batch_mean"] <= row["n"]
     # The ceiling draws what the engine draws: the same log-probs, up to batching arithmetic.
-    assert set(result["same_work"]) == {"request N=2", "step N=2"}
+    assert set(result["same_work"]) == {"step N=2"}
     assert max(result["same_work"].values()) <= 1e-5
     [update] = result["updates"]
     assert update["size"] == "32x2" and update["mb"] > 0 and update["ms_per_mb"] > 0
@@ -444,9 +445,9 @@ def test_rl_rollouts_quick_reports_every_variant_against_the_ceiling(bench, tiny
 
 
 def test_quantization_quick_reports_every_cpu_mode_against_none(bench, tiny_flux, tmp_path):
-    """``--quick`` on the tiny Flux with three of the modes (each is an engine process): each starts, holds a
-    smaller denoiser than none and serves both loops (timings of a shared machine: only their shape is checked)."""
-    modes = "none,int8,gguf-Q4_0"
+    """``--quick`` on the tiny Flux, none and a GGUF (the mode with a path of its own): each starts (a process), holds
+    a smaller denoiser than none and serves both loops (timings of a shared machine: only their shape is checked)."""
+    modes = "none,gguf-Q4_0"
     bench(
         "quantization", "--quick", "--model", tiny_flux, "--modes", modes, "--out-dir", str(tmp_path), "--name", "smoke"
     )
@@ -463,3 +464,26 @@ def test_quantization_quick_reports_every_cpu_mode_against_none(bench, tiny_flux
         "transformer gguf"
     )
     assert (tmp_path / "smoke.md").read_text().startswith("Quantization on ")
+
+
+def test_component_timings_quick_breaks_flux_down_and_compares_timings_on_and_off(bench, tmp_path):
+    """``--quick``: tiny Flux's breakdown (every component of a whole pipeline, shares that add up to the execution)
+    and the on/off comparison's shape (timings of a shared machine: the ratio is reported, not checked)."""
+    bench("component_timings", "--quick", "--model-dir", str(tmp_path / "models"), "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "cpu-tiny-component-timings.json").read_text())
+    found = result["breakdown"]["flux"]
+    assert list(found["components"]) == [
+        "text_encoder",
+        "text_encoder_2",
+        "denoise",
+        "denoise_step",
+        "vae_decode",
+        "postprocess",
+        "other",
+    ]
+    shares = [row["share"] for row in found["components"].values() if row["share"] is not None]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-3)
+    assert all(row["ms"] > 0 for name, row in found["components"].items() if name != "other")
+    overhead = result["overhead"]
+    assert len(overhead["reps"]) == 2 and overhead["on_over_off"] > 0 and overhead["target"] == 0.99
+    assert "| flux | denoise_step (mean step) |" in (tmp_path / "cpu-tiny-component-timings.md").read_text()

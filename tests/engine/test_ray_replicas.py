@@ -1,8 +1,11 @@
 """Stage replicas as Ray actors on the run's real 2-node Ray cluster (``ray_cluster``: one CPU per node), on tiny
 Flux."""
 
+import gzip
+import json
 import os
 import signal
+import socket
 import time
 from collections import Counter
 
@@ -256,6 +259,28 @@ def test_every_replica_sleeps_and_wakes_and_a_request_that_arrives_meanwhile_wai
     assert not omni.is_sleeping() and [h.status for h in omni.health()] == ["ok"]
     assert np.abs(_pixels(future.result(timeout=600)) - _pixels(before)).max() <= 2
     assert [_sample("engine_sleeping", stage="0", replica=r) for r in "01"] == [0, 0]
+
+
+def test_a_profile_writes_one_trace_per_replica_process_with_its_engine_work(omni, tmp_path):
+    """vLLM's start_profile / stop_profile over Ray: each actor records its own process and writes its trace, named
+    after its host, pid and replica. This process runs no engine and ``ignore_frontend`` leaves it out."""
+    from vllm_omni.config.profiler import profiler_config
+    from vllm_omni.engine.engine_profiler import EngineProfiler
+
+    config = profiler_config({"profiler": "torch", "torch_profiler_dir": str(tmp_path), "ignore_frontend": True})
+    profiler = EngineProfiler(omni.engine.stages, config)
+    profiler.start("ray")
+    params = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, seed=5)
+    assert all(output.error is None for output in omni.generate(["a", "b"], params))  # one on each replica
+    traces = profiler.stop()
+    replicas = {replica.info.pid: replica.info.index for replica in omni.engine.stages[0].replicas}
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(path) for path in traces) and len(traces) == 2
+    for path in traces:
+        pid = int(os.path.basename(path).split("_pid")[1].split("_")[0])
+        assert os.path.basename(path).startswith(f"ray_{socket.gethostname()}_pid{pid}_stage0-replica{replicas[pid]}.")
+        with gzip.open(path, "rt") as trace:
+            ops = [e for e in json.load(trace)["traceEvents"] if e.get("name", "").startswith("aten::")]
+        assert ops and {e["pid"] for e in ops} == {pid}
 
 
 def test_killing_a_replica_mid_load_loses_no_request_and_it_comes_back(omni, capsys):

@@ -128,12 +128,28 @@ def test_split_stages_load_the_denoiser_from_the_gguf_alone(ggufs, stock):
         _assert_close(_pixels(output), expected, "split stages")
 
 
+@pytest.fixture(scope="module")
+def stock_lora(ggufs, stock, tmp_path_factory) -> tuple[str, np.ndarray, np.ndarray]:
+    """A random adapter ``a`` of the tiny Flux, and the stock Q4_0 GGUF pipeline's images, alone, of `PROMPTS` 0
+    with ``load_lora_weights`` + ``set_adapters([a], [0.8])`` and of `PROMPTS` 1 without (loaded once per module)."""
+    folder, path = ggufs[("flux", "Q4_0")]
+    adapter = write_random_lora(folder, str(tmp_path_factory.mktemp("lora") / "a"), seed=1, text_encoder=True)
+    with flux_converter_for_any_width():
+        pipeline = stock_gguf_pipeline(folder, path)
+    base = _stock(pipeline, "flux", PROMPTS[1], 1)
+    pipeline.load_lora_weights(adapter, adapter_name="a")
+    pipeline.set_adapters(["a"], [0.8])
+    with_adapter = _stock(pipeline, "flux", PROMPTS[0], 0)
+    assert np.abs(with_adapter - stock[("flux", "Q4_0")][1][0]).max() > 10 / 255, "a hardly changes it"
+    return adapter, with_adapter, base
+
+
 @pytest.mark.parametrize("mode", ["request", "step"])
-def test_lora_adapters_apply_per_row_on_a_gguf_denoiser(ggufs, stock, tmp_path_factory, mode):
+def test_lora_adapters_apply_per_row_on_a_gguf_denoiser(ggufs, stock_lora, mode):
     """PEFT wraps GGUF's linear layers as any other: a batch of [adapter a at 0.8, the base model] equals the stock
     GGUF pipeline with ``load_lora_weights`` + ``set_adapters``, each request alone."""
     folder, path = ggufs[("flux", "Q4_0")]
-    adapter = write_random_lora(folder, str(tmp_path_factory.mktemp("lora") / "a"), seed=1, text_encoder=True)
+    adapter, with_adapter, base = stock_lora
     wait = {"request_batch_max_wait_ms": 600_000} if mode == "request" else {}
     with flux_converter_for_any_width():
         with Omni(
@@ -141,12 +157,6 @@ def test_lora_adapters_apply_per_row_on_a_gguf_denoiser(ggufs, stock, tmp_path_f
         ) as omni:
             lora = [{"name": "a", "scale": 0.8}]
             outputs = omni.generate(PROMPTS[:2], [_params("flux", 0, lora=lora), _params("flux", 1)])
-        pipeline = stock_gguf_pipeline(folder, path)
-    base = _stock(pipeline, "flux", PROMPTS[1], 1)
-    pipeline.load_lora_weights(adapter, adapter_name="a")
-    pipeline.set_adapters(["a"], [0.8])
-    with_adapter = _stock(pipeline, "flux", PROMPTS[0], 0)
-    assert np.abs(with_adapter - stock[("flux", "Q4_0")][1][0]).max() > 10 / 255, "a hardly changes it"
     _assert_close(_pixels(outputs[0]), with_adapter, f"{mode}: adapter a at 0.8")
     _assert_close(_pixels(outputs[1]), base, f"{mode}: the base model in the same batch")
 

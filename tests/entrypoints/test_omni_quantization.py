@@ -43,12 +43,28 @@ def _stock_outputs(pipeline, family: str) -> list[np.ndarray]:
     ]
 
 
+@pytest.fixture(scope="module")
+def stock_quantized():
+    """``stock_quantized(model, family, mode)``: `stock_quantized_pipeline` and its image of each of `PROMPTS` (seed =
+    its index), made once per module (no test changes the pipeline)."""
+    made = {}
+
+    def get(model: str, family: str, mode: str) -> tuple[object, list[np.ndarray]]:
+        if (model, mode) not in made:
+            pipeline = stock_quantized_pipeline(model, mode)
+            made[model, mode] = pipeline, _stock_outputs(pipeline, family)
+        return made[model, mode]
+
+    return get
+
+
 @pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
 @pytest.mark.parametrize("mode", ["int8", "fp8_storage"])
-def test_each_image_equals_stock_diffusers_quantized_alike_alone_and_in_a_batch_of_four(request, family, mode):
+def test_each_image_equals_stock_diffusers_quantized_alike_alone_and_in_a_batch_of_four(
+    request, stock_quantized, family, mode
+):
     model = request.getfixturevalue(f"tiny_{family}")
-    stock = stock_quantized_pipeline(model, mode)
-    want = _stock_outputs(stock, family)
+    stock, want = stock_quantized(model, family, mode)
     base = parameter_bytes(load_pipeline(model, torch.float32, torch.device("cpu")).transformer)
     assert parameter_bytes(stock.transformer) < base
     params = [OmniDiffusionSamplingParams(seed=seed, **_call(family)) for seed in range(len(PROMPTS))]
@@ -65,7 +81,7 @@ def test_each_image_equals_stock_diffusers_quantized_alike_alone_and_in_a_batch_
             assert np.abs(_pixels(output) - expected).max() <= TOLERANCE, (family, mode, execution_mode)
 
 
-def test_a_split_pipeline_quantizes_the_denoiser_in_its_denoise_stage(tiny_flux):
+def test_a_split_pipeline_quantizes_the_denoiser_in_its_denoise_stage(tiny_flux, stock_quantized):
     deploy = DeployConfig(
         stages=[
             StageDeployConfig(stage_id=0, stage_type="encode"),
@@ -73,7 +89,7 @@ def test_a_split_pipeline_quantizes_the_denoiser_in_its_denoise_stage(tiny_flux)
             StageDeployConfig(stage_id=2, stage_type="decode", inputs=[1]),
         ]
     )
-    want = _stock_outputs(stock_quantized_pipeline(tiny_flux, "int8"), "flux")[:2]
+    want = stock_quantized(tiny_flux, "flux", "int8")[1][:2]
     params = [OmniDiffusionSamplingParams(seed=seed, **_call("flux")) for seed in range(2)]
     with Omni(tiny_flux, deploy_config=deploy, quantization="int8") as omni:
         held = {
@@ -107,18 +123,28 @@ def test_quantize_components_adds_flux_t5(tiny_flux):
     assert output.error is None
 
 
-@pytest.mark.parametrize("execution_mode", ["request", "step"])
-def test_a_step_cache_runs_on_a_quantized_denoiser_per_request(tiny_flux, execution_mode):
-    """first_block on an int8 transformer: each request of a batch equals stock int8 diffusers with the same cache
-    hooks, run alone."""
+CACHE_OPTIONS = {"threshold": 0.5}
+
+
+@pytest.fixture(scope="module")
+def stock_int8_cached(tiny_flux) -> list[np.ndarray]:
+    """Each of `PROMPTS` (seed = its index) alone through stock int8 diffusers with first_block's cache hooks, a
+    fresh pipeline each; one set for both execution modes."""
     from vllm_omni.config.cache import cache_hook_config
 
-    options = {"threshold": 0.5}
     want = []
     for seed, prompt in enumerate(PROMPTS):
         stock = stock_quantized_pipeline(tiny_flux, "int8")
-        stock.transformer.enable_cache(cache_hook_config("first_block", options, lambda: stock.current_timestep))
+        stock.transformer.enable_cache(cache_hook_config("first_block", CACHE_OPTIONS, lambda: stock.current_timestep))
         want.append(_pixels(stock(prompt, generator=torch.Generator("cpu").manual_seed(seed), **_call("flux"))))
+    return want
+
+
+@pytest.mark.parametrize("execution_mode", ["request", "step"])
+def test_a_step_cache_runs_on_a_quantized_denoiser_per_request(tiny_flux, stock_int8_cached, execution_mode):
+    """first_block on an int8 transformer: each request of a batch equals stock int8 diffusers with the same cache
+    hooks, run alone."""
+    want = stock_int8_cached
     params = [OmniDiffusionSamplingParams(seed=seed, **_call("flux")) for seed in range(len(PROMPTS))]
     with Omni(
         tiny_flux,
@@ -126,7 +152,7 @@ def test_a_step_cache_runs_on_a_quantized_denoiser_per_request(tiny_flux, execut
         execution_mode=execution_mode,
         quantization="int8",
         cache_backend="first_block",
-        cache_config=options,
+        cache_config=CACHE_OPTIONS,
     ) as omni:
         outputs = run_together(omni, list(zip(PROMPTS, params, strict=True)), "cached")
     for output, expected in zip(outputs, want, strict=True):

@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from vllm_omni.config.profiler import ProfilerSetting
+
 QualityLevel = Literal["low", "medium", "high"]
 """The Images API's ``quality`` levels that choose a step count (`ServingConfig.quality_steps`)."""
 
@@ -57,6 +59,10 @@ class ServingConfig(BaseModel):
     disable_playground: bool = False
     """Do not serve the playground page at ``/`` and ``/playground`` (they answer 404)."""
 
+    otlp_traces_endpoint: str | None = None
+    """vLLM's flag: send each completed request's trace (its phases and pipeline components) to this OpenTelemetry
+    collector, e.g. ``http://localhost:4317`` ([observability](observability.md#traces))."""
+
     strict_fields: bool = False
     """Refuse (400) a request field the served model would not use, instead of accepting it with a ``Warning``
     header."""
@@ -103,6 +109,10 @@ class ServingConfig(BaseModel):
 
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, how long running requests may take to finish before they are cancelled."""
+
+    profiler_config: ProfilerSetting = None
+    """vLLM's ``ProfilerConfig`` (``--profiler-config``): with ``profiler`` ``torch``, ``POST /start_profile`` and
+    ``POST /stop_profile`` record a torch profile of every engine process into ``torch_profiler_dir``."""
 
     @field_validator("quality_steps")
     @classmethod

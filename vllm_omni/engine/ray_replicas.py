@@ -319,6 +319,12 @@ class RayReplica:
         """As the actor's last sleep or wake-up answered, without a call (``/health`` reads it)."""
         return self._sleeping
 
+    def start_profile(self, config: Any, prefix: str | None = None) -> Future:
+        return self._lora("start_profile", config, prefix)
+
+    def stop_profile(self) -> Future:
+        return self._lora("stop_profile")
+
     def _noting_sleep(self, inner: Future, sleeping: Callable[[Any], bool]) -> Future:
         """``inner``'s outcome, settled once `is_sleeping` says what it left."""
         future: Future = Future()

@@ -26,6 +26,7 @@ from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.runner import parse_size
 from vllm_omni.diffusion.weights import pipeline_components
+from vllm_omni.engine.profiler import PROCESS_PROFILER, trace_name
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import Preview
@@ -148,6 +149,14 @@ class Replica(Protocol):
     @property
     def is_sleeping(self) -> bool:
         """Whether it sleeps (takes requests, starts none)."""
+
+    def start_profile(self, config: Any, prefix: str | None = None) -> Future:
+        """Start the torch profiler of its process (engine/profiler.py; ``config``: vLLM's ``ProfilerConfig``),
+        its trace named after this replica: for a Ray replica, alone in its actor's process (inline replicas share
+        the server's process, whose profile `EngineProfiler` starts). The future resolves once it records."""
+
+    def stop_profile(self) -> Future:
+        """Stop `start_profile`'s profiler; the future holds the trace file once it is written."""
 
     def shutdown(self) -> None:
         """Stop taking requests, fail the waiting ones, let the running ones finish."""
@@ -291,6 +300,13 @@ class EngineReplica:
     @property
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
+
+    def start_profile(self, config: Any, prefix: str | None = None) -> Future:
+        role = f"stage{self.engine.od_config.stage.stage_id}-replica{self.info.index}"
+        return PROCESS_PROFILER.start(config, trace_name(role, prefix))
+
+    def stop_profile(self) -> Future:
+        return PROCESS_PROFILER.stop()
 
     def shutdown(self) -> None:
         self._stopping.set()

@@ -121,6 +121,14 @@ class AsyncOmni(OmniBase):
         """Whether every replica of every diffusers stage sleeps."""
         return self.engine.is_sleeping
 
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        """`Omni.start_profile`: returns once every engine process records."""
+        await asyncio.to_thread(self.profiler.start, profile_prefix)
+
+    async def stop_profile(self) -> list[str]:
+        """`Omni.stop_profile`: returns the trace files once they are written."""
+        return await asyncio.to_thread(self.profiler.stop)
+
     async def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""
         return self.engine.abort(request_id)

@@ -124,6 +124,18 @@ class Omni(OmniBase):
         """Whether every replica of every diffusers stage sleeps."""
         return self.engine.is_sleeping
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's ``start_profile`` (docs/observability.md, "Profiling"; needs ``profiler_config``): the torch
+        profiler records every engine process (this one, with its inline replicas, and each Ray replica) until
+        `stop_profile`. ``profile_prefix`` begins each trace file's name. Raises `ProfilerStateError` when
+        profiling is off or a profile records already."""
+        self.profiler.start(profile_prefix)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile; returns its trace files (one per process) once they are written. Raises
+        `ProfilerStateError` when none records."""
+        return self.profiler.stop()
+
     def close(self) -> None:
         self.shutdown()
 

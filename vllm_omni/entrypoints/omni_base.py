@@ -17,9 +17,11 @@ from vllm_omni.config import (
     resolve_stage_configs,
 )
 from vllm_omni.config.model_source import ModelSource
+from vllm_omni.config.profiler import profiler_config as checked_profiler_config
 from vllm_omni.config.resolver import check_model
 from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.model_files import local_model_folder
+from vllm_omni.engine.engine_profiler import EngineProfiler
 from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
 from vllm_omni.logger import init_logger
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -45,7 +47,9 @@ class OmniBase:
     ``guidance_scale`` without a guidance embedding, ...) is dropped with a ``UserWarning`` and a log line, and
     listed in its output's ``ignored_fields``; ``strict_fields=True`` refuses it with `SamplingParamsError` instead.
     The deprecated batch-size keyword of `vllm_omni.config.legacy` is accepted with a
-    ``FutureWarning`` and acts as ``max_num_seqs``.
+    ``FutureWarning`` and acts as ``max_num_seqs``. ``profiler_config`` (vLLM's ``ProfilerConfig``, or its fields
+    as a dict) with ``profiler='torch'`` lets `start_profile` / `stop_profile` record torch profiles, as vLLM's
+    ``LLM(profiler_config=...)``.
     """
 
     def __init__(
@@ -62,8 +66,10 @@ class OmniBase:
         execution_mode: ExecutionMode | None = None,
         stage_overrides: Mapping[int | str, Mapping[str, Any]] | None = None,
         strict_fields: bool = False,
+        profiler_config: Any = None,
         **engine_kwargs: Any,
     ):
+        profiler_config = checked_profiler_config(profiler_config)
         max_num_seqs, from_alias = legacy.pop_python_alias(engine_kwargs, max_num_seqs)
         unknown = sorted(set(engine_kwargs) - set(STAGE_KNOBS))
         if unknown:
@@ -97,7 +103,7 @@ class OmniBase:
         )
         if source is None:
             raise bad_source
-        self._start(source, stage_configs, strict_fields)
+        self._start(source, stage_configs, strict_fields, profiler_config)
 
     @classmethod
     def from_stage_configs(
@@ -105,20 +111,25 @@ class OmniBase:
         model: str | os.PathLike[str] | ModelSource,
         stage_configs: list[StageDeployConfig],
         strict_fields: bool = False,
+        profiler_config: Any = None,
     ):
         """Start from stage configs that are resolved already (the CLI resolves its flags before loading)."""
         self = cls.__new__(cls)
         source = model if isinstance(model, ModelSource) else ModelSource(os.fspath(model))
-        self._start(source, stage_configs, strict_fields)
+        self._start(source, stage_configs, strict_fields, checked_profiler_config(profiler_config))
         return self
 
-    def _start(self, source: ModelSource, stage_configs: list[StageDeployConfig], strict_fields: bool) -> None:
+    def _start(
+        self, source: ModelSource, stage_configs: list[StageDeployConfig], strict_fields: bool, profiler_config: Any
+    ) -> None:
         check_model(stage_configs, source)  # configs resolved without the model (from_stage_configs)
         self.model_source = source
         self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs])
         """The diffusers folder every stage loads (the snapshot or converted folder for a repo id or a file)."""
         self.stage_configs = stage_configs
         self.engine = OmniEngine(self.model, stage_configs, strict_fields)
+        self.profiler = EngineProfiler(self.engine.stages, profiler_config)
+        """`start_profile` / `stop_profile` of every engine process."""
 
     # What a server asks of the engine; it never reaches into ``engine`` itself.
 
@@ -178,5 +189,8 @@ class OmniBase:
         return LoraTensors.source(name), LoraTensors.of(source, peft_config)
 
     def shutdown(self) -> None:
-        """Stop the engine: waiting requests fail, the running batch finishes."""
+        """Stop the engine: waiting requests fail, the running batch finishes. A profile still recording is written
+        first."""
+        if self.profiler.active:
+            logger.info("Wrote the profiles still recording: %s", self.profiler.stop())
         self.engine.shutdown()

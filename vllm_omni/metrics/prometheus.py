@@ -10,9 +10,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
+
+if TYPE_CHECKING:
+    from vllm_omni.metrics.tracing import RequestTrace
+    from vllm_omni.outputs import OmniRequestOutput
+    from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -202,28 +208,46 @@ request_phase_seconds = Histogram(
 
 class PhaseTimer:
     """One request's phases, timed back to back with ``time.perf_counter`` and observed together in
-    ``vllm_omni:request_phase_seconds`` once the request has completed (`observe`)."""
+    ``vllm_omni:request_phase_seconds`` once the request has completed (`observe`); with a ``trace`` (the server's
+    ``--otlp-traces-endpoint``), exported as its span too."""
 
-    __slots__ = ("_last", "phases")
+    __slots__ = ("_first", "_last", "_wall_ns", "segments", "trace")
 
-    def __init__(self):
-        self._last = time.perf_counter()
-        self.phases: dict[str, float] = {}
+    def __init__(self, trace: RequestTrace | None = None):
+        self._first = self._last = time.perf_counter()
+        self._wall_ns = time.time_ns()
+        self.segments: list[tuple[str, float, float]] = []
+        """Each phase as it ran: its name, start and end (``perf_counter``), in order."""
+        self.trace = trace
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase (a phase marked twice sums)."""
+        phases: dict[str, float] = {}
+        for phase, start, end in self.segments:
+            phases[phase] = phases.get(phase, 0.0) + end - start
+        return phases
 
     def mark(self, phase: str) -> None:
         """``phase`` ran from the previous mark (or the timer's start) until now."""
         now = time.perf_counter()
-        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self.segments.append((phase, self._last, now))
         self._last = now
 
-    def mark_engine(self, queue_s: float, execution_s: float) -> None:
-        """The request went through the engine since the previous mark: ``queue_s`` and ``execution_s`` as the
-        engine reports them (`RequestMetrics`), the rest (submitting it, handing its output back to this thread,
-        between the stages of a split pipeline) as ``handoff``."""
-        now = time.perf_counter()
-        self.phases["queue"], self.phases["execution"] = queue_s, execution_s
-        self.phases["handoff"] = max(0.0, now - self._last - queue_s - execution_s)
+    def mark_engine(self, output: OmniRequestOutput, params: OmniDiffusionSamplingParams) -> None:
+        """The request went through the engine since the previous mark: the queue and execution times its
+        ``output`` reports (`RequestMetrics`), the rest (submitting it, handing its output back to this thread,
+        between the stages of a split pipeline) as ``handoff``, laid out in that order."""
+        now, metrics = time.perf_counter(), output.metrics
+        queue_s, execution_s = metrics.queue_ms / 1000.0, metrics.exec_ms / 1000.0
+        handoff_s = max(0.0, now - self._last - queue_s - execution_s)
+        start = self._last
+        for phase, seconds in (("queue", queue_s), ("execution", execution_s), ("handoff", handoff_s)):
+            self.segments.append((phase, start, start + seconds))
+            start += seconds
         self._last = now
+        if self.trace is not None:
+            self.trace.record(output.request_id, metrics, params)
 
     def observe(self, api: str) -> None:
         for phase, seconds in self.phases.items():
@@ -231,6 +255,13 @@ class PhaseTimer:
             if child is None:  # once per (api, phase): labels() takes a lock and builds the key every time
                 child = _phase_children[api, phase] = request_phase_seconds.labels(api, phase)
             child.observe(seconds)
+        if self.trace is not None:
+            ns = [(phase, self._ns(start), self._ns(end)) for phase, start, end in self.segments]
+            self.trace.tracer.export(self.trace, api, self._wall_ns, ns)
+
+    def _ns(self, perf: float) -> int:
+        """A ``perf_counter`` reading as wall-clock nanoseconds."""
+        return self._wall_ns + int((perf - self._first) * 1e9)
 
 
 _phase_children: dict[tuple[str, str], Histogram] = {}

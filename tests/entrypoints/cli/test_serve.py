@@ -85,6 +85,16 @@ def test_strict_fields_is_a_switch_off_by_default(parser, tiny_flux):
     assert "--strict-fields" in parser.format_help()
 
 
+def test_profiler_config_is_vllms_flag_as_json_or_dotted_and_off_by_default(parser, tiny_flux, tmp_path):
+    assert _config(parser, [tiny_flux])[2].profiler_config.profiler is None  # vLLM's default: off
+    json_form = ["--profiler-config", f'{{"profiler": "torch", "torch_profiler_dir": "{tmp_path}"}}']
+    dotted = ["--profiler-config.profiler=torch", f"--profiler-config.torch_profiler_dir={tmp_path}"]
+    for argv in (json_form, [*dotted, "--profiler-config.torch_profiler_use_gzip=false"]):
+        config = _config(parser, [tiny_flux, *argv])[2].profiler_config
+        assert (config.profiler, config.torch_profiler_dir) == ("torch", str(tmp_path))
+    assert config.torch_profiler_use_gzip is False
+
+
 def test_deploy_yaml_below_the_global_flag_below_stage_overrides(parser, tiny_flux, tmp_path):
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text("stages:\n  - stage_id: 0\n    max_num_seqs: 2\n    request_batch_max_wait_ms: 40\n")
@@ -130,6 +140,11 @@ def test_execution_mode_flag_resolves_with_cli_provenance(parser, tiny_flux):
         (["--max-loras", "0"], r"--max-loras 0: Input should be greater than or equal to 1"),
         (["--max-cpu-loras", "2"], r"--max-cpu-loras: vLLM flag\(s\) that a diffusion server does not use"),
         (["--lora-dtype", "float16"], r"--lora-dtype: vLLM flag\(s\) that a diffusion server does not use"),
+        (["--profiler-config.profiler=cuda"], r"--profiler-config: profiler 'cuda' is not supported"),
+        (
+            ['--profiler-config={"profiler": "torch", "torch_profiler_dir": "/t", "max_iterations": 3}'],
+            r"--profiler-config: max_iterations is not supported: it applies to vLLM's engine iterations",
+        ),
     ],
 )
 def test_bad_flags_fail_naming_the_flag(parser, tiny_flux, capsys, argv, message):

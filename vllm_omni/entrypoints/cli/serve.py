@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from vllm_omni.config import StageDeployConfig, resolve_stage_configs
 from vllm_omni.config.stage import KNOBS
 from vllm_omni.config.model_source import ModelSource
+from vllm_omni.config.profiler import profiler_config
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.config.vllm_device import set_device_hint
 
@@ -46,6 +47,8 @@ _USED_VLLM_FLAGS = frozenset(
         *("revision", "download_dir", "hf_token"),
         *("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
         "quantization",
+        "profiler_config",
+        "otlp_traces_endpoint",
     }
 )
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
@@ -263,6 +266,10 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
 
+    try:
+        profiler = profiler_config(args.profiler_config)  # vLLM's parser read the JSON or dotted form
+    except ValueError as exc:
+        parser.error(f"--profiler-config: {exc}")
     api_keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     values = dict(
         host=args.host,
@@ -279,6 +286,8 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path or "",
         quality_steps=args.quality_steps,
+        profiler_config=profiler,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         **{name: getattr(args, name) for name in _OMNI_SERVING_FLAGS},
     )
     try:

@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.model_source import ModelSource
+from vllm_omni.config.profiler import profiling
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.admission import WARNING
 from vllm_omni.entrypoints.openai.health import build_health_router
@@ -20,6 +21,7 @@ from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_respon
 from vllm_omni.entrypoints.openai.images import build_images_router
 from vllm_omni.entrypoints.openai.models import build_models_router
 from vllm_omni.entrypoints.openai.playground import build_playground_router
+from vllm_omni.entrypoints.openai.profile import build_profile_router
 from vllm_omni.entrypoints.openai.server_state import ServerState, load_and_warm_up
 from vllm_omni.entrypoints.openai.sleep import build_sleep_router, dev_mode
 from vllm_omni.entrypoints.openai.uploads import UPLOAD_PATHS, upload_body_limit
@@ -102,6 +104,8 @@ def build_app(
         state.videos.cancel_all()
         if state.omni is not None:
             await asyncio.to_thread(state.omni.shutdown)
+        if state.tracer is not None:  # the spans still queued go out first
+            await asyncio.to_thread(state.tracer.shutdown)
 
     app = FastAPI(title="vllm-omni", lifespan=lifespan)
     app.state.server = state
@@ -122,6 +126,8 @@ def build_app(
     app.include_router(build_models_router())
     if dev_mode():  # vLLM's development routes, as its api_server serves them
         app.include_router(build_sleep_router())
+    if profiling(serving.profiler_config):  # vLLM's profiler routes, only when --profiler-config turns them on
+        app.include_router(build_profile_router())
     app.include_router(build_images_router())
     app.include_router(build_videos_router())
     app.include_router(build_chat_router())

@@ -83,7 +83,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest, raw_request: Request
 ) -> ChatCompletionResponse | Response:
     state: ServerState = raw_request.app.state.server
-    timer = metrics.PhaseTimer()
+    timer = metrics.PhaseTimer(state.trace(raw_request.headers))
     timer.mark("parse")
     reason = state.unavailable_reason()
     if reason is not None:

@@ -17,6 +17,7 @@ STATUS_TYPE = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
 }

@@ -67,7 +67,7 @@ async def image_events(
                 yield _sse("error", {"error": error_info(503, "The request was aborted", code="aborted").model_dump()})
                 return
             if output.finished:
-                timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
+                timer.mark_engine(output, params)
             fields = response_fields(state, body, params, output)
             encoded = await encode_images(output.images, body, True)
             log_probs = output_log_probs(output) if output.finished else [None] * len(encoded)

@@ -58,7 +58,7 @@ class _ImagesRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def timed(request: Request) -> Response:
-            timer = request.scope[_TIMER] = metrics.PhaseTimer()
+            timer = request.scope[_TIMER] = metrics.PhaseTimer(request.app.state.server.trace(request.headers))
             await _receive_json(request)
             timer.mark("parse")
             try:
@@ -264,7 +264,7 @@ async def _respond(
         if output is None:
             outcome = "aborted"
             raise APIError(503, "The request was aborted", code="aborted")
-        timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
+        timer.mark_engine(output, admitted.params)
 
         b64 = body.response_format == "b64_json"
         encoded = await encode_images(output.images, body, b64)

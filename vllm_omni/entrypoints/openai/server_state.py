@@ -20,6 +20,7 @@ from vllm_omni.entrypoints.openai.image_store import ImageStore
 from vllm_omni.entrypoints.openai.video_jobs import VideoJobs
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.metrics.tracing import RequestTrace, RequestTracer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,6 +41,8 @@ class ServerState:
     prompt_tokenizer: PreTrainedTokenizerBase | None = None
     """The tokenizer that counts an image request's prompt in its ``usage`` (`load_prompt_tokenizer`; loaded with
     an image model, none for a video model or a folder without a tokenizer)."""
+    tracer: RequestTracer | None = None
+    """Where each completed request's span goes (``--otlp-traces-endpoint``); ``None``: no traces."""
     ready: bool = False
     draining: bool = False
     loaded_at: int = field(default_factory=lambda: int(time.time()))
@@ -59,7 +62,16 @@ class ServerState:
             store=ImageStore(serving.image_url_ttl_s, serving.image_store_max_bytes),
             videos=VideoJobs(serving.video_ttl_s, serving.video_store_max_bytes),
             on_fatal=on_fatal,
+            tracer=None
+            if serving.otlp_traces_endpoint is None
+            else RequestTracer(
+                serving.otlp_traces_endpoint, serving.served_model_names[0], [s.stage_id for s in stage_configs]
+            ),
         )
+
+    def trace(self, headers) -> RequestTrace | None:
+        """A request's trace, under the caller's ``traceparent`` (``None`` without ``--otlp-traces-endpoint``)."""
+        return None if self.tracer is None else self.tracer.start(headers)
 
     def lora_adapters(self) -> dict[str, LoRAModulePath]:
         """The LoRA adapters requests may select, by name (those of the configuration while the model loads)."""
@@ -96,7 +108,11 @@ async def load_and_warm_up(state: ServerState) -> None:
     """Load the model (off the event loop), warm it up, then mark the server ready; a failure is fatal."""
     try:
         state.omni = await asyncio.to_thread(
-            AsyncOmni.from_stage_configs, state.source, state.stage_configs, state.serving.strict_fields
+            AsyncOmni.from_stage_configs,
+            state.source,
+            state.stage_configs,
+            state.serving.strict_fields,
+            state.serving.profiler_config,
         )
         if not state.omni.model_card.is_video:
             state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, state.omni.model)

@@ -60,7 +60,7 @@ async def _run(state: ServerState, job: VideoJob) -> None:
                 job.preview_index = output.partial_image_index
         if output is None or not output.finished:
             raise RequestFailedError(job.id, "aborted")
-        job.timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
+        job.timer.mark_engine(output, job.admitted.params)
         frames, job.revised_prompt = output.videos[0], output.revised_prompt
         job.log_probs = output_log_probs(output)[0]
         job.content = await asyncio.to_thread(encode_mp4, frames, job.admitted.params.fps)
@@ -101,7 +101,7 @@ def build_videos_router() -> APIRouter:
     async def create_video(raw_request: Request) -> VideoObject:
         # The body is read here (JSON or a form), and this route counts its own invalid requests.
         state: ServerState = raw_request.app.state.server
-        timer = metrics.PhaseTimer()
+        timer = metrics.PhaseTimer(state.trace(raw_request.headers))
         outcome = "invalid"
         try:
             body, references = await _read(raw_request, timer)
@@ -132,7 +132,7 @@ def build_videos_router() -> APIRouter:
         """Upstream vllm-omni's synchronous route: the same request as ``POST /v1/videos``, answered with the MP4
         itself once it is made."""
         state: ServerState = raw_request.app.state.server
-        timer = metrics.PhaseTimer()
+        timer = metrics.PhaseTimer(state.trace(raw_request.headers))
         try:
             body, references = await _read(raw_request, timer)
         except Exception:
@@ -299,7 +299,7 @@ async def run_sync(
         if output is None:
             outcome = "cancelled"
             raise APIError(503, "The request was aborted", code="aborted")
-        timer.mark_engine(output.metrics.queue_ms / 1000.0, output.metrics.exec_ms / 1000.0)
+        timer.mark_engine(output, admitted.params)
         content = await asyncio.to_thread(encode_mp4, output.videos[0], admitted.params.fps)  # off the loop
         timer.mark("encoding")
         timer.observe("videos")
