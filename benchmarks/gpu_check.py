@@ -356,7 +356,15 @@ def check_engine(family: str, model: str, dtype_name: str, device) -> dict[str, 
         rows.append({"name": r.name, "worst": w, "mean": round(m, 6), "mean_batch": output.metrics["batch_size"]})
         worst, mean = max(worst, w), max(mean, m)
     del pipeline
+    # Component timings on CUDA are CUDA events (vllm_omni.diffusion.timings): each timed, none longer than the request.
+    timed = [o.metrics.get("components") or {} for o in outputs]
+    consistent = all(
+        c and min(c.values()) > 0 and sum(v for k, v in c.items() if k != "denoise_step") <= o.metrics["exec_ms"]
+        for c, o in zip(timed, outputs, strict=True)
+    )
     return {
+        "components": timed[0],
+        "components_consistent": consistent,
         "largest_forward": max(o.metrics["batch_size"] for o in outputs),
         "largest_is_mean": True,
         "worst": worst,

@@ -33,6 +33,8 @@ def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(ben
     for row in rows:
         assert row["pass"] is True and "error" not in row, row
         assert 0 <= row["worst"] <= row["bar"] == 2
+    for row in (r for r in rows if r["check"] == "engine"):  # each component timed, none longer than the request
+        assert row["components_consistent"] is True and "denoise" in row["components"], row
     for row in (r for r in rows if r["check"] == "steppers"):
         assert row["largest_forward"] >= 3, "the requests should share forwards"
         assert row["reference_worst"] is not None

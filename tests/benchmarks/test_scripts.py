@@ -14,80 +14,42 @@ pytestmark = pytest.mark.slow
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_batching_sweep_writes_json_table_and_plot(bench, tiny_flux, tmp_path):
+def test_batching_sweep_writes_json_table_and_plot_and_runs_every_case_with_the_baseline(bench, tiny_flux, tmp_path):
+    """One sweep (N = 1 and 2) with ``--baseline DIR``: the same cases with servers and workers importing vllm_omni
+    from DIR (this checkout here, so the test needs no second one), side by side with the ratio; the targets of both
+    are reported, and the JSON, the table and the plot are written."""
+    repo = os.path.realpath(BENCHMARKS.parent)
     bench(
         "batching_sweep",
-        "--model",
-        tiny_flux,
-        "--name",
-        "smoke",
-        "--out-dir",
-        str(tmp_path),
-        "--max-num-seqs",
-        "1,2",
-        "--shapes",
-        "32x32:2",
-        "--blocks",
-        "1",
-        "--rounds",
-        "2",
-        "--warmup",
-        "1",
+        *("--model", tiny_flux, "--name", "smoke", "--out-dir", str(tmp_path)),
+        *("--max-num-seqs", "1,2", "--shapes", "32x32:2", "--blocks", "1", "--rounds", "2", "--warmup", "1"),
+        *("--baseline", repo),
     )
     result = json.loads((tmp_path / "smoke.json").read_text())
-    assert [(r["n"], r["shape"]) for r in result["rows"]] == [(1, "32x32:2"), (2, "32x32:2")]
-    for row in result["rows"]:
+    assert [(r["variant"], r["n"], r["shape"]) for r in result["rows"]] == [
+        ("current", 1, "32x32:2"),
+        ("current", 2, "32x32:2"),
+    ]
+    assert [(r["variant"], r["n"]) for r in result["baseline_rows"]] == [("baseline", 1), ("baseline", 2)]
+    for row in result["rows"] + result["baseline_rows"]:
         assert row["efficiency"] > 0 and row["server_mean_batch_size"] == row["n"]
         assert set(row["ceiling_images_per_s_by_thread"]) == {"main", "dedicated"}
         assert row["ceiling_images_per_s"] == max(row["ceiling_images_per_s_by_thread"].values())
     assert set(result["concurrency1_latency_over_direct_call"]) == {"32x32:2"}
-    assert "baseline_rows" not in result
-    assert [t["target"] for t in result["targets"]["current"]] == [
-        "concurrency-1 latency / fastest direct call 32x32:2"
-    ]
-    assert (tmp_path / "smoke.md").read_text().startswith("| shape | N |")
-    assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_batching_sweep_baseline_runs_every_case_with_the_other_checkout(bench, tiny_flux, tmp_path):
-    """``--baseline DIR``: the same cases with servers and workers importing vllm_omni from DIR (this checkout
-    here, so the test needs no second one), side by side with the ratio; the targets of both are reported."""
-    repo = os.path.realpath(BENCHMARKS.parent)
-    bench(
-        "batching_sweep",
-        "--fast",
-        "--model",
-        tiny_flux,
-        "--name",
-        "smoke",
-        "--out-dir",
-        str(tmp_path),
-        "--max-num-seqs",
-        "1",
-        "--shapes",
-        "32x32:1",
-        "--blocks",
-        "2",
-        "--rounds",
-        "1",
-        "--warmup",
-        "1",
-        "--baseline",
-        repo,
-    )
-    result = json.loads((tmp_path / "smoke.json").read_text())
     assert {os.path.realpath(tree) for tree in result["trees"].values()} == {repo}
-    assert [(r["variant"], r["n"]) for r in result["rows"]] == [("current", 1)]
-    assert [(r["variant"], r["n"]) for r in result["baseline_rows"]] == [("baseline", 1)]
-    [entry] = result["comparison"]
-    assert entry["served_images_per_s"]["ratio"] > 0
+    assert len(result["comparison"]) == 2 and all(e["served_images_per_s"]["ratio"] > 0 for e in result["comparison"])
     for imports in result["imports"]["N=1"].values():
         assert imports["server_ok"] in (True, None)  # None: py-spy is not installed
         assert {os.path.realpath(w["vllm_omni"]) for w in imports["workers"].values()} == {
             os.path.join(repo, "vllm_omni", "__init__.py")
         }
     assert set(result["targets"]) == {"current", "baseline"}
-    assert "Current vs baseline" in (tmp_path / "smoke.md").read_text()
+    assert [t["target"] for t in result["targets"]["current"]] == [
+        "concurrency-1 latency / fastest direct call 32x32:2"
+    ]
+    table = (tmp_path / "smoke.md").read_text()
+    assert table.startswith("| shape | N |") and "Current vs baseline" in table
+    assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")

@@ -150,8 +150,9 @@ class ComponentTimer:
         """Resolve the CUDA spans that have completed (``block``: all of them, waiting for the device)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        if block and pending:
-            pending[-1].end.synchronize()
+        if block:  # threads beside the loop (step mode's encode and decode workers) record spans too
+            for span in pending:
+                span.end.synchronize()
         waiting = []
         for span in pending:
             if block or span.end.query():

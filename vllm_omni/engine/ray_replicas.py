@@ -113,7 +113,7 @@ class _ReplicaActor:
             await asyncio.wrap_future(getattr(self.replica, method)(*args))
         self.replica.engine.weights_version = version
 
-    async def lora(self, method: str, *args):
+    async def engine_call(self, method: str, *args):
         """An `EngineReplica` method that answers a future (``load_lora``, ``unload_lora``, ``update_weights``, ...):
         its result, or its error returned (not raised) as `generate` does. An ``ObjectRef`` argument arrives
         resolved: tensors come from the object store."""
@@ -145,7 +145,7 @@ class RayReplica:
         """Whether the actor sleeps, as its last sleep or wake-up answered (a restarted actor is awake)."""
         self._held = 0
         """Requests submitted to it whose result has not come back."""
-        self._catch_up = CatchUp(self, self._lora)
+        self._catch_up = CatchUp(self, self._engine_call)
         self._stopping = threading.Event()
         self._watcher = threading.Thread(
             target=self._watch, name=f"vllm-omni-watch-{stage_config.stage_id}-{info.index}", daemon=True
@@ -274,11 +274,15 @@ class RayReplica:
 
     def load_lora(self, name: str, path: str, tensors: Any = None) -> Future:
         """``tensors`` come through the object store, and load again when the replica restarts (`CatchUp`)."""
-        return self._lora("load_lora", name, path) if tensors is None else self._catch_up.load_lora(name, path, tensors)
+        return (
+            self._engine_call("load_lora", name, path)
+            if tensors is None
+            else self._catch_up.load_lora(name, path, tensors)
+        )
 
     def unload_lora(self, name: str) -> Future:
         self._catch_up.forget_lora(name)
-        return self._lora("unload_lora", name)
+        return self._engine_call("unload_lora", name)
 
     def update_weights(self, weights: Any, component: str) -> Future:
         """Through the object store, kept for a restart (`CatchUp`): a replica that is down applies them when back."""
@@ -287,13 +291,13 @@ class RayReplica:
     def init_weight_update_group(
         self, master_address: str, master_port: int, rank: int, world_size: int, backend: str | None = None
     ) -> Future:
-        return self._lora("init_weight_update_group", master_address, master_port, rank, world_size, backend)
+        return self._engine_call("init_weight_update_group", master_address, master_port, rank, world_size, backend)
 
     def update_weights_from_distributed(self, names_dtypes_shapes: list, component: str, src: int) -> Future:
         self._catch_up.received(component)  # not kept: a restarted replica has the model folder's component
-        return self._lora("update_weights_from_distributed", names_dtypes_shapes, component, src)
+        return self._engine_call("update_weights_from_distributed", names_dtypes_shapes, component, src)
 
-    def _lora(self, method: str, *args) -> Future:
+    def _engine_call(self, method: str, *args) -> Future:
         future: Future = Future()
 
         def settle(done: Future) -> None:
@@ -304,15 +308,15 @@ class RayReplica:
             else:
                 (future.set_exception if isinstance(result, BaseException) else future.set_result)(result)
 
-        ref = self._actor.lora.remote(method, *args)
+        ref = self._actor.engine_call.remote(method, *args)
         ref.future().add_done_callback(lambda done, ref=ref: settle(done))
         return future
 
     def sleep(self, level: int) -> Future:
-        return self._noting_sleep(self._lora("sleep", level), lambda _: True)
+        return self._noting_sleep(self._engine_call("sleep", level), lambda _: True)
 
     def wake_up(self, tags: list[str] | None = None) -> Future:
-        return self._noting_sleep(self._lora("wake_up", tags), lambda awake: not awake)
+        return self._noting_sleep(self._engine_call("wake_up", tags), lambda awake: not awake)
 
     @property
     def is_sleeping(self) -> bool:
@@ -320,10 +324,10 @@ class RayReplica:
         return self._sleeping
 
     def start_profile(self, config: Any, prefix: str | None = None) -> Future:
-        return self._lora("start_profile", config, prefix)
+        return self._engine_call("start_profile", config, prefix)
 
     def stop_profile(self) -> Future:
-        return self._lora("stop_profile")
+        return self._engine_call("stop_profile")
 
     def _noting_sleep(self, inner: Future, sleeping: Callable[[Any], bool]) -> Future:
         """``inner``'s outcome, settled once `is_sleeping` says what it left."""
