@@ -146,8 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", default="64x64", help="WxH of every request")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps of every request")
     parser.add_argument("--frames", type=int, default=5, help="frames of a video family's requests")
-    parser.add_argument("--requests", type=int, default=16, help="requests per measurement")
-    parser.add_argument("--reps", type=int, default=5, help="reps of the on/off comparison")
+    parser.add_argument("--requests", type=int, default=48, help="requests per measurement")
+    parser.add_argument("--reps", type=int, default=7, help="reps of the on/off comparison")
     parser.add_argument("--quick", action="store_true", help="smoke: flux only, 2 requests, 2 reps")
     parser.add_argument(
         "--model-dir", default=os.path.join(os.path.dirname(HERE), ".tiny-models"), help="where tiny models are built"

@@ -119,6 +119,36 @@ def tiny_wan_i2v(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_image(tmp_path_factory) -> str:
+    """A tiny random-weight QwenImagePipeline (text-to-image) folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "qwen-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image(tmp_path_factory) -> str:
+    """A tiny random-weight ZImagePipeline folder (its call's default size: 1024x1024), built once per session."""
+    return _tiny_model(tmp_path_factory, "z-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2(tmp_path_factory) -> str:
+    """A tiny random-weight Flux2KleinPipeline (FLUX.2 [klein], step-distilled) folder, built once per session."""
+    return _tiny_model(tmp_path_factory, "flux2")
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx(tmp_path_factory) -> str:
+    """A tiny random-weight LTXPipeline (LTX-Video text-to-video) folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "ltx")
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_video15(tmp_path_factory) -> str:
+    """A tiny random-weight HunyuanVideo15Pipeline (text-to-video) folder, built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "hunyuan-video-1.5")
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tmp_path_factory) -> str:
     """A tiny random-weight Llama folder (transformers), the model of an llm stage, built offline once."""
     return _tiny_model(tmp_path_factory, "llm")

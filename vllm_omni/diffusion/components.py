@@ -6,3 +6,6 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 DENOISERS = ("transformer", "transformer_2", "unet")
 """The denoiser components of the pipelines we serve."""
+
+OUTPUT_PROCESSORS = (("image_processor", "postprocess"), ("video_processor", "postprocess_video"))
+"""Where a pipeline turns decoded pixels into its output type, in every mode and stage: (attribute, method)."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.batching import BatchScheduler
+from vllm_omni.diffusion.finite import NonFiniteOutputError, is_finite
 from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.runner import DiffusionRunner
@@ -191,8 +192,13 @@ class EngineCore:
 
     def output(
         self, request: DiffusionRequest, result: Any, metrics: RequestMetrics
-    ) -> OmniRequestOutput | StageOutput:
-        """The request's output from its role's ``result`` and how it ran."""
+    ) -> OmniRequestOutput | StageOutput | NonFiniteOutputError:
+        """The request's output from its role's ``result`` and how it ran; from the final stage, the error that fails
+        it instead where that holds NaN or inf (`finite`: whichever mode or stage decoded it)."""
+        if self.role.final and not is_finite(result):
+            error = NonFiniteOutputError.of(self.runner.card, request.params)
+            logger.warning("request %s failed: %s", request.request_id, error)
+            return error
         video = self.runner.card.is_video
         if video:
             metrics.fps = request.params.fps

@@ -21,6 +21,7 @@ from vllm_omni.diffusion.pipeline_facts import (
     default_size,
     flow_shift_key,
     image_variants,
+    min_steps,
     sequence_limit,
 )
 from vllm_omni.diffusion.sde import SDE_ARGS, steps_flow_euler
@@ -51,7 +52,7 @@ class ModelCard:
     call_defaults: Mapping[str, Any]
     """The plain (number or string) defaults of its ``__call__`` arguments."""
     default_size: tuple[int, int] | None
-    """``(height, width)`` it uses when none is given: its call defaults, else its sample size; ``None``: none."""
+    """``(height, width)`` it uses when none is given (`pipeline_facts.default_size`); ``None``: none."""
     size_multiple: int
     """Height and width must be multiples of this."""
     frame_multiple: int
@@ -81,6 +82,9 @@ class ModelCard:
     differently (`strength_offset`)."""
     flow_euler: bool = False
     """Whether its scheduler steps flow matching's Euler, which stochastic sampling replaces (`sde.SDE_ARGS`)."""
+    min_steps: int = 1
+    """The fewest ``num_inference_steps`` whose noise schedule is finite (`pipeline_facts.min_steps`): 2 for a
+    scheduler stretched to a terminal sigma (Qwen-Image, LTX), which divides 0 by 0 at one step."""
     max_sequence_length: int | None = None
     """The largest ``max_sequence_length`` (the prompt's tokens for its T5-style text encoder) its call takes
     (`sequence_limit`); ``None``: its call takes no ``max_sequence_length``."""
@@ -161,6 +165,7 @@ class ModelCard:
             else frozenset(),
             flow_shift_key=flow_shift_key(getattr(pipeline, "scheduler", None)),
             ignores_guidance_scale="guidance_scale" in parameters
+            and "true_cfg_scale" in parameters  # FLUX.2 [klein] has no embedding either: its guidance_scale is CFG
             and getattr(getattr(getattr(pipeline, "transformer", None), "config", None), "guidance_embeds", None)
             is False,
             image_required=image is not None
@@ -169,6 +174,7 @@ class ModelCard:
             batches_images=name not in ONE_IMAGE_PER_CALL,
             flow_matching="FlowMatch" in type(getattr(pipeline, "scheduler", None)).__name__,
             flow_euler=steps_flow_euler(getattr(pipeline, "scheduler", None)),
+            min_steps=min_steps(getattr(pipeline, "scheduler", None)),
             max_sequence_length=sequence_limit(pipeline_class, defaults),
             variants={}
             if image is not None or pipeline_class is not type(pipeline)
@@ -204,13 +210,9 @@ class ModelCard:
         if params.guidance_scale is not None and "guidance_scale" not in self.call_args:
             params = _drop(params, ignored, "guidance_scale", f"guidance_scale is not accepted by {name}")
         if params.guidance_scale is not None and self.ignores_guidance_scale:
-            params = _drop(
-                params,
-                ignored,
-                "guidance_scale",
-                f"guidance_scale does nothing on this {name}: its transformer has no guidance embedding (a "
-                "timestep-distilled model such as FLUX.1-schnell); guide it with true_cfg_scale and a negative_prompt",
-            )
+            why = f"guidance_scale does nothing on this {name}: its transformer has no guidance embedding (a timestep-"
+            why += "distilled model such as FLUX.1-schnell); guide it with true_cfg_scale and a negative_prompt"
+            params = _drop(params, ignored, "guidance_scale", why)
         if params.num_outputs_per_prompt > 1 and self.outputs_arg is None:
             raise SamplingParamsError(
                 "num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}"
@@ -381,11 +383,8 @@ class ModelCard:
             return {}
         num_frames = params.num_frames or self.call_defaults.get("num_frames")
         if (num_frames - 1) % self.frame_multiple:
-            raise SamplingParamsError(
-                "num_frames",
-                f"num_frames={num_frames} must be 1 more than a multiple of {self.frame_multiple} for "
-                f"{self.pipeline_name}",
-            )
+            why = f"num_frames={num_frames} must be 1 more than a multiple of {self.frame_multiple} for "
+            raise SamplingParamsError("num_frames", why + self.pipeline_name)
         return {"num_frames": num_frames, "fps": params.fps or DEFAULT_VIDEO_FPS}
 
 

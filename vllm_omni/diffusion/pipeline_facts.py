@@ -85,6 +85,10 @@ def sequence_limit(pipeline_class: type, defaults: Mapping[str, Any]) -> int | N
 
 
 def default_size(pipeline, defaults: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The ``(height, width)`` a pipeline makes when a call gives none: its call's defaults, else its sample size
+    (``default_sample_size``, or its denoiser's ``sample_size``) times its VAE's factor, else what its modular
+    pipeline's defaults say (Z-Image's call sets 1024 inside), else the size its call works out from its default
+    aspect ratio (HunyuanVideo 1.5); ``None`` when none of them says."""
     height, width = defaults.get("height"), defaults.get("width")
     if isinstance(height, int) and isinstance(width, int):
         return height, width
@@ -93,7 +97,75 @@ def default_size(pipeline, defaults: Mapping[str, Any]) -> tuple[int, int] | Non
         denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
         sample = getattr(getattr(denoiser, "config", None), "sample_size", None)
     scale = getattr(pipeline, "vae_scale_factor", None)
-    return (sample * scale,) * 2 if isinstance(sample, int) and isinstance(scale, int) else None
+    if isinstance(sample, int) and isinstance(scale, int):
+        return (sample * scale,) * 2
+    return _modular_default_size(pipeline) or _aspect_default_size(pipeline)
+
+
+class _AsModular:
+    """A loaded pipeline seen as its modular pipeline (``modular``): that class's properties, read over the
+    pipeline's own attributes and components."""
+
+    def __init__(self, modular: type, pipeline):
+        self._modular, self._pipeline = modular, pipeline
+
+    def __getattr__(self, name: str) -> Any:
+        found = inspect.getattr_static(self._modular, name, None)
+        return found.fget(self) if isinstance(found, property) else getattr(self._pipeline, name)
+
+
+def _modular_default_size(pipeline) -> tuple[int, int] | None:
+    """``default_height`` and ``default_width`` of the pipeline's modular counterpart in diffusers (``ZImagePipeline``
+    → ``ZImageModularPipeline``), read over its components; ``None`` where there is none or it says none."""
+    import diffusers
+
+    name = type(pipeline).__name__.removesuffix("Pipeline") + "ModularPipeline"
+    modular = getattr(diffusers, name, None)
+    if not isinstance(modular, type) or not isinstance(inspect.getattr_static(modular, "default_height", 0), property):
+        return None
+    view = _AsModular(modular, pipeline)
+    try:
+        height, width = view.default_height, view.default_width
+    except (AttributeError, TypeError, ValueError):  # a property needing a component this pipeline lacks
+        return None
+    return (height, width) if isinstance(height, int) and isinstance(width, int) else None
+
+
+def _aspect_default_size(pipeline) -> tuple[int, int] | None:
+    """The size a call without one works out from the pipeline's default aspect ratio and target size, with its
+    processor's ``calculate_default_height_width`` (HunyuanVideo 1.5's 16:9 bucket nearest its ``target_size``)."""
+    processor = getattr(pipeline, "video_processor", None) or getattr(pipeline, "image_processor", None)
+    ratio, target = getattr(pipeline, "default_aspect_ratio", None), getattr(pipeline, "target_size", None)
+    if ratio is None or target is None or not hasattr(processor, "calculate_default_height_width"):
+        return None
+    height, width = processor.calculate_default_height_width(ratio[1], ratio[0], target)
+    return int(height), int(width)
+
+
+def min_steps(scheduler, most: int = 4) -> int:
+    """The fewest inference steps whose schedule ``scheduler`` makes finite, tried on a fresh copy of it up to
+    ``most``: 2 for flow matching stretched to a terminal sigma (``shift_terminal``: Qwen-Image, LTX), whose one-step
+    schedule is 0 / 0; 1 for the others, and where it cannot tell."""
+    import warnings
+
+    import numpy as np
+
+    if scheduler is None or not hasattr(scheduler, "set_timesteps") or not hasattr(scheduler, "from_config"):
+        return 1
+    shifted = {"mu": 0.0} if scheduler.config.get("use_dynamic_shifting") else {}  # any image size will do
+    for steps in range(1, most + 1):
+        probe = type(scheduler).from_config(scheduler.config)
+        try:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                probe.set_timesteps(steps, **shifted)
+        except Exception:  # noqa: BLE001 - a scheduler that wants more than a step count: no bound known
+            return 1
+        schedule = getattr(probe, "sigmas", None)
+        schedule = probe.timesteps if schedule is None else schedule
+        if np.isfinite(np.asarray(schedule, dtype=np.float64)).all():
+            return steps
+    return 1
 
 
 def image_variants(pipeline_name: str) -> dict[ImageTask, type]:

@@ -16,6 +16,7 @@ import torch
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.config.cache import WHOLE_CALL_BACKENDS
 from vllm_omni.diffusion.components import DENOISERS
+from vllm_omni.diffusion.finite import watch_outputs
 from vllm_omni.diffusion.gguf import gguf_components, load_gguf_component
 from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.lora import LoraAdapters
@@ -191,6 +192,7 @@ class DiffusionRunner:
             od_config.model, self.dtype, self.device, skips, od_config.stage.cpu_offload, self.quantization
         )
         set_vae_memory(self.pipeline, od_config.stage.vae_tiling, od_config.stage.vae_slicing)
+        watch_outputs(self.pipeline)  # a request whose pixels are not finite fails (`EngineCore.output`)
         self.step_cache = None
         """The step cache on the denoisers (``cache_backend``): diffusers' hooks run per request, or cache-dit per
         call of one request; ``None``: no step cache."""
@@ -329,6 +331,7 @@ class DiffusionRunner:
 
             variant = getattr(diffusers, card.pipeline_name).from_pipe(self.pipeline)
             variant.set_progress_bar_config(disable=True)
+            watch_outputs(variant)
             if self.timed:  # its processors are its own; its modules are hooked already
                 install_timings(variant)
             self._pipelines[card.pipeline_name] = variant

@@ -29,13 +29,12 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_omni.diffusion.components import DENOISERS
+from vllm_omni.diffusion.components import DENOISERS, OUTPUT_PROCESSORS
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
 _ENCODER_PREFIXES = ("text_encoder", "image_encoder")
-_PROCESSOR_METHODS = (("image_processor", "postprocess"), ("video_processor", "postprocess_video"))
 _ORDER = ("image_encoder", "vae_encode", "denoise", "denoise_step", "preview", "vae_decode", "postprocess")
 """The order a record lists its components in, after the text encoders: the order they run in."""
 _HOOKED = "_vllm_omni_timed"
@@ -322,7 +321,7 @@ def install(pipeline) -> None:
             for method in ("decode", "encode"):
                 if hasattr(component, method):
                     setattr(component, method, _timed_method(f"vae_{method}", getattr(component, method)))
-    for attribute, method in _PROCESSOR_METHODS:
+    for attribute, method in OUTPUT_PROCESSORS:
         processor = getattr(pipeline, attribute, None)
         if processor is not None and not getattr(processor, _HOOKED, False) and hasattr(processor, method):
             setattr(processor, _HOOKED, True)

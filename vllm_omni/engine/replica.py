@@ -52,9 +52,10 @@ class ReplicaInfo:
 
 
 def warm_up_params(card: ModelCard, compile_sizes: tuple[str, ...] = ()) -> list[OmniDiffusionSamplingParams]:
-    """One step at the model's default size (a single frame for video models, a grey input image for a model that
-    needs one): it initialises every component, so the first real request does not pay for that. Then one step at
-    each of ``compile_sizes``, so that a compiled denoiser has compiled them."""
+    """One step at the model's default size (or the fewest its scheduler takes, `ModelCard.min_steps`; a single frame
+    for video models, a grey input image for a model that needs one): it initialises every component, so the first
+    real request does not pay for that. Then the same at each of ``compile_sizes``, so that a compiled denoiser has
+    compiled them."""
     sizes = [(None, None, 1 if card.is_video else None)] + [parse_size(size) for size in compile_sizes]
     warm_ups = []
     for width, height, frames in sizes:
@@ -64,7 +65,7 @@ def warm_up_params(card: ModelCard, compile_sizes: tuple[str, ...] = ()) -> list
             image = Image.new("RGB", (width or default_width, height or default_height), (128, 128, 128))
         warm_ups.append(
             OmniDiffusionSamplingParams(
-                num_inference_steps=1, seed=0, height=height, width=width, num_frames=frames, image=image
+                num_inference_steps=card.min_steps, seed=0, height=height, width=width, num_frames=frames, image=image
             )
         )
     return warm_ups

@@ -33,8 +33,9 @@ QWEN_SPECIAL_TOKENS = (
 )
 
 
-def make_qwen2_tokenizer():
-    """A real Qwen2Tokenizer (byte-level BPE, no end-of-word marks) with Qwen2-VL's chat and vision tokens."""
+def make_qwen2_tokenizer(*corpus: str):
+    """A real Qwen2Tokenizer (byte-level BPE, no end-of-word marks) with Qwen2-VL's chat and vision tokens; each word
+    of ``corpus`` (a pipeline's prompt template) is one token too."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
@@ -46,7 +47,8 @@ def make_qwen2_tokenizer():
         show_progress=False,
     )
     # The role names stand alone, as they do after "<|im_start|>", so that they too are single tokens.
-    bpe.train_from_iterator([" ".join(WORDS), QWEN_EDIT_SYSTEM, "system", "user", "assistant", "Picture"], trainer)
+    words = [" ".join(WORDS), QWEN_EDIT_SYSTEM, "system", "user", "assistant", "Picture", *corpus]
+    bpe.train_from_iterator(words, trainer)
     model = json.loads(bpe.to_str())["model"]
     vocab = dict(model["vocab"])
     for token in QWEN_SPECIAL_TOKENS:

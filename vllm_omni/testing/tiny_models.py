@@ -6,6 +6,7 @@ real ``DiffusionPipeline.from_pretrained`` path. Nothing is downloaded.
 
     vllm-omni make-tiny-model DIR --family sd|sdxl|sd3|flux|flux-bench|flux-schnell|wan|wan2.2
                                            |kontext|qwen-image-edit|qwen-image-edit-plus|wan-i2v  (tiny_edit_models)
+                                           |qwen-image|z-image|flux2|ltx|hunyuan-video-1.5  (tiny_families)
 """
 
 from __future__ import annotations
@@ -319,6 +320,12 @@ FAMILIES = {
     "qwen-image-edit": lambda: import_module(".tiny_edit_models", __package__).build_tiny_qwen_image_edit(),
     "qwen-image-edit-plus": lambda: import_module(".tiny_edit_models", __package__).build_tiny_qwen_image_edit_plus(),
     "wan-i2v": lambda: import_module(".tiny_edit_models", __package__).build_tiny_wan_i2v(),
+    # The families people serve now live in tiny_families, imported on use as well.
+    "qwen-image": lambda: import_module(".tiny_families", __package__).build_tiny_qwen_image(),
+    "z-image": lambda: import_module(".tiny_families", __package__).build_tiny_z_image(),
+    "flux2": lambda: import_module(".tiny_families", __package__).build_tiny_flux2(),
+    "ltx": lambda: import_module(".tiny_families", __package__).build_tiny_ltx(),
+    "hunyuan-video-1.5": lambda: import_module(".tiny_families", __package__).build_tiny_hunyuan_video_15(),
 }
 """The tiny diffusers pipelines, by family."""
 
