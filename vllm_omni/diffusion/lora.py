@@ -62,6 +62,13 @@ _STORAGE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """Dtypes that weights are stored in but not computed in (layerwise casting's)."""
 
 
+def no_lora_loader(pipeline_class: type) -> str | None:
+    """Why adapters cannot load into a pipeline of ``pipeline_class``; ``None`` when they can."""
+    if callable(getattr(pipeline_class, "load_lora_weights", None)):
+        return None
+    return f"{pipeline_class.__name__} has no load_lora_weights (it is none of diffusers' LoRA loader pipelines)"
+
+
 class LoraLoadError(ValueError):
     """An adapter that cannot be served; the message names its file."""
 
@@ -148,6 +155,8 @@ class LoraAdapters:
             )
         if not path.startswith(TENSOR_SOURCE) and not os.path.exists(path):
             raise LoraLoadError(f"LoRA adapter {name!r}: {path} does not exist")
+        if (why := no_lora_loader(type(self.pipeline))) is not None:
+            raise LoraLoadError(f"LoRA adapter {name!r} from {path} cannot be loaded: {why}")
         folder, weight_name = (path, None) if os.path.isdir(path) else os.path.split(path)
         try:
             if path.startswith(TENSOR_SOURCE):

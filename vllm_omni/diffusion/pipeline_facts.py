@@ -46,6 +46,8 @@ SEVERAL_IMAGES = frozenset({"QwenImageEditPlusPipeline"})
 """Pipelines that take several input images for one prompt."""
 ONE_IMAGE_PER_CALL = frozenset({"QwenImageEditPlusPipeline", "WanImageToVideoPipeline"})
 """Pipelines whose call takes the input images of one request only (one prompt's list; one image for all rows)."""
+ALONE_WITH_IMAGES = "a request with input images runs alone: the pipeline's call takes one request's images only"
+"""Why a request with images to a pipeline of `ONE_IMAGE_PER_CALL` gets a batch key of its own (`roles`)."""
 
 
 def flow_shift_key(scheduler) -> str | None:

@@ -56,6 +56,13 @@ class RequestCache:
     """The request's denoising steps, which cache-dit sizes its context by (`CallCache`)."""
 
 
+def no_cache_hooks(denoiser_class: type) -> str | None:
+    """Why diffusers' cache hooks cannot go on a denoiser of ``denoiser_class``; ``None`` when they can."""
+    if issubclass(denoiser_class, CacheMixin):
+        return None
+    return f"{denoiser_class.__name__} has no diffusers cache hooks (it is not a CacheMixin model)"
+
+
 class _SkipCount:
     """The computations a step cache skipped, since start-up, in calls that succeeded (a failed call's are not: its
     retry makes the decisions again); ``on_skip`` gets each call's count (the engine's metric)."""
@@ -85,11 +92,8 @@ class StepCache(_SkipCount):
         self._managers: list[StateManager] = []
         """The hooks' state managers: they hold the cache context a call runs in."""
         for denoiser in denoisers:
-            if not isinstance(denoiser, CacheMixin):
-                raise ValueError(
-                    f"cache_backend={backend!r}: {type(denoiser).__name__} has no diffusers cache hooks (it is not a "
-                    "CacheMixin model); set cache_backend to 'none'"
-                )
+            if (why := no_cache_hooks(type(denoiser))) is not None:
+                raise ValueError(f"cache_backend={backend!r}: {why}; set cache_backend to 'none'")
             denoiser.enable_cache(config)
             for module in denoiser.modules():
                 registry = getattr(module, "_diffusers_hook", None)

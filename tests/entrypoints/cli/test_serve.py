@@ -85,6 +85,12 @@ def test_strict_fields_is_a_switch_off_by_default(parser, tiny_flux):
     assert "--strict-fields" in parser.format_help()
 
 
+def test_otlp_traces_endpoint_is_vllms_flag_and_off_by_default(parser, tiny_flux):
+    assert _config(parser, [tiny_flux])[2].otlp_traces_endpoint is None
+    given = _config(parser, [tiny_flux, "--otlp-traces-endpoint", "http://collector:4317"])[2]
+    assert given.otlp_traces_endpoint == "http://collector:4317"
+
+
 def test_profiler_config_is_vllms_flag_as_json_or_dotted_and_off_by_default(parser, tiny_flux, tmp_path):
     assert _config(parser, [tiny_flux])[2].profiler_config.profiler is None  # vLLM's default: off
     json_form = ["--profiler-config", f'{{"profiler": "torch", "torch_profiler_dir": "{tmp_path}"}}']
