@@ -39,6 +39,11 @@ class RequestFailedError(RuntimeError):
         return type(self), (self.request_id, self.reason)
 
 
+class NonFiniteOutputError(RequestFailedError):
+    """A request's output holds NaN or inf (`vllm_omni.diffusion.finite`): it is not answered as an image, and the
+    message names the likely cause. Over HTTP a 422: the request was run, and its parameters made no image."""
+
+
 class RequestAbortedError(RequestFailedError):
     """The request was aborted (``abort(request_id)`` or a cancelled caller) before it finished."""
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni import Omni, OmniDiffusionSamplingParams
+from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.engine.replica import warm_up_params
 from vllm_omni.testing.stock import stock_pipeline
 
@@ -76,22 +76,23 @@ def test_a_pipeline_that_sets_its_size_inside_its_call_starts(request, fixture, 
         assert omni.admit(OmniDiffusionSamplingParams()).params.height == size[0]
 
 
-def test_an_output_that_is_not_finite_fails_naming_the_likely_cause(tiny_qwen_image, tiny_flux):
+def test_too_few_steps_are_refused_and_an_output_that_is_not_finite_fails_naming_the_likely_cause(
+    tiny_qwen_image, tiny_flux
+):
     """Qwen-Image at one step: its scheduler's one-step schedule (stretched to a terminal sigma) is 0 / 0, and stock
-    diffusers makes NaN, which PIL would show as black. The warm-up takes the two steps the scheduler needs."""
+    diffusers makes NaN, which PIL would show as black: admission refuses it, naming the field. The warm-up takes
+    the two steps the scheduler needs."""
     with Omni(model=tiny_qwen_image, max_num_seqs=1) as omni:
         assert omni.model_card.min_steps == 2
         assert [p.num_inference_steps for p in warm_up_params(omni.model_card)] == [2]
-        for output_type in ("np", "pil"):
-            params = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=1, output_type=output_type)
-            (failed,) = omni.generate(["a red car"], params)
-            assert failed.images == []
-            assert "NonFiniteOutputError: QwenImagePipeline's output is not finite" in failed.error
-            assert "num_inference_steps=1 is too few for its scheduler" in failed.error
-    # Step mode (Flux's stepper decodes), a decoder made to overflow: enough steps, so the other cause is named.
+        with pytest.raises(SamplingParamsError) as refused:
+            omni.generate(["a red car"], OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=1))
+        assert refused.value.param == "num_inference_steps" and "num_inference_steps >= 2" in str(refused.value)
+    # Step mode (Flux's stepper decodes), a decoder made to overflow: the request fails, its output is never an image.
     with Omni(model=tiny_flux, max_num_seqs=2, execution_mode="step") as omni:
         omni.engine.stages[0].replicas[0].engine.runner.pipeline.vae.decoder.conv_out.bias.data.fill_(float("inf"))
-        failed = omni.generate(PROMPTS, OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2))
-        for output in failed:
-            assert output.images == [] and "FluxPipeline's output is not finite" in output.error
-            assert "likely a numerical overflow" in output.error
+        for output_type in ("np", "pil"):
+            params = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, output_type=output_type)
+            for output in omni.generate(PROMPTS, params):
+                assert output.images == [] and "FluxPipeline's output is not finite" in output.error
+                assert "likely a numerical overflow" in output.error

@@ -234,6 +234,8 @@ def _resolve(request: DiffusionRequest, output: OmniRequestOutput | StageOutput 
         return
     if request.aborted:
         request.future.set_exception(RequestAbortedError(request.request_id))
+    elif isinstance(output, RequestFailedError):  # the engine's own failure of it (`NonFiniteOutputError`)
+        request.future.set_exception(output)
     elif isinstance(output, BaseException):
         request.future.set_exception(RequestFailedError(request.request_id, f"{type(output).__name__}: {output}"))
     else:

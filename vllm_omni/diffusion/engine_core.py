@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.batching import BatchScheduler
-from vllm_omni.diffusion.finite import NonFiniteOutputError, is_finite
+from vllm_omni.diffusion.finite import is_finite, non_finite_error
 from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.runner import DiffusionRunner
 from vllm_omni.diffusion.sleep import PipelineSleep, check_level, check_tags
 from vllm_omni.diffusion.timings import ComponentTimer
 from vllm_omni.diffusion.weights import WeightsApplied, WeightUpdateGroup, apply_weights, component_of
-from vllm_omni.errors import WeightUpdateError
+from vllm_omni.errors import NonFiniteOutputError, WeightUpdateError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics.prometheus import EngineMetrics
 from vllm_omni.outputs import OmniRequestOutput, Preview, RequestMetrics, StageOutput, build_output
@@ -196,7 +196,7 @@ class EngineCore:
         """The request's output from its role's ``result`` and how it ran; from the final stage, the error that fails
         it instead where that holds NaN or inf (`finite`: whichever mode or stage decoded it)."""
         if self.role.final and not is_finite(result):
-            error = NonFiniteOutputError.of(self.runner.card, request.params)
+            error = non_finite_error(request.request_id, self.runner.card, request.params)
             logger.warning("request %s failed: %s", request.request_id, error)
             return error
         video = self.runner.card.is_video

@@ -4,7 +4,7 @@ cause, and is never answered as an image.
 Converting to PIL hides them (NaN becomes black, inf white), so `watch_outputs` looks at the decoded pixels where
 every path converts them, the pipeline's image or video processor (request mode's pipeline call, the steppers'
 decode in step mode and in a split ``decode`` stage), and marks the outputs of each row that is not finite;
-`EngineCore.output` fails a request whose output `is_finite` denies (`NonFiniteOutputError`)."""
+`EngineCore.output` fails a request whose output `is_finite` denies (`non_finite_error`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vllm_omni.diffusion.components import OUTPUT_PROCESSORS
+from vllm_omni.errors import NonFiniteOutputError
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.model_card import ModelCard
@@ -26,22 +27,17 @@ NOT_FINITE = "vllm_omni_not_finite"
 _WATCHED = "_vllm_omni_watched"
 
 
-class NonFiniteOutputError(RuntimeError):
-    """A request's output holds NaN or inf; the message names the likely cause."""
-
-    @classmethod
-    def of(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> NonFiniteOutputError:
-        steps = params.num_inference_steps
-        what = f"{card.pipeline_name}'s output is not finite (NaN or inf), so it is not answered as an image"
-        if steps is not None and steps < card.min_steps:
-            return cls(
-                f"{what}: num_inference_steps={steps} is too few for its scheduler, whose noise schedule is not "
-                f"finite below {card.min_steps} steps: give num_inference_steps >= {card.min_steps}"
-            )
-        return cls(
-            f"{what}: likely a numerical overflow at the stage's dtype (float16: serve it in bfloat16 or float32), "
-            f"or weights that are not finite (num_inference_steps={steps} is enough for its scheduler)"
-        )
+def non_finite_error(request_id: str, card: ModelCard, params: OmniDiffusionSamplingParams) -> NonFiniteOutputError:
+    """The error that fails a request whose output is not finite, naming the likely causes (too few steps for the
+    scheduler is refused at admission: `ModelCard.min_steps`)."""
+    shift = params.extra_args.get("flow_shift")
+    asked = f"its flow_shift={shift!r}, " if shift is not None else ""
+    return NonFiniteOutputError(
+        request_id,
+        f"{card.pipeline_name}'s output is not finite (NaN or inf), so it is not answered as an image: likely "
+        f"{asked}a numerical overflow at the stage's dtype (float16: serve it in bfloat16 or float32), or weights "
+        "that are not finite",
+    )
 
 
 def watch_outputs(pipeline) -> None:

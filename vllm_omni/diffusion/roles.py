@@ -255,6 +255,12 @@ class StageAdmission:
         ignored = ()
         if self.role.completes_params:
             params, ignored = self.card.complete_params(params)
+            if params.num_inference_steps < self.card.min_steps:  # its schedule would be NaN: a black image
+                raise SamplingParamsError(
+                    "num_inference_steps",
+                    f"{self.card.pipeline_name}'s scheduler makes no finite noise schedule below "
+                    f"{self.card.min_steps} steps: give num_inference_steps >= {self.card.min_steps}",
+                )
             check_sde(self.card, params)
             if params.partial_images and stepper_class(self.card.pipeline_name) is None:
                 raise SamplingParamsError(

@@ -19,6 +19,7 @@ STATUS_TYPE = {
     405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
 }
 """The envelope's ``type`` by HTTP status; any other status is a ``server_error``."""

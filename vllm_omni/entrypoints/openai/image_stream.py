@@ -18,14 +18,17 @@ from vllm_omni.entrypoints.openai.image_files import encode_images
 from vllm_omni.entrypoints.openai.image_usage import response_fields
 from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
 from vllm_omni.entrypoints.openai.server_state import ServerState
-from vllm_omni.errors import RequestFailedError, StageUnavailableError
+from vllm_omni.errors import NonFiniteOutputError, RequestFailedError, StageUnavailableError
 from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 def failure(exc: RequestFailedError, state: ServerState) -> tuple[str, APIError]:
-    """How a request that failed in the engine is counted, and answered."""
+    """How a request that failed in the engine is counted, and answered (a 422 for an output that is not finite:
+    its parameters made no image)."""
+    if isinstance(exc, NonFiniteOutputError):
+        return "failed", APIError(422, str(exc), code="non_finite_output")
     unavailable = isinstance(exc, StageUnavailableError) or state.unavailable_reason() is not None
     error = APIError(
         503 if unavailable else 500,

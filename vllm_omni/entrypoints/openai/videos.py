@@ -26,7 +26,8 @@ from vllm_omni.entrypoints.openai.checks import (
     check_sides,
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
-from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.errors import APIError, error_info
+from vllm_omni.entrypoints.openai.image_stream import failure
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
     VideoDeleted,
@@ -75,7 +76,8 @@ async def _run(state: ServerState, job: VideoJob) -> None:
         outcome = "unavailable"
         job.status, job.error = "failed", ErrorInfo(message=str(exc), type="server_error", code="service_unavailable")
     except RequestFailedError as exc:
-        job.status, job.error = "failed", ErrorInfo(message=str(exc), type="server_error", code="generation_failed")
+        error = failure(exc, state)[1]
+        job.status, job.error = "failed", error_info(error.status, error.message, code=error.code)
     except Exception as exc:  # noqa: BLE001 - an encoding error fails this job only
         logger.exception("video job %s failed", job.id)
         job.status = "failed"
@@ -295,7 +297,7 @@ async def run_sync(
             outcome = "unavailable"
             raise APIError(503, str(exc), code="service_unavailable") from None
         except RequestFailedError as exc:
-            raise APIError(500, str(exc), code="generation_failed") from None
+            raise failure(exc, state)[1] from None
         if output is None:
             outcome = "cancelled"
             raise APIError(503, "The request was aborted", code="aborted")
