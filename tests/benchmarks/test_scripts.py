@@ -22,20 +22,20 @@ def test_batching_sweep_writes_json_table_and_plot_and_runs_every_case_with_the_
     bench(
         "batching_sweep",
         *("--model", tiny_flux, "--name", "smoke", "--out-dir", str(tmp_path)),
-        *("--max-num-seqs", "1,2", "--shapes", "32x32:2", "--blocks", "1", "--rounds", "2", "--warmup", "1"),
+        *("--max-num-seqs", "1,2", "--shapes", "32x32:1", "--blocks", "1", "--rounds", "1", "--warmup", "1"),
         *("--baseline", repo),
     )
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert [(r["variant"], r["n"], r["shape"]) for r in result["rows"]] == [
-        ("current", 1, "32x32:2"),
-        ("current", 2, "32x32:2"),
+        ("current", 1, "32x32:1"),
+        ("current", 2, "32x32:1"),
     ]
     assert [(r["variant"], r["n"]) for r in result["baseline_rows"]] == [("baseline", 1), ("baseline", 2)]
     for row in result["rows"] + result["baseline_rows"]:
         assert row["efficiency"] > 0 and row["server_mean_batch_size"] == row["n"]
         assert set(row["ceiling_images_per_s_by_thread"]) == {"main", "dedicated"}
         assert row["ceiling_images_per_s"] == max(row["ceiling_images_per_s_by_thread"].values())
-    assert set(result["concurrency1_latency_over_direct_call"]) == {"32x32:2"}
+    assert set(result["concurrency1_latency_over_direct_call"]) == {"32x32:1"}
     assert {os.path.realpath(tree) for tree in result["trees"].values()} == {repo}
     assert len(result["comparison"]) == 2 and all(e["served_images_per_s"]["ratio"] > 0 for e in result["comparison"])
     for imports in result["imports"]["N=1"].values():
@@ -45,7 +45,7 @@ def test_batching_sweep_writes_json_table_and_plot_and_runs_every_case_with_the_
         }
     assert set(result["targets"]) == {"current", "baseline"}
     assert [t["target"] for t in result["targets"]["current"]] == [
-        "concurrency-1 latency / fastest direct call 32x32:2"
+        "concurrency-1 latency / fastest direct call 32x32:1"
     ]
     table = (tmp_path / "smoke.md").read_text()
     assert table.startswith("| shape | N |") and "Current vs baseline" in table
