@@ -6,6 +6,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# MKL's sgemm picks its kernel by the operands' memory alignment unless told not to, so the same request could give
+# other bits later in a long-lived worker (the equality tests compare outputs byte for byte); STRICT is the same bits
+# for the same inputs and thread count. Read by MKL at its first call, inherited by the servers the tests start.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 def pytest_configure(config):
