@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -51,9 +52,15 @@ def _stock(pipeline, prompt: str, params: OmniDiffusionSamplingParams, seed: int
     return np.asarray(pipeline(**kwargs, num_images_per_prompt=n).images)
 
 
-def _check(pipeline, script) -> None:
+def _check(pipeline, script) -> list[int]:
+    """Returns the row count of each denoiser forward in step mode."""
     stepper = make_stepper(pipeline, CPU)
+    rows: list[int] = []
+    hook = stepper.denoiser.register_forward_pre_hook(
+        lambda _, args, kwargs: rows.append(len(args[0] if args else next(iter(kwargs.values())))), with_kwargs=True
+    )
     outputs, largest = run_joined(stepper, script)
+    hook.remove()
     assert largest >= 3, "the script should make requests share forwards"
     for _, name, prompt, params, seed in script:
         got = np.asarray(outputs[name], dtype=np.float64)
@@ -61,6 +68,7 @@ def _check(pipeline, script) -> None:
         assert got.shape == want.shape, name
         worst = np.abs(np.round(got * 255) - np.round(want * 255)).max()
         assert worst <= 2, f"{name}: worst pixel difference {worst}/255 against the stock pipeline alone"
+    return rows
 
 
 def test_flux_joins_at_different_steps(tiny_flux):
@@ -203,3 +211,56 @@ def test_unsupported_pipelines_and_arguments_are_refused(tiny_sd):
     expected = r"'clip_skip' is not supported .* \(supported: eta, guidance_rescale\)"
     with pytest.raises(SamplingParamsError, match=expected):
         stepper.check_params(stepper.card, _params(extra_args={"clip_skip": 1}))
+
+
+def test_z_image_steps_through_its_modular_blocks_one_forward_per_step(tiny_z_image):
+    """Z-Image's denoiser takes a list of rows (any text lengths), so every running request, its guided rows
+    included, shares one forward per engine step; guidance on (scale 2: the guider's 3), off (0) and two outputs."""
+    size = {"height": 64, "width": 64}
+    rows = _check(
+        _load(tiny_z_image),
+        [
+            (0, "A", "a photo of a cat", _params(num_inference_steps=5, guidance_scale=2.0, **size), 1),
+            (1, "B", "a red car on a long road", _params(num_inference_steps=4, guidance_scale=0.0, **size), 2),
+            (
+                2,
+                "C",
+                "a house",
+                _params(num_inference_steps=3, guidance_scale=1.5, num_outputs_per_prompt=2, **size),
+                3,
+            ),
+        ],
+    )
+    assert rows == [2, 3, 7, 7, 7], "one forward per engine step: A's 2 rows, then B's 1, then C's 4"
+
+
+def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image):
+    """Qwen-Image guides with true_cfg_scale and a negative prompt, and its blocks rescale the guided prediction to
+    the conditional one's norm; its text lengths differ per prompt, so requests share a forward when they are
+    equal (here B and C: the same prompt and negative prompt)."""
+    size = {"height": 64, "width": 64}
+    cfg = {"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 3.0}}
+    rows = _check(
+        _load(tiny_qwen_image),
+        [
+            (0, "A", "a photo of a cat", _params(num_inference_steps=4, **cfg, **size), 1),
+            (1, "B", "a red car", _params(num_inference_steps=3, **cfg, **size), 2),
+            (1, "C", "a red car", _params(num_inference_steps=3, **size), 3),
+        ],
+    )
+    assert 2 in rows, "B's and C's conditional rows share a forward"
+
+
+def test_modular_families_step_but_do_not_split_or_preview(tiny_z_image):
+    from vllm_omni.diffusion.roles import DiffusionRole
+    from vllm_omni.diffusion.steppers import ModularStepper
+
+    pipeline = _load(tiny_z_image)
+    assert isinstance(make_stepper(pipeline, CPU), ModularStepper)
+    with pytest.raises(ValueError, match="a split pipeline .* does not support ZImagePipeline"):
+        make_stepper(pipeline, CPU, SPLIT)
+    admission = DiffusionRole.admission("step", ModelCard.of(pipeline))
+    with pytest.raises(SamplingParamsError, match="cannot show partial images"):
+        admission.admit(_params(height=64, width=64, partial_images=1))
+    with pytest.raises(SamplingParamsError, match="'sde_type' is not supported by ZImagePipeline in execution_mode"):
+        admission.admit(_params(height=64, width=64, extra_args={"sde_type": "sde"}))

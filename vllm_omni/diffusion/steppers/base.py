@@ -61,6 +61,8 @@ class Stepper(ImageTasks):
     tasks: ClassVar[frozenset[ImageTask]] = frozenset({"text"})
     """The tasks it steps (`OmniDiffusionSamplingParams.task`): image tasks as its class's image-to-image and
     inpainting pipelines (``from_pipe``) run them."""
+    splittable: ClassVar[bool] = True
+    """Whether it also runs split stages and previews: `encode`, `start` and `to_vae` over its `StepState`."""
 
     def __init__(self, pipeline, device: torch.device):
         self.pipeline = pipeline

@@ -1,0 +1,314 @@
+"""Step mode for the families that diffusers ships as modular pipelines: the family's own blocks run each request,
+and only the denoiser call is shared.
+
+A modular pipeline (``diffusers.modular_pipelines``) splits a family into blocks: the text encoder, the steps before
+the denoising loop (inputs, initial latents, timesteps, position inputs), the loop, whose sub-blocks are one step
+(``before_denoiser``, the ``denoiser`` with its guider, ``after_denoiser``), and the decoder. `ModularStepper` runs
+a request's blocks up to the loop when it joins, and each engine step runs its loop's sub-blocks for every request
+with that request's own scheduler and guider. The denoiser calls of all requests in a step are one forward:
+
+1. each request's ``before_denoiser`` and ``denoiser`` run with `DenoiserCalls` standing in for the denoiser,
+   which records the call's arguments and answers zeros shaped like its input (the answers are thrown away);
+2. the recorded calls are concatenated row-wise into as few forwards as their arguments allow (`batched`);
+3. the same sub-blocks run again, each call answered with its rows of the batch: the guider combines them as the
+   family's maintainers wrote it (Qwen-Image's norm rescale included);
+4. ``after_denoiser`` (the scheduler's update) runs per request, in `advance`.
+
+The family's knowledge is a table entry (`MODULAR_FAMILIES`): its blocks class and how a request's parameters
+become its guider. Split stages, image tasks, previews and stochastic sampling use the hand-written steppers' state
+and are not offered for these families yet (docs/models.md's family table says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import diffusers
+import torch
+from diffusers.guiders import ClassifierFreeGuidance
+from diffusers.modular_pipelines import PipelineState
+
+from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
+from vllm_omni.diffusion.steppers.state import StepState
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+
+@dataclass(frozen=True)
+class ModularFamily:
+    """What step mode needs to know of a family beyond its modular blocks."""
+
+    blocks: str
+    """The ``diffusers`` modular blocks class of its text-to-image workflow."""
+    guidance: Callable[[OmniDiffusionSamplingParams], float | None]
+    """The request's classifier-free guidance scale as diffusers' guider defines it (``uncond + s·(cond −
+    uncond)``), or ``None`` when its stock pipeline would not guide it."""
+    extra_args: frozenset[str] = frozenset()
+    """``extra_args`` keys that are inputs of its blocks."""
+
+
+def _true_cfg(params: OmniDiffusionSamplingParams) -> float | None:
+    # QwenImagePipeline guides when true_cfg_scale > 1 and a negative prompt is given (its default is 4.0).
+    scale = float(params.extra_args.get("true_cfg_scale", 4.0))
+    return scale if scale > 1 and params.negative_prompt is not None else None
+
+
+MODULAR_FAMILIES: dict[str, ModularFamily] = {
+    # ZImagePipeline guides when guidance_scale > 0, as cond + s·(cond − uncond): the guider's s + 1.
+    "ZImagePipeline": ModularFamily(
+        "ZImageAutoBlocks", lambda p: p.guidance_scale + 1 if p.guidance_scale > 0 else None, frozenset()
+    ),
+    "QwenImagePipeline": ModularFamily("QwenImageAutoBlocks", _true_cfg, frozenset({"true_cfg_scale"})),
+}
+"""The stock pipeline classes that step mode runs through their modular blocks."""
+
+
+class DenoiserCalls:
+    """Stands in for the denoiser in one request's loop sub-blocks (`ModularStepper.predict`): while recording,
+    each call's arguments are kept and answered with zeros shaped like its input; then each call is answered with
+    its rows of the batched forward, in the order it was made. Other attributes are the denoiser's."""
+
+    def __init__(self, denoiser: torch.nn.Module, input_name: str):
+        self._denoiser, self._input = denoiser, input_name
+        self.calls: list[dict[str, Any]] = []
+        self.answers: list[Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._denoiser, name)
+
+    def __call__(self, **kwargs: Any) -> tuple[Any]:
+        if self.answers is None:
+            self.calls.append(kwargs)
+            x = kwargs[self._input]
+            return ([torch.zeros_like(e) for e in x] if isinstance(x, list) else torch.zeros_like(x),)
+        return (self.answers.pop(0),)
+
+
+class RequestComponents:
+    """The modular pipeline's components as one request's blocks see them: its own scheduler (which keeps a step
+    index and, for multistep solvers, history) and guider (its scale and step), and `DenoiserCalls` for the
+    denoiser; everything else is the shared pipeline's. The pipeline's properties are read over this view, so that
+    what they derive from the guider (``requires_unconditional_embeds``) is the request's."""
+
+    def __init__(self, modular, scheduler, guider, transformer: DenoiserCalls):
+        self._modular, self.scheduler, self.guider, self.transformer = modular, scheduler, guider, transformer
+
+    def __getattr__(self, name: str) -> Any:
+        found = inspect.getattr_static(type(self._modular), name, None)
+        return found.fget(self) if isinstance(found, property) else getattr(self._modular, name)
+
+
+@dataclass(eq=False)
+class ModularStepState(StepState):
+    """A request stepped by its family's modular blocks: `StepState` plus the blocks' own state."""
+
+    blocks: Any = None
+    """The ``BlockState`` of its denoising loop (latents, embeddings, timesteps, position inputs)."""
+    components: RequestComponents | None = None
+    """Its view of the pipeline's components."""
+
+
+class _LoopStarted(Exception):
+    """Raised by a loop's first step in `_loop_start`, carrying the loop's block state."""
+
+
+def _raise_at_first_step(components, block_state, **_: Any):
+    raise _LoopStarted(block_state)
+
+
+def _loop_start(loop, components, state: PipelineState) -> Any:
+    """The ``BlockState`` of ``loop`` as its own ``__call__`` has it at its first step: the wrapper's set-up before
+    its loop (Qwen-Image's ``additional_cond_kwargs``) is the family's, so it runs, and the loop is the engine's."""
+    loop.loop_step = _raise_at_first_step  # this stepper's own instance of the family's loop block
+    for param in loop.inputs:  # as ModularPipeline.__call__ fills in what no block before the loop set
+        if param.name is not None and param.name not in state.values:
+            state.set(param.name, param.default, param.kwargs_type)
+    try:
+        loop(components, state)
+    except _LoopStarted as started:
+        return started.args[0]
+    raise ValueError(f"{type(loop).__name__} ran no step: its request has no timesteps")
+
+
+def _rows(value: Any, n: int) -> bool:
+    return isinstance(value, list | torch.Tensor) and len(value) == n and not isinstance(value, str)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.equal(b)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _fits(group: list[dict[str, Any]], call: dict[str, Any], n: int, input_name: str) -> bool:
+    """Whether ``call`` (``n`` rows) can join the forward of ``group``: per-row tensors of the same trailing shape
+    and dtype, per-row lists, and every other argument equal."""
+    first = group[0]
+    m = len(first[input_name])
+    if first.keys() != call.keys():
+        return False
+    for name, value in call.items():
+        other = first[name]
+        if _rows(value, n) and _rows(other, m):
+            if isinstance(value, torch.Tensor) != isinstance(other, torch.Tensor):
+                return False
+            if isinstance(value, torch.Tensor) and (value.shape[1:] != other.shape[1:] or value.dtype != other.dtype):
+                return False
+        elif not _same(value, other):
+            return False
+    return True
+
+
+def batched(calls: list[dict[str, Any]], input_name: str) -> list[list[int]]:
+    """The recorded ``calls`` in groups that can share one forward (indices, in order)."""
+    groups: list[list[int]] = []
+    for index, call in enumerate(calls):
+        n = len(call[input_name])
+        group = next((g for g in groups if _fits([calls[i] for i in g], call, n, input_name)), None)
+        if group is None:
+            groups.append([index])
+        else:
+            group.append(index)
+    return groups
+
+
+def _concat(values: list[Any], counts: list[int]) -> Any:
+    first = values[0]
+    if not _rows(first, counts[0]):
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values)
+    return [row for value in values for row in value]
+
+
+class ModularStepper(Stepper):
+    """Any family of `MODULAR_FAMILIES`, stepped by its modular blocks (see the module's docstring)."""
+
+    pipeline_classes = tuple(MODULAR_FAMILIES)
+    splittable = False
+    extra_args = frozenset().union(*(f.extra_args for f in MODULAR_FAMILIES.values()))
+
+    def __init__(self, pipeline, device: torch.device):
+        super().__init__(pipeline, device)
+        self.family = MODULAR_FAMILIES[type(pipeline).__name__]
+        blocks = getattr(diffusers, self.family.blocks)().get_execution_blocks(prompt="")
+        leaves = list(blocks.sub_blocks.values())
+        loop = next(
+            i for i, b in enumerate(leaves) if isinstance(b, diffusers.modular_pipelines.LoopSequentialPipelineBlocks)
+        )
+        self.before, self.loop, self.after = leaves[:loop], leaves[loop], leaves[loop + 1 :]
+        names = list(self.loop.sub_blocks)
+        update = next(i for i, name in enumerate(names) if name.startswith("after_denoiser"))
+        self.predict_blocks = [self.loop.sub_blocks[name] for name in names[:update]]
+        self.update_blocks = [self.loop.sub_blocks[name] for name in names[update:]]
+        self.modular = blocks.init_pipeline()
+        self.modular.update_components(**{k: v for k, v in pipeline.components.items() if v is not None})
+        self.input_name = next(iter(inspect.signature(self.denoiser.forward).parameters))
+
+    @classmethod
+    def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
+        return (params.height, params.width, params.num_frames)
+
+    def _inputs(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> dict[str, Any]:
+        n = params.num_outputs_per_prompt
+        guided = self.family.guidance(params) is not None
+        return {
+            "prompt": prompt,
+            "negative_prompt": (params.negative_prompt or "") if guided else None,
+            "height": params.height,
+            "width": params.width,
+            "num_inference_steps": params.num_inference_steps,
+            "num_images_per_prompt": n,
+            "generator": generators_for(seed, n),
+            "output_type": params.output_type,
+            **{k: v for k, v in params.extra_args.items() if k in self.family.extra_args},
+        }
+
+    @staticmethod
+    def _run(blocks: list, components, state: PipelineState, inputs: dict[str, Any]) -> PipelineState:
+        """``blocks`` in order on ``state``, with each input they name that is not set yet taken from ``inputs`` or
+        its default (as ``ModularPipeline.__call__`` fills the state)."""
+        for block in blocks:
+            for param in block.inputs:
+                if param.name is not None and param.name not in state.values:
+                    state.set(param.name, inputs.get(param.name, param.default), param.kwargs_type)
+            components, state = block(components, state)
+        return state
+
+    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        scale = self.family.guidance(params)
+        guider = ClassifierFreeGuidance(guidance_scale=scale or 1.0, enabled=scale is not None)
+        scheduler = fresh_noise_scheduler(self.pipeline, self.card.scheduler_overrides(params))
+        components = RequestComponents(self.modular, scheduler, guider, DenoiserCalls(self.denoiser, self.input_name))
+        with torch.no_grad(), self._adapters(text=[params.lora]):
+            state = self._run(self.before, components, PipelineState(), self._inputs(prompt, params, seed))
+        blocks = _loop_start(self.loop, components, state)
+        return ModularStepState(
+            params=params,
+            latents=blocks.latents,
+            noise_scheduler=scheduler,
+            timesteps=blocks.timesteps,
+            cond={},
+            uncond=None,
+            shared={},
+            blocks=blocks,
+            components=components,
+        )
+
+    def _sub_blocks(self, state: ModularStepState, blocks: list) -> None:
+        components = state.components
+        for block in blocks:
+            components, state.blocks = block(components, state.blocks, i=state.step, t=state.timestep)
+
+    def predict(self, states: list[ModularStepState]) -> list[torch.Tensor]:
+        calls = []
+        for state in states:
+            recorder = state.components.transformer
+            recorder.calls, recorder.answers = [], None
+            self._sub_blocks(state, self.predict_blocks)
+            calls += [(state, call) for call in recorder.calls]
+        answers: list[Any] = [None] * len(calls)
+        for group in batched([call for _, call in calls], self.input_name):
+            members = [calls[i] for i in group]
+            counts = [len(call[self.input_name]) for _, call in members]
+            kwargs = {name: _concat([call[name] for _, call in members], counts) for name in members[0][1]}
+            adapters = [state.params.lora for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
+            caches = [state.cache for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
+            for state, _ in members:
+                state.cache.timestep = float(state.timestep)
+            cached = contextlib.nullcontext() if self.step_cache is None else self.step_cache.rows(caches)
+            with self._adapters(denoiser=adapters), cached:
+                output = self.denoiser(**kwargs)[0]
+            start = 0
+            for index, n in zip(group, counts, strict=True):
+                answers[index] = output[start : start + n]
+                start += n
+        for state in states:
+            state.components.transformer.answers = [answers[i] for i, (s, _) in enumerate(calls) if s is state]
+        predictions = []
+        for state in states:
+            self._sub_blocks(state, self.predict_blocks)
+            predictions.append(state.blocks.noise_pred)
+        return predictions
+
+    def advance(self, states: list[ModularStepState], predictions: list[torch.Tensor]) -> None:
+        for state, prediction in zip(states, predictions, strict=True):
+            state.blocks.noise_pred = prediction
+            self._sub_blocks(state, self.update_blocks)
+            state.latents = state.blocks.latents
+            state.step += 1
+
+    def decode(self, states: list[StepState]) -> list[list[Any]]:
+        outputs = []
+        for state in states:
+            params = state.params
+            inputs = {"latents": state.latents, "height": params.height, "width": params.width}
+            decoded = self._run(self.after, self.modular, PipelineState(), inputs | {"output_type": params.output_type})
+            outputs.append(list(decoded.get("images")))
+        return outputs
