@@ -22,6 +22,7 @@ and are not offered for these families yet (docs/models.md's family table says s
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,7 +208,10 @@ class ModularStepper(Stepper):
         update = next(i for i, name in enumerate(names) if name.startswith("after_denoiser"))
         self.predict_blocks = [self.loop.sub_blocks[name] for name in names[:update]]
         self.update_blocks = [self.loop.sub_blocks[name] for name in names[update:]]
+        self.loop.set_progress_bar_config(disable=True)  # its loop is the engine's
         self.modular = blocks.init_pipeline()
+        self.guider = ClassifierFreeGuidance()
+        """What each request's guider is a copy of."""
         self.modular.update_components(**{k: v for k, v in pipeline.components.items() if v is not None})
         self.input_name = next(iter(inspect.signature(self.denoiser.forward).parameters))
 
@@ -243,7 +247,10 @@ class ModularStepper(Stepper):
 
     def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         scale = self.family.guidance(params)
-        guider = ClassifierFreeGuidance(guidance_scale=scale or 1.0, enabled=scale is not None)
+        guider = copy.copy(self.guider)  # not a new one: each guider's __init__ logs that guiders are experimental
+        guider.guidance_scale = scale or 1.0
+        if scale is None:
+            guider.disable()
         scheduler = fresh_noise_scheduler(self.pipeline, self.card.scheduler_overrides(params))
         components = RequestComponents(self.modular, scheduler, guider, DenoiserCalls(self.denoiser, self.input_name))
         with torch.no_grad(), self._adapters(text=[params.lora]):
