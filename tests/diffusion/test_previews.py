@@ -19,7 +19,7 @@ from vllm_omni.diffusion.previews import LatentProjection, Previews, clean_laten
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.testing.edits import noise_image
 
-FAMILIES = ["flux", "sd", "sd3", "sdxl", "wan"]
+FAMILIES = ["flux", "sd", "sd3", "sdxl", "wan", "z_image"]
 MODES = ["request", "step"]
 STEPS = 4
 

@@ -2,14 +2,18 @@
 with the image (or video) the stock pipeline makes for them alone, within 2/255."""
 
 import functools
+import pickle
 
 import diffusers
 import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from PIL import Image
 
+from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.runner import load_pipeline
 from vllm_omni.diffusion.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -251,16 +255,36 @@ def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image):
     assert 2 in rows, "B's and C's conditional rows share a forward"
 
 
-def test_modular_families_step_but_do_not_split_or_preview(tiny_z_image):
+@pytest.mark.parametrize("family", ["tiny_z_image", "tiny_qwen_image"])
+def test_modular_split_stages_equal_step_mode(family, request):
+    """The encode stage (no denoiser) runs the family's text-encoder blocks; what they made, pickled as to a Ray
+    replica, starts the request in a denoise stage (no text encoders): the images of one stage in step mode."""
+    path = request.getfixturevalue(family)
+    cfg = {"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 3.0}} if "qwen" in family else {}
+    size = {"height": 64, "width": 64, "num_inference_steps": 3, "guidance_scale": 2.0}
+    script = [(0, "A", "a photo of a cat", _params(**size, **cfg), 1), (1, "B", "a red car", _params(**size), 2)]
+    want, _ = run_joined(make_stepper(_load(path), CPU), script)
+    encoder = make_stepper(load_pipeline(path, torch.float32, CPU, DENOISERS), CPU, SPLIT)
+    denoiser = make_stepper(load_pipeline(path, torch.float32, CPU, TEXT_ENCODERS), CPU, SPLIT)
+
+    def begin(prompt: str, params: OmniDiffusionSamplingParams, seed: int):
+        conditioning = pickle.loads(pickle.dumps(encoder.encode([prompt], [params])[0]))
+        assert conditioning.blocks and "prompt_embeds" in conditioning.blocks
+        return denoiser.start(conditioning, params, seed)
+
+    got, _ = run_joined(denoiser, script, begin)
+    for _, name, _, _, _ in script:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+
+
+def test_modular_families_refuse_what_their_blocks_are_not_run_for(tiny_z_image):
     from vllm_omni.diffusion.roles import DiffusionRole
     from vllm_omni.diffusion.steppers import ModularStepper
 
     pipeline = _load(tiny_z_image)
     assert isinstance(make_stepper(pipeline, CPU), ModularStepper)
-    with pytest.raises(ValueError, match="a split pipeline .* does not support ZImagePipeline"):
-        make_stepper(pipeline, CPU, SPLIT)
     admission = DiffusionRole.admission("step", ModelCard.of(pipeline))
-    with pytest.raises(SamplingParamsError, match="cannot show partial images"):
-        admission.admit(_params(height=64, width=64, partial_images=1))
     with pytest.raises(SamplingParamsError, match="'sde_type' is not supported by ZImagePipeline in execution_mode"):
         admission.admit(_params(height=64, width=64, extra_args={"sde_type": "sde"}))
+    with pytest.raises(SamplingParamsError, match="image is not supported by ZImagePipeline in execution_mode"):
+        admission.admit(_params(height=64, width=64, image=[Image.new("RGB", (64, 64))]))

@@ -24,10 +24,9 @@ from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
 from vllm_omni.diffusion.runner import DiffusionRunner, check_batchable, read_model_index
 from vllm_omni.diffusion.sde import SdeSampler, check_sde
 from vllm_omni.diffusion.steppers import (
-    PREVIEWS,
     SPLIT,
-    SPLITTABLE_PIPELINES,
     STEP_MODE,
+    SUPPORTED_PIPELINES,
     Latents,
     Stepper,
     StepState,
@@ -79,9 +78,8 @@ class StageRole:
         """The partial images of its requests: made where the denoiser runs, through the model's stepper (one made
         for them alone in request mode); ``None`` where the model has none (admission refuses them there)."""
         if self.completes_params:
-            stepped = self.stepper is not None and self.stepper.splittable  # previews read its state's latents
-            previewing = self.stepper if stepped else _stepper_for_previews(runner)
-            self.previews = None if previewing is None else Previews(previewing)
+            previewing = self.stepper or _stepper_for_previews(runner)
+            self.previews = None if previewing is None else Previews(previewing, previewing.preview_method)
 
     @classmethod
     def uses_stepper(cls, execution_mode: str) -> bool:
@@ -234,7 +232,7 @@ def _sampling(state: StepState, request: DiffusionRequest) -> StepState:
 def _stepper_for_previews(runner: DiffusionRunner) -> Stepper | None:
     """The model's stepper for making previews only: they need its latents' layout and decode, which every
     configuration of a family shares (so `Stepper.check_pipeline` does not apply)."""
-    cls = stepper_class(runner.card.pipeline_name, PREVIEWS)
+    cls = stepper_class(runner.card.pipeline_name)
     return None if cls is None else cls(runner.pipeline, runner.device)
 
 
@@ -268,11 +266,11 @@ class StageAdmission:
                     f"{self.card.min_steps} steps: give num_inference_steps >= {self.card.min_steps}",
                 )
             check_sde(self.card, params)
-            if params.partial_images and stepper_class(self.card.pipeline_name, PREVIEWS) is None:
+            if params.partial_images and stepper_class(self.card.pipeline_name) is None:
                 raise SamplingParamsError(
                     "partial_images",
                     f"{self.card.pipeline_name} cannot show partial images (previews are made for "
-                    f"{', '.join(SPLITTABLE_PIPELINES)}); set partial_images to 0",
+                    f"{', '.join(SUPPORTED_PIPELINES)}); set partial_images to 0",
                 )
         if self.stepper is not None:
             self.stepper.check_params(self.card, params)
@@ -289,9 +287,9 @@ def check_splittable(model: str, stage_configs: list[StageDeployConfig]) -> None
     if not split:
         return
     name = read_model_index(model).get("_class_name")
-    if name not in SPLITTABLE_PIPELINES:
+    if name not in SUPPORTED_PIPELINES:
         raise ValueError(
             f"stage {split[0].stage_id} ({split[0].stage_type}): {name} cannot be split into encode / denoise / "
-            f"decode stages; splittable pipelines: {', '.join(SPLITTABLE_PIPELINES)}. Serve it as one stage with "
+            f"decode stages; splittable pipelines: {', '.join(SUPPORTED_PIPELINES)}. Serve it as one stage with "
             "stage_type: diffusion"
         )

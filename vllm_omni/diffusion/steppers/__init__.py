@@ -13,20 +13,15 @@ STEPPERS: tuple[type[Stepper], ...] = (FluxStepper, SD3Stepper, WanStepper, UNet
 
 SPLIT = "a split pipeline (encode / denoise / decode stages)"
 STEP_MODE = "execution_mode 'step'"
-PREVIEWS = "partial images"
 
 
-def stepper_class(pipeline_name: str, purpose: str = STEP_MODE) -> type[Stepper] | None:
-    """The stepper of a pipeline class for ``purpose``, or ``None`` when it has none: split stages and previews
-    need a `Stepper.splittable` one."""
-    cls = next((cls for cls in STEPPERS if pipeline_name in cls.pipeline_classes), None)
-    return cls if cls is not None and (purpose == STEP_MODE or cls.splittable) else None
+def stepper_class(pipeline_name: str) -> type[Stepper] | None:
+    """The stepper of a pipeline class, or ``None`` when it has none."""
+    return next((cls for cls in STEPPERS if pipeline_name in cls.pipeline_classes), None)
 
 
 SUPPORTED_PIPELINES: tuple[str, ...] = tuple(name for cls in STEPPERS for name in cls.pipeline_classes)
-"""Pipeline classes that ``execution_mode: step`` can serve."""
-SPLITTABLE_PIPELINES: tuple[str, ...] = tuple(name for name in SUPPORTED_PIPELINES if stepper_class(name, SPLIT))
-"""Pipeline classes that can be split into stages and show partial images."""
+"""Pipeline classes that ``execution_mode: step`` can serve, split into stages and show partial images of."""
 
 
 def make_stepper(pipeline, device: torch.device, purpose: str = STEP_MODE) -> Stepper:
@@ -38,10 +33,9 @@ def make_stepper(pipeline, device: torch.device, purpose: str = STEP_MODE) -> St
         if purpose == SPLIT
         else "Serve this model with execution_mode 'request' (--execution-mode request)"
     )
-    cls = stepper_class(name, purpose)
+    cls = stepper_class(name)
     if cls is None:
-        supported = SUPPORTED_PIPELINES if purpose == STEP_MODE else SPLITTABLE_PIPELINES
-        raise ValueError(f"{purpose} does not support {name}; it supports {', '.join(supported)}. {remedy}")
+        raise ValueError(f"{purpose} does not support {name}; it supports {', '.join(SUPPORTED_PIPELINES)}. {remedy}")
     try:
         cls.check_pipeline(pipeline)
     except ValueError as exc:
@@ -50,9 +44,7 @@ def make_stepper(pipeline, device: torch.device, purpose: str = STEP_MODE) -> St
 
 
 __all__ = [
-    "PREVIEWS",
     "SPLIT",
-    "SPLITTABLE_PIPELINES",
     "STEPPERS",
     "STEP_MODE",
     "SUPPORTED_PIPELINES",

@@ -61,8 +61,9 @@ class Stepper(ImageTasks):
     tasks: ClassVar[frozenset[ImageTask]] = frozenset({"text"})
     """The tasks it steps (`OmniDiffusionSamplingParams.task`): image tasks as its class's image-to-image and
     inpainting pipelines (``from_pipe``) run them."""
-    splittable: ClassVar[bool] = True
-    """Whether it also runs split stages and previews: `encode`, `start` and `to_vae` over its `StepState`."""
+    preview_method: ClassVar[str] = "latent_rgb"
+    """How its previews become RGB (`previews.PreviewMethod`): ``latent_rgb`` projects what `to_vae` gives,
+    ``vae`` decodes in full (a stepper without `to_vae`)."""
 
     def __init__(self, pipeline, device: torch.device):
         self.pipeline = pipeline

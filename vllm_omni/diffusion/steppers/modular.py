@@ -33,21 +33,26 @@ import torch
 from diffusers.guiders import ClassifierFreeGuidance
 from diffusers.modular_pipelines import PipelineState
 
+from vllm_omni.diffusion.components import TEXT_ENCODERS
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
-from vllm_omni.diffusion.steppers.state import StepState
+from vllm_omni.diffusion.steppers.state import Conditioning, StepState
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+
+def _cfg(params: OmniDiffusionSamplingParams) -> float | None:
+    """The stock rule: classifier-free guidance when ``guidance_scale > 1``, at that scale."""
+    return params.guidance_scale if params.guidance_scale > 1 else None
 
 
 @dataclass(frozen=True)
 class ModularFamily:
-    """What step mode needs to know of a family beyond its modular blocks."""
+    """What step mode needs to know of a family beyond its modular blocks: how its stock pipeline guides."""
 
-    blocks: str
-    """The ``diffusers`` modular blocks class of its text-to-image workflow."""
-    guidance: Callable[[OmniDiffusionSamplingParams], float | None]
+    guidance: Callable[[OmniDiffusionSamplingParams], float | None] | None = _cfg
     """The request's classifier-free guidance scale as diffusers' guider defines it (``uncond + s·(cond −
-    uncond)``), or ``None`` when its stock pipeline would not guide it."""
+    uncond)``), or ``None`` when its stock pipeline would not guide it; ``None`` here: the pipeline has a guider
+    component of its own, which every request uses as it is (HunyuanVideo 1.5)."""
     extra_args: frozenset[str] = frozenset()
     """``extra_args`` keys that are inputs of its blocks."""
 
@@ -60,12 +65,28 @@ def _true_cfg(params: OmniDiffusionSamplingParams) -> float | None:
 
 MODULAR_FAMILIES: dict[str, ModularFamily] = {
     # ZImagePipeline guides when guidance_scale > 0, as cond + s·(cond − uncond): the guider's s + 1.
-    "ZImagePipeline": ModularFamily(
-        "ZImageAutoBlocks", lambda p: p.guidance_scale + 1 if p.guidance_scale > 0 else None, frozenset()
-    ),
-    "QwenImagePipeline": ModularFamily("QwenImageAutoBlocks", _true_cfg, frozenset({"true_cfg_scale"})),
+    "ZImagePipeline": ModularFamily(lambda p: p.guidance_scale + 1 if p.guidance_scale > 0 else None),
+    "QwenImagePipeline": ModularFamily(_true_cfg, frozenset({"true_cfg_scale"})),
+    # [klein] guides when guidance_scale > 1 unless it is step-distilled, whose blocks have no guider.
+    "Flux2KleinPipeline": ModularFamily(),
+    "LTXPipeline": ModularFamily(),
+    "HunyuanVideo15Pipeline": ModularFamily(None),
 }
-"""The stock pipeline classes that step mode runs through their modular blocks."""
+"""The stock pipeline classes that step mode runs through their modular blocks, and how each guides."""
+
+
+def modular_blocks(pipeline) -> Any:
+    """The modular blocks of ``pipeline``'s family as diffusers maps a pipeline to them (``XPipeline`` →
+    ``XModularPipeline``, or the variant its config names: a step-distilled FLUX.2 [klein], a two-expert Wan)."""
+    from diffusers.modular_pipelines.modular_pipeline import MODULAR_PIPELINE_MAPPING
+
+    name = type(pipeline).__name__.removesuffix("Pipeline") + "ModularPipeline"
+    config = dict(pipeline.config)
+    for map_fn in MODULAR_PIPELINE_MAPPING.values():
+        if map_fn(None) == name:
+            name = map_fn(config)
+            break
+    return getattr(diffusers, getattr(diffusers, name).default_blocks_name)()
 
 
 class DenoiserCalls:
@@ -135,6 +156,16 @@ def _loop_start(loop, components, state: PipelineState) -> Any:
     raise ValueError(f"{type(loop).__name__} ran no step: its request has no timesteps")
 
 
+def _encodes_text(block) -> bool:
+    return any(spec.name in TEXT_ENCODERS for spec in block.expected_components)
+
+
+def _on_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return [_on_device(v, device) for v in value] if isinstance(value, list) else value
+
+
 def _rows(value: Any, n: int) -> bool:
     return isinstance(value, list | torch.Tensor) and len(value) == n and not isinstance(value, str)
 
@@ -192,47 +223,57 @@ class ModularStepper(Stepper):
     """Any family of `MODULAR_FAMILIES`, stepped by its modular blocks (see the module's docstring)."""
 
     pipeline_classes = tuple(MODULAR_FAMILIES)
-    splittable = False
+    preview_method = "vae"  # its latents are the family's packed layout, which only its decoder blocks unpack
     extra_args = frozenset().union(*(f.extra_args for f in MODULAR_FAMILIES.values()))
 
     def __init__(self, pipeline, device: torch.device):
         super().__init__(pipeline, device)
         self.family = MODULAR_FAMILIES[type(pipeline).__name__]
-        blocks = getattr(diffusers, self.family.blocks)().get_execution_blocks(prompt="")
+        blocks = modular_blocks(pipeline).get_execution_blocks(prompt="")
         leaves = list(blocks.sub_blocks.values())
         loop = next(
             i for i, b in enumerate(leaves) if isinstance(b, diffusers.modular_pipelines.LoopSequentialPipelineBlocks)
         )
-        self.before, self.loop, self.after = leaves[:loop], leaves[loop], leaves[loop + 1 :]
+        self.loop, self.after = leaves[loop], leaves[loop + 1 :]
+        # The encode stage: the blocks that read a text encoder; the rest before the loop start a request.
+        self.encode_blocks = [b for b in leaves[:loop] if _encodes_text(b)]
+        self.start_blocks = [b for b in leaves[:loop] if not _encodes_text(b)]
+        self.encoded = {out.name: out.kwargs_type for b in self.encode_blocks for out in b.intermediate_outputs}
+        """What the encode blocks hand on (`Conditioning.blocks`), with the kind of input each is."""
         names = list(self.loop.sub_blocks)
         update = next(i for i, name in enumerate(names) if name.startswith("after_denoiser"))
         self.predict_blocks = [self.loop.sub_blocks[name] for name in names[:update]]
         self.update_blocks = [self.loop.sub_blocks[name] for name in names[update:]]
         self.loop.set_progress_bar_config(disable=True)  # its loop is the engine's
         self.modular = blocks.init_pipeline()
-        self.guider = ClassifierFreeGuidance()
-        """What each request's guider is a copy of."""
+        self.guider = getattr(pipeline, "guider", None) or ClassifierFreeGuidance()
+        """What each request's guider is a copy of: the pipeline's own where it has one."""
         self.modular.update_components(**{k: v for k, v in pipeline.components.items() if v is not None})
-        self.input_name = next(iter(inspect.signature(self.denoiser.forward).parameters))
+        self.input_name = (
+            None if self.denoiser is None else next(iter(inspect.signature(self.denoiser.forward).parameters))
+        )
+        """The denoiser's first argument, whose length is a call's row count."""
 
     @classmethod
     def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
         return (params.height, params.width, params.num_frames)
 
-    def _inputs(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> dict[str, Any]:
+    def _inputs(self, prompt: str | None, params: OmniDiffusionSamplingParams, seed: int | None) -> dict[str, Any]:
         n = params.num_outputs_per_prompt
-        guided = self.family.guidance(params) is not None
-        return {
+        inputs = {
             "prompt": prompt,
-            "negative_prompt": (params.negative_prompt or "") if guided else None,
+            "negative_prompt": params.negative_prompt,
             "height": params.height,
             "width": params.width,
+            "num_frames": params.num_frames,
             "num_inference_steps": params.num_inference_steps,
             "num_images_per_prompt": n,
-            "generator": generators_for(seed, n),
+            "num_videos_per_prompt": n,
+            "generator": None if seed is None else generators_for(seed, n),
             "output_type": params.output_type,
             **{k: v for k, v in params.extra_args.items() if k in self.family.extra_args},
         }
+        return {k: v for k, v in inputs.items() if v is not None}  # unset: the block's default
 
     @staticmethod
     def _run(blocks: list, components, state: PipelineState, inputs: dict[str, Any]) -> PipelineState:
@@ -245,21 +286,40 @@ class ModularStepper(Stepper):
             components, state = block(components, state)
         return state
 
-    def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
-        scale = self.family.guidance(params)
+    def _components(self, params: OmniDiffusionSamplingParams) -> RequestComponents:
+        """The request's own view of the components: its guider, its scheduler, the denoiser stand-in."""
         guider = copy.copy(self.guider)  # not a new one: each guider's __init__ logs that guiders are experimental
-        guider.guidance_scale = scale or 1.0
-        if scale is None:
-            guider.disable()
+        if self.family.guidance is not None:
+            scale = self.family.guidance(params)
+            guider.guidance_scale = scale or 1.0
+            if scale is None:
+                guider.disable()
         scheduler = fresh_noise_scheduler(self.pipeline, self.card.scheduler_overrides(params))
-        components = RequestComponents(self.modular, scheduler, guider, DenoiserCalls(self.denoiser, self.input_name))
-        with torch.no_grad(), self._adapters(text=[params.lora]):
-            state = self._run(self.before, components, PipelineState(), self._inputs(prompt, params, seed))
-        blocks = _loop_start(self.loop, components, state)
+        calls = None if self.denoiser is None else DenoiserCalls(self.denoiser, self.input_name)
+        return RequestComponents(self.modular, scheduler, guider, calls)
+
+    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+        """Each prompt through the family's text-encoder blocks, alone (their calls take one request's prompts)."""
+        conditionings = []
+        for prompt, request in zip(prompts, params, strict=True):
+            with torch.no_grad(), self._adapters(text=[request.lora]):
+                inputs = self._inputs(prompt, request, None)
+                state = self._run(self.encode_blocks, self._components(request), PipelineState(), inputs)
+            conditionings.append(Conditioning({}, None, {}, blocks={name: state.get(name) for name in self.encoded}))
+        return conditionings
+
+    def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        """The family's blocks before its loop, from the encoded prompt: inputs, noise, timesteps, positions."""
+        components, state = self._components(params), PipelineState()
+        for name, value in conditioning.blocks.items():
+            state.set(name, _on_device(value, self.device), self.encoded[name])
+        with torch.no_grad():
+            state = self._run(self.start_blocks, components, state, self._inputs(None, params, seed))
+            blocks = _loop_start(self.loop, components, state)
         return ModularStepState(
             params=params,
             latents=blocks.latents,
-            noise_scheduler=scheduler,
+            noise_scheduler=components.scheduler,
             timesteps=blocks.timesteps,
             cond={},
             uncond=None,
@@ -317,5 +377,5 @@ class ModularStepper(Stepper):
             params = state.params
             inputs = {"latents": state.latents, "height": params.height, "width": params.width}
             decoded = self._run(self.after, self.modular, PipelineState(), inputs | {"output_type": params.output_type})
-            outputs.append(list(decoded.get("images")))
+            outputs.append(list(decoded.get("images" if params.num_frames is None else "videos")))
         return outputs

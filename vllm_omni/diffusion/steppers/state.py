@@ -21,6 +21,8 @@ def _compact(value: Any) -> Any:
         return value.clone() if value.untyped_storage().nbytes() > value.nbytes else value
     if isinstance(value, dict):
         return {k: _compact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
     return value
 
 
@@ -46,6 +48,9 @@ class Conditioning(_Payload):
     """An image task's input image, VAE-encoded (`images.encode_image`): ``moments``, ``[1, 2C, h, w]``, the mean
     and log-variance of its latent distribution, from which `Stepper.start` draws each output's sample, and for
     inpainting ``mask``, ``[1, 1, h, w]`` at latent size (1: repaint). ``None`` for a text request."""
+    blocks: dict[str, Any] | None = None
+    """A family stepped by its modular blocks (`ModularStepper`): what its text-encoder blocks made, by name
+    (``prompt_embeds``, ``negative_prompt_embeds``, masks); ``cond`` and ``uncond`` are then empty."""
 
 
 @dataclass(eq=False)
