@@ -312,11 +312,11 @@ async def test_a_failing_preview_is_logged_and_the_request_still_completes(mode,
     (plain,) = await _collect(omni, _params("flux", 0, seed=5))
     images, calls = Previews.images, []
 
-    def fails_the_second(self, clean, params):
+    def fails_the_second(self, clean, params, state=None):
         calls.append(len(clean))
         if len(calls) == 2:
             raise RuntimeError("preview fault")
-        return images(self, clean, params)
+        return images(self, clean, params, state)
 
     monkeypatch.setattr(Previews, "images", fails_the_second)
     with caplog.at_level(logging.WARNING, logger="vllm_omni"):

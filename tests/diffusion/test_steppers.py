@@ -288,3 +288,37 @@ def test_modular_families_refuse_what_their_blocks_are_not_run_for(tiny_z_image)
         admission.admit(_params(height=64, width=64, extra_args={"sde_type": "sde"}))
     with pytest.raises(SamplingParamsError, match="image is not supported by ZImagePipeline in execution_mode"):
         admission.admit(_params(height=64, width=64, image=[Image.new("RGB", (64, 64))]))
+
+
+@pytest.mark.parametrize(
+    ("family", "call"),
+    [
+        ("tiny_flux2", {"guidance_scale": 1.0}),  # step-distilled [klein]: its blocks have no guider
+        ("tiny_ltx", {"guidance_scale": 1.0, "num_frames": 9}),  # unguided: its loop still takes negatives
+        ("tiny_ltx", {"guidance_scale": 3.0, "num_frames": 9, "negative_prompt": "blurry"}),
+        ("tiny_hunyuan_video15", {"num_frames": 5}),  # guided by its own guider component
+    ],
+    ids=["flux2", "ltx", "ltx-cfg", "hunyuan-video-1.5"],
+)
+def test_more_modular_families_join_at_different_steps(family, call, request):
+    """FLUX.2 [klein] (its decoder reads the latents' position ids), LTX (it reads num_frames) and HunyuanVideo 1.5,
+    two requests joining one step apart, each equal to its stock pipeline alone."""
+    pipeline = _load(request.getfixturevalue(family))
+    params = _params(height=32, width=32, num_inference_steps=3, **call)
+    stepper = make_stepper(pipeline, CPU)
+    outputs, largest = run_joined(stepper, [(0, "A", "a cat", params, 1), (1, "B", "a red car", params, 2)])
+    assert largest == 2
+    video = "num_frames" in call
+    for name, prompt, seed in (("A", "a cat", 1), ("B", "a red car", 2)):
+        out = pipeline(
+            prompt=[prompt],
+            height=32,
+            width=32,
+            num_inference_steps=3,
+            generator=[torch.Generator("cpu").manual_seed(seed)],
+            output_type="np",
+            **call,
+        )
+        want = np.asarray(out.frames if video else out.images)[0]
+        worst = np.abs(np.round(np.asarray(outputs[name][0], dtype=np.float64) * 255) - np.round(want * 255)).max()
+        assert worst <= 2, f"{family} {name}: worst pixel difference {worst}/255"

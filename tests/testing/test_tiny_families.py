@@ -46,6 +46,7 @@ def _stock(model: str, prompt: str, seed: int, **call) -> np.ndarray:
 STEPPED = [  # the families step mode runs through their modular blocks (vllm_omni.diffusion.steppers.modular)
     ("tiny_qwen_image", "QwenImagePipeline", {}, {"execution_mode": "step"}),
     ("tiny_z_image", "ZImagePipeline", {}, {"execution_mode": "step"}),
+    ("tiny_ltx", "LTXPipeline", {"num_frames": 9}, {"execution_mode": "step"}),
 ]
 
 

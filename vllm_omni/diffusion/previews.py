@@ -128,18 +128,21 @@ class Previews:
         try:
             # Handing it over may fail too (an event loop closed since): in step mode that would end the engine loop.
             with section("preview", [request]):
-                images = self.images(clean, request.params)
+                images = self.images(clean, request.params, request.state)
             request.on_preview(Preview(index, images))
         except Exception as exc:  # noqa: BLE001 - a preview must not fail its request
             logger.warning("preview of request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
             request.previews_sent = request.params.partial_images
 
-    def images(self, clean: torch.Tensor, params: OmniDiffusionSamplingParams) -> list[Image.Image]:
-        """One preview image per output row of ``clean`` (for video, the middle frame)."""
+    def images(self, clean: torch.Tensor, params: OmniDiffusionSamplingParams, state=None) -> list[Image.Image]:
+        """One preview image per output row of ``clean`` (for video, the middle frame); ``state``: the request's
+        step-mode state, whose decode inputs the ``vae`` method reads (``None`` in request mode)."""
         if self.method == "vae":
             from vllm_omni.diffusion.steppers import Latents
 
-            outputs = self.stepper.decode([Latents(clean, params.model_copy(update={"output_type": "pil"}))])[0]
+            pil = params.model_copy(update={"output_type": "pil"})
+            blocks = None if state is None else self.stepper.decode_inputs(state)
+            outputs = self.stepper.decode([Latents(clean, pil, blocks=blocks)])[0]
             return [video[len(video) // 2] for video in outputs] if self.video else list(outputs)
         latents = self.stepper.to_vae(clean, params)
         if self.video:

@@ -90,11 +90,7 @@ class StageRole:
     def admission(cls, execution_mode: str, card: ModelCard) -> StageAdmission:
         """How a stage of this type admits requests for the model of ``card``."""
         return StageAdmission(
-            cls,
-            card,
-            stepper_class(card.pipeline_name, SPLIT if cls.split else STEP_MODE)
-            if cls.uses_stepper(execution_mode)
-            else None,
+            cls, card, stepper_class(card.pipeline_name) if cls.uses_stepper(execution_mode) else None
         )
 
     @property
@@ -198,7 +194,7 @@ class DenoiseRole(StageRole):
         return _sampling(self.stepper.start(request.payload, request.params, request.seed), request)
 
     def end(self, requests: list[DiffusionRequest]) -> list[Latents]:
-        return [Latents(request.state.latents, request.params, request.trajectory) for request in requests]
+        return [Latents(r.state.latents, r.params, r.trajectory, self.stepper.decode_inputs(r.state)) for r in requests]
 
 
 class DecodeRole(StageRole):
@@ -217,7 +213,8 @@ class DecodeRole(StageRole):
         device, dtype = self.stepper.device, self.stepper.pipeline.vae.dtype
         for request in batch:  # the denoise stage's record becomes this final stage's output
             request.trajectory = request.payload.trajectory
-        return self.stepper.decode([Latents(r.payload.latents.to(device, dtype), r.params) for r in batch])
+        payloads = [r.payload for r in batch]
+        return self.stepper.decode([Latents(p.latents.to(device, dtype), p.params, blocks=p.blocks) for p in payloads])
 
 
 def _sampling(state: StepState, request: DiffusionRequest) -> StepState:
@@ -266,15 +263,22 @@ class StageAdmission:
                     f"{self.card.min_steps} steps: give num_inference_steps >= {self.card.min_steps}",
                 )
             check_sde(self.card, params)
-            if params.partial_images and stepper_class(self.card.pipeline_name) is None:
-                raise SamplingParamsError(
-                    "partial_images",
-                    f"{self.card.pipeline_name} cannot show partial images (previews are made for "
-                    f"{', '.join(SUPPORTED_PIPELINES)}); set partial_images to 0",
-                )
+            if params.partial_images:
+                self._check_previews()
         if self.stepper is not None:
             self.stepper.check_params(self.card, params)
         return Admission(params, self.key(params), ignored)
+
+    def _check_previews(self) -> None:
+        name = self.card.pipeline_name
+        cls = stepper_class(name)
+        why = f"previews are made for {', '.join(SUPPORTED_PIPELINES)}" if cls is None else None
+        if why is None and self.stepper is None:  # request mode: the stock pipeline's loop, not the stepper's
+            why = cls.request_mode_previews_refusal(name)
+        if why is not None:
+            raise SamplingParamsError(
+                "partial_images", f"{name} cannot show partial images ({why}); set partial_images to 0"
+            )
 
     def key(self, params: OmniDiffusionSamplingParams) -> Hashable:
         """The batch key of complete ``params``."""

@@ -78,6 +78,11 @@ class Stepper(ImageTasks):
         """The stage's step cache (set by its role); each request's own state serves its rows."""
 
     @classmethod
+    def request_mode_previews_refusal(cls, pipeline_name: str) -> str | None:
+        """Why it cannot make the previews of a request that the stock pipeline runs (request mode), or ``None``."""
+        return None
+
+    @classmethod
     def check_pipeline(cls, pipeline) -> None:
         """Raise ValueError naming a configuration of a supported class that cannot be stepped (or split)."""
 
@@ -167,6 +172,10 @@ class Stepper(ImageTasks):
         """A request's rows of denoiser latents as its VAE decodes them (unpacked, unscaled): ``[n, C, h, w]``, or
         ``[n, C, f, h, w]`` for video."""
         raise NotImplementedError
+
+    def decode_inputs(self, state: StepState) -> dict[str, Any] | None:
+        """What its decode reads of a request's state besides the latents (`Latents.blocks`); ``None``: nothing."""
+        return None
 
     def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
         """Each request's ``n`` outputs (images, or videos as frame lists) from its final latents."""

@@ -36,7 +36,7 @@ from diffusers.modular_pipelines import PipelineState
 from vllm_omni.diffusion.components import TEXT_ENCODERS
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
-from vllm_omni.diffusion.steppers.state import Conditioning, StepState
+from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
@@ -77,11 +77,13 @@ MODULAR_FAMILIES: dict[str, ModularFamily] = {
 
 def modular_blocks(pipeline) -> Any:
     """The modular blocks of ``pipeline``'s family as diffusers maps a pipeline to them (``XPipeline`` →
-    ``XModularPipeline``, or the variant its config names: a step-distilled FLUX.2 [klein], a two-expert Wan)."""
+    ``XModularPipeline``, or the variant its config names: a step-distilled FLUX.2 [klein], a two-expert Wan); given
+    a class name, its default variant."""
     from diffusers.modular_pipelines.modular_pipeline import MODULAR_PIPELINE_MAPPING
 
-    name = type(pipeline).__name__.removesuffix("Pipeline") + "ModularPipeline"
-    config = dict(pipeline.config)
+    class_name = pipeline if isinstance(pipeline, str) else type(pipeline).__name__
+    name = class_name.removesuffix("Pipeline") + "ModularPipeline"
+    config = None if isinstance(pipeline, str) else dict(pipeline.config)
     for map_fn in MODULAR_PIPELINE_MAPPING.values():
         if map_fn(None) == name:
             name = map_fn(config)
@@ -128,8 +130,11 @@ class RequestComponents:
 class ModularStepState(StepState):
     """A request stepped by its family's modular blocks: `StepState` plus the blocks' own state."""
 
-    blocks: Any = None
+    loop: Any = None
     """The ``BlockState`` of its denoising loop (latents, embeddings, timesteps, position inputs)."""
+    pipeline: PipelineState | None = None
+    """The pipeline state its blocks before the loop left, which its decoder blocks read (Flux.2's ``latent_ids``,
+    LTX's ``num_frames``)."""
     components: RequestComponents | None = None
     """Its view of the pipeline's components."""
 
@@ -154,6 +159,21 @@ def _loop_start(loop, components, state: PipelineState) -> Any:
     except _LoopStarted as started:
         return started.args[0]
     raise ValueError(f"{type(loop).__name__} ran no step: its request has no timesteps")
+
+
+_PARAM_INPUTS = (
+    "height",
+    "width",
+    "num_frames",
+    "num_inference_steps",
+    "num_images_per_prompt",
+    "num_videos_per_prompt",
+)
+"""The block inputs a request's parameters give (`ModularStepper._inputs`) besides its prompts and generator."""
+
+
+def _is_loop(block) -> bool:
+    return isinstance(block, diffusers.modular_pipelines.LoopSequentialPipelineBlocks)
 
 
 def _encodes_text(block) -> bool:
@@ -231,15 +251,19 @@ class ModularStepper(Stepper):
         self.family = MODULAR_FAMILIES[type(pipeline).__name__]
         blocks = modular_blocks(pipeline).get_execution_blocks(prompt="")
         leaves = list(blocks.sub_blocks.values())
-        loop = next(
-            i for i, b in enumerate(leaves) if isinstance(b, diffusers.modular_pipelines.LoopSequentialPipelineBlocks)
-        )
+        loop = next(i for i, b in enumerate(leaves) if _is_loop(b))
         self.loop, self.after = leaves[loop], leaves[loop + 1 :]
         # The encode stage: the blocks that read a text encoder; the rest before the loop start a request.
         self.encode_blocks = [b for b in leaves[:loop] if _encodes_text(b)]
         self.start_blocks = [b for b in leaves[:loop] if not _encodes_text(b)]
         self.encoded = {out.name: out.kwargs_type for b in self.encode_blocks for out in b.intermediate_outputs}
         """What the encode blocks hand on (`Conditioning.blocks`), with the kind of input each is."""
+        self.decoded = [param.name for b in self.after for param in b.inputs if param.name is not None]
+        """What the decoder blocks read."""
+        required = {param.name for param in self.loop.inputs if param.required}
+        self.encodes_negatives = any(name.startswith("negative_") and name in required for name in self.encoded)
+        """Whether its loop takes negative embeddings even unguided (LTX: its guider then ignores them), so that
+        every prompt is encoded with its negative."""
         names = list(self.loop.sub_blocks)
         update = next(i for i, name in enumerate(names) if name.startswith("after_denoiser"))
         self.predict_blocks = [self.loop.sub_blocks[name] for name in names[:update]]
@@ -255,20 +279,29 @@ class ModularStepper(Stepper):
         """The denoiser's first argument, whose length is a call's row count."""
 
     @classmethod
+    def request_mode_previews_refusal(cls, pipeline_name: str) -> str | None:
+        # A preview decodes with the family's decoder blocks; in request mode it has only the latents and the
+        # request's parameters, not what the blocks before the loop made.
+        leaves = list(modular_blocks(pipeline_name).get_execution_blocks(prompt="").sub_blocks.values())
+        given, needs = {"latents", "output_type", *_PARAM_INPUTS}, set()
+        for block in leaves[next(i for i, b in enumerate(leaves) if _is_loop(b)) + 1 :]:
+            needs |= {p.name for p in block.inputs if p.required and p.name not in given}
+            given |= {out.name for out in block.intermediate_outputs}
+        if not needs:
+            return None
+        return f"in execution_mode 'request': its decoder blocks read {', '.join(sorted(needs))}; use 'step'"
+
+    @classmethod
     def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
         return (params.height, params.width, params.num_frames)
 
     def _inputs(self, prompt: str | None, params: OmniDiffusionSamplingParams, seed: int | None) -> dict[str, Any]:
         n = params.num_outputs_per_prompt
+        sizes = (params.height, params.width, params.num_frames, params.num_inference_steps, n, n)
         inputs = {
+            **dict(zip(_PARAM_INPUTS, sizes, strict=True)),
             "prompt": prompt,
             "negative_prompt": params.negative_prompt,
-            "height": params.height,
-            "width": params.width,
-            "num_frames": params.num_frames,
-            "num_inference_steps": params.num_inference_steps,
-            "num_images_per_prompt": n,
-            "num_videos_per_prompt": n,
             "generator": None if seed is None else generators_for(seed, n),
             "output_type": params.output_type,
             **{k: v for k, v in params.extra_args.items() if k in self.family.extra_args},
@@ -302,9 +335,13 @@ class ModularStepper(Stepper):
         """Each prompt through the family's text-encoder blocks, alone (their calls take one request's prompts)."""
         conditionings = []
         for prompt, request in zip(prompts, params, strict=True):
+            components = self._components(request)
+            if self.encodes_negatives:  # a guider that guides, whatever the request's scale
+                components.guider = copy.copy(self.guider)
+                components.guider.enable()
             with torch.no_grad(), self._adapters(text=[request.lora]):
                 inputs = self._inputs(prompt, request, None)
-                state = self._run(self.encode_blocks, self._components(request), PipelineState(), inputs)
+                state = self._run(self.encode_blocks, components, PipelineState(), inputs)
             conditionings.append(Conditioning({}, None, {}, blocks={name: state.get(name) for name in self.encoded}))
         return conditionings
 
@@ -315,23 +352,24 @@ class ModularStepper(Stepper):
             state.set(name, _on_device(value, self.device), self.encoded[name])
         with torch.no_grad():
             state = self._run(self.start_blocks, components, state, self._inputs(None, params, seed))
-            blocks = _loop_start(self.loop, components, state)
+            loop = _loop_start(self.loop, components, state)
         return ModularStepState(
             params=params,
-            latents=blocks.latents,
+            latents=loop.latents,
             noise_scheduler=components.scheduler,
-            timesteps=blocks.timesteps,
+            timesteps=loop.timesteps,
             cond={},
             uncond=None,
             shared={},
-            blocks=blocks,
+            loop=loop,
+            pipeline=state,
             components=components,
         )
 
     def _sub_blocks(self, state: ModularStepState, blocks: list) -> None:
         components = state.components
         for block in blocks:
-            components, state.blocks = block(components, state.blocks, i=state.step, t=state.timestep)
+            components, state.loop = block(components, state.loop, i=state.step, t=state.timestep)
 
     def predict(self, states: list[ModularStepState]) -> list[torch.Tensor]:
         calls = []
@@ -361,21 +399,29 @@ class ModularStepper(Stepper):
         predictions = []
         for state in states:
             self._sub_blocks(state, self.predict_blocks)
-            predictions.append(state.blocks.noise_pred)
+            predictions.append(state.loop.noise_pred)
         return predictions
 
     def advance(self, states: list[ModularStepState], predictions: list[torch.Tensor]) -> None:
         for state, prediction in zip(states, predictions, strict=True):
-            state.blocks.noise_pred = prediction
+            state.loop.noise_pred = prediction
             self._sub_blocks(state, self.update_blocks)
-            state.latents = state.blocks.latents
+            state.latents = state.loop.latents
             state.step += 1
 
-    def decode(self, states: list[StepState]) -> list[list[Any]]:
+    def decode_inputs(self, state: StepState) -> dict[str, Any] | None:
+        """What its decoder blocks read of the request's state besides the latents (`Latents.blocks`)."""
+        made = state.pipeline.values
+        return {name: made[name] for name in self.decoded if name != "latents" and made.get(name) is not None}
+
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
+        """Each request's latents through the family's decoder blocks, alone."""
         outputs = []
         for state in states:
             params = state.params
-            inputs = {"latents": state.latents, "height": params.height, "width": params.width}
-            decoded = self._run(self.after, self.modular, PipelineState(), inputs | {"output_type": params.output_type})
+            known = state.blocks if isinstance(state, Latents) else self.decode_inputs(state)
+            inputs = self._inputs(None, params, None) | (known or {}) | {"latents": state.latents}
+            with torch.no_grad():
+                decoded = self._run(self.after, self.modular, PipelineState(), inputs)
             outputs.append(list(decoded.get("images" if params.num_frames is None else "videos")))
         return outputs

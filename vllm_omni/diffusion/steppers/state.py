@@ -64,6 +64,8 @@ class Latents(_Payload):
     """Its complete sampling parameters (size, frames, output type)."""
     trajectory: Trajectory | None = None
     """What its stochastic sampling recorded, for the final stage's output; ``None``: plain sampling."""
+    blocks: dict[str, Any] | None = None
+    """A family decoded by its modular blocks: what they read besides the latents (`Stepper.decode_inputs`)."""
 
 
 @dataclass(eq=False)
