@@ -14,9 +14,14 @@ with that request's own scheduler and guider. The denoiser calls of all requests
    family's maintainers wrote it (Qwen-Image's norm rescale included);
 4. ``after_denoiser`` (the scheduler's update) runs per request, in `advance`.
 
-The family's knowledge is a table entry (`MODULAR_FAMILIES`): its blocks class and how a request's parameters
-become its guider. Split stages, image tasks, previews and stochastic sampling use the hand-written steppers' state
-and are not offered for these families yet (docs/models.md's family table says so).
+A split pipeline runs the same blocks in three stages: ``encode`` the ones that read a text encoder (what they
+made is `Conditioning.blocks`), ``denoise`` the rest up to the loop and the loop, ``decode`` the blocks after it
+(with what they read of the request's state besides the latents: `Latents.blocks`). Previews decode with those
+blocks too.
+
+The family's blocks are the ones diffusers maps its pipeline class to; what it adds is a table entry
+(`MODULAR_FAMILIES`): how a request's parameters become its guider. Image tasks and stochastic sampling (the
+hand-written steppers' `StepState` fields) are refused for these families in step mode.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from diffusers.modular_pipelines import PipelineState
 
 from vllm_omni.diffusion.components import TEXT_ENCODERS
 from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, concat_rows
 from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
 from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -89,27 +95,6 @@ def modular_blocks(pipeline) -> Any:
             name = map_fn(config)
             break
     return getattr(diffusers, getattr(diffusers, name).default_blocks_name)()
-
-
-class DenoiserCalls:
-    """Stands in for the denoiser in one request's loop sub-blocks (`ModularStepper.predict`): while recording,
-    each call's arguments are kept and answered with zeros shaped like its input; then each call is answered with
-    its rows of the batched forward, in the order it was made. Other attributes are the denoiser's."""
-
-    def __init__(self, denoiser: torch.nn.Module, input_name: str):
-        self._denoiser, self._input = denoiser, input_name
-        self.calls: list[dict[str, Any]] = []
-        self.answers: list[Any] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._denoiser, name)
-
-    def __call__(self, **kwargs: Any) -> tuple[Any]:
-        if self.answers is None:
-            self.calls.append(kwargs)
-            x = kwargs[self._input]
-            return ([torch.zeros_like(e) for e in x] if isinstance(x, list) else torch.zeros_like(x),)
-        return (self.answers.pop(0),)
 
 
 class RequestComponents:
@@ -184,59 +169,6 @@ def _on_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     return [_on_device(v, device) for v in value] if isinstance(value, list) else value
-
-
-def _rows(value: Any, n: int) -> bool:
-    return isinstance(value, list | torch.Tensor) and len(value) == n and not isinstance(value, str)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.equal(b)
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-def _fits(group: list[dict[str, Any]], call: dict[str, Any], n: int, input_name: str) -> bool:
-    """Whether ``call`` (``n`` rows) can join the forward of ``group``: per-row tensors of the same trailing shape
-    and dtype, per-row lists, and every other argument equal."""
-    first = group[0]
-    m = len(first[input_name])
-    if first.keys() != call.keys():
-        return False
-    for name, value in call.items():
-        other = first[name]
-        if _rows(value, n) and _rows(other, m):
-            if isinstance(value, torch.Tensor) != isinstance(other, torch.Tensor):
-                return False
-            if isinstance(value, torch.Tensor) and (value.shape[1:] != other.shape[1:] or value.dtype != other.dtype):
-                return False
-        elif not _same(value, other):
-            return False
-    return True
-
-
-def batched(calls: list[dict[str, Any]], input_name: str) -> list[list[int]]:
-    """The recorded ``calls`` in groups that can share one forward (indices, in order)."""
-    groups: list[list[int]] = []
-    for index, call in enumerate(calls):
-        n = len(call[input_name])
-        group = next((g for g in groups if _fits([calls[i] for i in g], call, n, input_name)), None)
-        if group is None:
-            groups.append([index])
-        else:
-            group.append(index)
-    return groups
-
-
-def _concat(values: list[Any], counts: list[int]) -> Any:
-    first = values[0]
-    if not _rows(first, counts[0]):
-        return first
-    if isinstance(first, torch.Tensor):
-        return torch.cat(values)
-    return [row for value in values for row in value]
 
 
 class ModularStepper(Stepper):
@@ -382,7 +314,7 @@ class ModularStepper(Stepper):
         for group in batched([call for _, call in calls], self.input_name):
             members = [calls[i] for i in group]
             counts = [len(call[self.input_name]) for _, call in members]
-            kwargs = {name: _concat([call[name] for _, call in members], counts) for name in members[0][1]}
+            kwargs = {name: concat_rows([call[name] for _, call in members], counts) for name in members[0][1]}
             adapters = [state.params.lora for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
             caches = [state.cache for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
             for state, _ in members:
