@@ -4,6 +4,7 @@ arguments can be concatenated row-wise."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -16,22 +17,34 @@ class DenoiserCalls:
 
     def __init__(self, denoiser: torch.nn.Module, input_name: str):
         self._denoiser, self._input = denoiser, input_name
+        self._signature = inspect.signature(denoiser.forward)
         self.calls: list[dict[str, Any]] = []
         self.answers: list[Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._denoiser, name)
 
-    def __call__(self, **kwargs: Any) -> tuple[Any]:
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any]:
+        if args:  # a UNet's blocks pass its sample and timestep by position: recorded by name
+            kwargs = dict(self._signature.bind_partial(*args, **kwargs).arguments)
         if self.answers is None:
-            self.calls.append(kwargs)
             x = kwargs[self._input]
+            for name in _TIMESTEPS:  # one timestep for the call's rows (UNet): each row's, to batch other steps
+                if isinstance(kwargs.get(name), torch.Tensor) and kwargs[name].dim() == 0:
+                    kwargs[name] = kwargs[name].expand(len(x))
+            self.calls.append(kwargs)
             return ([torch.zeros_like(e) for e in x] if isinstance(x, list) else torch.zeros_like(x),)
         return (self.answers.pop(0),)
 
 
+_TIMESTEPS = ("timestep", "t")
+"""The denoisers' timestep arguments, which take one value per row as well as one for the whole call."""
+
+
 def _rows(value: Any, n: int) -> bool:
-    return isinstance(value, list | torch.Tensor) and len(value) == n and not isinstance(value, str)
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0 and len(value) == n
+    return isinstance(value, list) and len(value) == n
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -42,23 +55,17 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _fits(group: list[dict[str, Any]], call: dict[str, Any], n: int, input_name: str) -> bool:
-    """Whether ``call`` (``n`` rows) can join the forward of ``group``: per-row tensors of the same trailing shape
-    and dtype, per-row lists, and every other argument equal."""
-    first = group[0]
-    m = len(first[input_name])
-    if first.keys() != call.keys():
-        return False
-    for name, value in call.items():
-        other = first[name]
-        if _rows(value, n) and _rows(other, m):
-            if isinstance(value, torch.Tensor) != isinstance(other, torch.Tensor):
-                return False
-            if isinstance(value, torch.Tensor) and (value.shape[1:] != other.shape[1:] or value.dtype != other.dtype):
-                return False
-        elif not _same(value, other):
-            return False
-    return True
+def _joins(value: Any, n: int, other: Any, m: int) -> bool:
+    """Whether argument ``value`` of a call of ``n`` rows can be put together with ``other`` of one of ``m``: per-row
+    tensors of the same trailing shape and dtype, per-row lists, dicts (UNet's ``added_cond_kwargs``) key by key,
+    and any other argument equal."""
+    if isinstance(value, dict) and isinstance(other, dict):
+        return value.keys() == other.keys() and all(_joins(value[k], n, other[k], m) for k in value)
+    if _rows(value, n) and _rows(other, m):
+        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
+            return value.shape[1:] == other.shape[1:] and value.dtype == other.dtype
+        return not isinstance(value, torch.Tensor) and not isinstance(other, torch.Tensor)
+    return _same(value, other)
 
 
 def batched(calls: list[dict[str, Any]], input_name: str) -> list[list[int]]:
@@ -66,7 +73,7 @@ def batched(calls: list[dict[str, Any]], input_name: str) -> list[list[int]]:
     groups: list[list[int]] = []
     for index, call in enumerate(calls):
         n = len(call[input_name])
-        group = next((g for g in groups if _fits([calls[i] for i in g], call, n, input_name)), None)
+        group = next((g for g in groups if _joins(call, n, calls[g[0]], len(calls[g[0]][input_name]))), None)
         if group is None:
             groups.append([index])
         else:
@@ -78,6 +85,8 @@ def concat_rows(values: list[Any], counts: list[int]) -> Any:
     """One argument of a group's calls (``counts`` rows each) as one forward takes it: per-row tensors and lists
     concatenated, any other argument (equal across the group) once."""
     first = values[0]
+    if isinstance(first, dict):
+        return {k: concat_rows([value[k] for value in values], counts) for k in first}
     if not _rows(first, counts[0]):
         return first
     if isinstance(first, torch.Tensor):

@@ -103,8 +103,9 @@ class RequestComponents:
     denoiser; everything else is the shared pipeline's. The pipeline's properties are read over this view, so that
     what they derive from the guider (``requires_unconditional_embeds``) is the request's."""
 
-    def __init__(self, modular, scheduler, guider, transformer: DenoiserCalls):
-        self._modular, self.scheduler, self.guider, self.transformer = modular, scheduler, guider, transformer
+    def __init__(self, modular, scheduler, guider, denoisers: dict[str, DenoiserCalls]):
+        self._modular, self.scheduler, self.guider = modular, scheduler, guider
+        vars(self).update(denoisers)  # under the denoiser's component name: transformer, unet
 
     def __getattr__(self, name: str) -> Any:
         found = inspect.getattr_static(type(self._modular), name, None)
@@ -205,6 +206,8 @@ class ModularStepper(Stepper):
         self.guider = getattr(pipeline, "guider", None) or ClassifierFreeGuidance()
         """What each request's guider is a copy of: the pipeline's own where it has one."""
         self.modular.update_components(**{k: v for k, v in pipeline.components.items() if v is not None})
+        self.denoiser_name = "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+        """The component the family's blocks call the denoiser by."""
         self.input_name = (
             None if self.denoiser is None else next(iter(inspect.signature(self.denoiser.forward).parameters))
         )
@@ -260,7 +263,7 @@ class ModularStepper(Stepper):
             if scale is None:
                 guider.disable()
         scheduler = fresh_noise_scheduler(self.pipeline, self.card.scheduler_overrides(params))
-        calls = None if self.denoiser is None else DenoiserCalls(self.denoiser, self.input_name)
+        calls = {} if self.denoiser is None else {self.denoiser_name: DenoiserCalls(self.denoiser, self.input_name)}
         return RequestComponents(self.modular, scheduler, guider, calls)
 
     def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
@@ -306,7 +309,7 @@ class ModularStepper(Stepper):
     def predict(self, states: list[ModularStepState]) -> list[torch.Tensor]:
         calls = []
         for state in states:
-            recorder = state.components.transformer
+            recorder = getattr(state.components, self.denoiser_name)
             recorder.calls, recorder.answers = [], None
             self._sub_blocks(state, self.predict_blocks)
             calls += [(state, call) for call in recorder.calls]
@@ -327,7 +330,9 @@ class ModularStepper(Stepper):
                 answers[index] = output[start : start + n]
                 start += n
         for state in states:
-            state.components.transformer.answers = [answers[i] for i, (s, _) in enumerate(calls) if s is state]
+            getattr(state.components, self.denoiser_name).answers = [
+                answers[i] for i, (s, _) in enumerate(calls) if s is state
+            ]
         predictions = []
         for state in states:
             self._sub_blocks(state, self.predict_blocks)
