@@ -45,7 +45,14 @@ from vllm_omni.testing.server import RemoteOmniServer
 from vllm_omni.testing.tiny_models import make_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TASKS = {"flux": "image", "sd": "image", "flux-bench": "image", "wan": "video"}
+TASKS = {
+    "flux": "image",
+    "sd": "image",
+    "flux-bench": "image",
+    "wan": "video",
+    "qwen-image": "image",
+    "z-image": "image",
+}
 DEFAULT_SIZES = {"image": "64x64", "video": "32x32"}
 TARGET_LOAD = 0.8
 TARGETS = (  # (key, description, comparison, threshold)
@@ -333,7 +340,7 @@ def _device() -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="cpu-tiny-step", help="results/<name>.{json,md,png}")
-    parser.add_argument("--families", default="flux", help="comma-separated: flux (images), wan (videos)")
+    parser.add_argument("--families", default="flux", help=f"comma-separated, of {sorted(TASKS)}")
     parser.add_argument("--modes", default="request,step", help="comma-separated execution modes")
     parser.add_argument("--loads", default="0.5,0.8,0.95", help="fractions of the request-mode capacity")
     parser.add_argument("--num-requests", type=int, default=48, help="requests per (mode, load) point")
