@@ -3,7 +3,7 @@ their arguments are put together."""
 
 import torch
 
-from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, concat_rows
+from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, concat_rows, joined
 
 
 def _call(rows: int, text: int, **extra):
@@ -41,3 +41,21 @@ def test_the_stand_in_records_then_answers_in_order():
     stand_in.answers = [torch.full((2, 3), 5.0)]
     (answer,) = stand_in(hidden_states=torch.ones(2, 3), timestep=torch.zeros(2))
     assert answer.eq(5).all() and stand_in.answers == []
+
+
+def test_masked_text_of_other_lengths_is_padded_and_masked_out():
+    """Qwen-Image's text embeddings come with a mask: rows of other lengths share a forward, zero-padded to the
+    longest with the padding masked out, as the stock pipeline pads a batch of prompts."""
+    calls = [
+        {
+            "hidden_states": torch.ones(1, 4, 8),
+            "encoder_hidden_states": torch.ones(1, n, 8),
+            "encoder_hidden_states_mask": torch.ones(1, n, dtype=torch.long),
+        }
+        for n in (3, 5)
+    ]
+    assert batched(calls, "hidden_states") == [[0, 1]]
+    kwargs = joined(calls, [1, 1])
+    assert kwargs["encoder_hidden_states"].shape == (2, 5, 8)
+    assert kwargs["encoder_hidden_states_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert kwargs["encoder_hidden_states"][0, 3:].abs().sum() == 0

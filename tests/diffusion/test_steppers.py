@@ -240,8 +240,8 @@ def test_z_image_steps_through_its_modular_blocks_one_forward_per_step(tiny_z_im
 
 def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image):
     """Qwen-Image guides with true_cfg_scale and a negative prompt, and its blocks rescale the guided prediction to
-    the conditional one's norm; its text lengths differ per prompt, so requests share a forward when they are
-    equal (here B and C: the same prompt and negative prompt)."""
+    the conditional one's norm. Its text embeddings are as long as each prompt and come with a mask, so the rows of
+    different prompts share a forward padded to the longest (as the stock pipeline pads a batch of prompts)."""
     size = {"height": 64, "width": 64}
     cfg = {"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 3.0}}
     rows = _check(
@@ -252,7 +252,7 @@ def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image):
             (1, "C", "a red car", _params(num_inference_steps=3, **size), 3),
         ],
     )
-    assert 2 in rows, "B's and C's conditional rows share a forward"
+    assert rows == [2, 5, 5, 5], "one forward per engine step: A's 2 rows, then B's 2 and C's 1"
 
 
 @pytest.mark.parametrize("family", ["tiny_z_image", "tiny_qwen_image"])

@@ -68,17 +68,56 @@ def _joins(value: Any, n: int, other: Any, m: int) -> bool:
     return _same(value, other)
 
 
+def _masked(call: dict[str, Any]) -> set[str]:
+    """The arguments of ``call`` that come with a ``<name>_mask`` (Qwen-Image's text embeddings), and their masks:
+    these may be padded along their second dimension, as the stock pipelines pad a batch of prompts."""
+    names = {
+        n for n, v in call.items() if isinstance(v, torch.Tensor) and isinstance(call.get(f"{n}_mask"), torch.Tensor)
+    }
+    return names | {f"{name}_mask" for name in names}
+
+
+def _call_joins(call: dict[str, Any], n: int, other: dict[str, Any], m: int) -> bool:
+    if call.keys() != other.keys():
+        return False
+    masked = _masked(call)
+    for name, value in call.items():
+        if name in masked and name in _masked(other):
+            if value.shape[2:] != other[name].shape[2:] or value.dtype != other[name].dtype:
+                return False
+        elif not _joins(value, n, other[name], m):
+            return False
+    return True
+
+
 def batched(calls: list[dict[str, Any]], input_name: str) -> list[list[int]]:
     """The recorded ``calls`` in groups that can share one forward (indices, in order)."""
     groups: list[list[int]] = []
     for index, call in enumerate(calls):
         n = len(call[input_name])
-        group = next((g for g in groups if _joins(call, n, calls[g[0]], len(calls[g[0]][input_name]))), None)
+        group = next((g for g in groups if _call_joins(call, n, calls[g[0]], len(calls[g[0]][input_name]))), None)
         if group is None:
             groups.append([index])
         else:
             group.append(index)
     return groups
+
+
+def joined(calls: list[dict[str, Any]], counts: list[int]) -> dict[str, Any]:
+    """The arguments of one forward for a group of ``calls`` (``counts`` rows each): masked arguments padded with
+    zeros (masked out) to the longest, then each argument put together (`concat_rows`)."""
+    masked = _masked(calls[0])
+    longest = {name: max(call[name].shape[1] for call in calls) for name in masked}
+    padded = [
+        {
+            name: torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, longest[name] - value.shape[1]))
+            if name in masked
+            else value
+            for name, value in call.items()
+        }
+        for call in calls
+    ]
+    return {name: concat_rows([call[name] for call in padded], counts) for name in calls[0]}
 
 
 def concat_rows(values: list[Any], counts: list[int]) -> Any:

@@ -40,7 +40,7 @@ from diffusers.modular_pipelines import PipelineState
 
 from vllm_omni.diffusion.components import TEXT_ENCODERS
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, concat_rows
+from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, joined
 from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
 from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -317,7 +317,7 @@ class ModularStepper(Stepper):
         for group in batched([call for _, call in calls], self.input_name):
             members = [calls[i] for i in group]
             counts = [len(call[self.input_name]) for _, call in members]
-            kwargs = {name: concat_rows([call[name] for _, call in members], counts) for name in members[0][1]}
+            kwargs = joined([call for _, call in members], counts)
             adapters = [state.params.lora for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
             caches = [state.cache for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
             for state, _ in members:
