@@ -322,3 +322,36 @@ def test_more_modular_families_join_at_different_steps(family, call, request):
         want = np.asarray(out.frames if video else out.images)[0]
         worst = np.abs(np.round(np.asarray(outputs[name][0], dtype=np.float64) * 255) - np.round(want * 255)).max()
         assert worst <= 2, f"{family} {name}: worst pixel difference {worst}/255"
+
+
+def test_z_image_steps_requests_with_different_adapters_in_one_forward(tiny_z_image, tmp_path):
+    """Per-row LoRA through the modular stepper: requests with adapter a at 0.8, adapter b and none share each
+    step's forward, and each equals the stock pipeline with its adapters alone."""
+    from vllm_omni.diffusion.lora import LoraAdapters
+    from vllm_omni.sampling_params import LoraSelection
+    from vllm_omni.testing.lora import stock_lora_images, write_random_lora
+
+    files = {
+        name: write_random_lora(tiny_z_image, str(tmp_path / name), seed=seed) for name, seed in (("a", 1), ("b", 2))
+    }
+    pipeline = load_pipeline(tiny_z_image, torch.float32, CPU)
+    stepper = make_stepper(pipeline, CPU)
+    stepper.lora = LoraAdapters(pipeline, max_loras=2, max_lora_rank=4)
+    for name, path in files.items():
+        stepper.lora.load(name, path)
+    call = {"height": 64, "width": 64, "num_inference_steps": 3, "guidance_scale": 2.0}
+    weights = {"A": {"a": 0.8}, "B": {"b": 1.0}, "C": {}}
+    script = [
+        (0, "A", "a cat", _params(**call, lora=[LoraSelection(name="a", scale=0.8)]), 1),
+        (1, "B", "a dog", _params(**call, lora=[LoraSelection(name="b")]), 2),
+        (1, "C", "a cow", _params(**call), 3),
+    ]
+    outputs, largest = run_joined(stepper, script)
+    assert largest == 3
+    for _, name, prompt, _, seed in script:
+        adapters = {k: files[k] for k in weights[name]}
+        stock = stock_lora_images(tiny_z_image, adapters, weights[name], prompt, seed=seed, output_type="np", **call)
+        want = np.asarray(stock.images)
+        assert np.abs(np.asarray(outputs[name][0]) - want[0]).max() * 255 <= 2, name
+    plain = np.asarray(stock_lora_images(tiny_z_image, {}, {}, "a cat", seed=1, output_type="np", **call).images)[0]
+    assert np.abs(np.asarray(outputs["A"][0]) - plain).max() * 255 > 10, "adapter a does not change the image"
