@@ -83,6 +83,27 @@ def test_each_backend_matches_stock_diffusers_alone_and_in_a_batch_of_four(tiny_
     assert np.abs(_pixels(first) - uncached).max() > 0  # the cache changed what was computed
 
 
+def test_a_modular_family_skips_per_request_in_step_mode(tiny_qwen_image):
+    """Qwen-Image, stepped by its modular blocks (`vllm_omni.diffusion.steppers.modular`): in a batch of four, each
+    request skips what it skips alone, and each image is stock diffusers' with the same cache config, alone."""
+    options = BACKENDS["first_block"]
+    want = [_stock(tiny_qwen_image, prompt, seed, "first_block", options) for seed, prompt in enumerate(PROMPTS)]
+    knobs = {"execution_mode": "step", "cache_backend": "first_block", "cache_config": options}
+    with Omni(tiny_qwen_image, max_num_seqs=4, **knobs) as omni:
+        skipped_alone = []
+        for seed, prompt in enumerate(PROMPTS):
+            before = _skipped(omni)
+            assert np.abs(_pixels(omni.generate([prompt], [_params(seed)])[0]) - want[seed]).max() <= 2
+            skipped_alone.append(_skipped(omni) - before)
+        before = _skipped(omni)
+        batched = run_together(omni, list(zip(PROMPTS, [_params(seed) for seed in range(4)])), "modular")
+        skipped_batched = _skipped(omni) - before
+    assert [o.metrics["batch_size"] for o in batched] == [4.0] * 4
+    assert min(skipped_alone) > 0 and skipped_batched == sum(skipped_alone)
+    for output, expected in zip(batched, want, strict=True):
+        assert np.abs(_pixels(output) - expected).max() <= 2
+
+
 def test_a_request_that_opts_out_runs_every_block_beside_cached_ones(tiny_flux):
     options = BACKENDS["first_block"]
     with Omni(tiny_flux, max_num_seqs=2, cache_backend="first_block", cache_config=options) as omni:
