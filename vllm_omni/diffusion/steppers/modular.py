@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -214,6 +215,7 @@ class ModularStepper(Stepper):
         """The denoiser's first argument, whose length is a call's row count."""
 
     @classmethod
+    @functools.cache  # read at each admission that asks for previews; the blocks of a class never change
     def request_mode_previews_refusal(cls, pipeline_name: str) -> str | None:
         # A preview decodes with the family's decoder blocks; in request mode it has only the latents and the
         # request's parameters, not what the blocks before the loop made.
