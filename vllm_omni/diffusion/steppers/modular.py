@@ -134,13 +134,19 @@ def _raise_at_first_step(components, block_state, **_: Any):
     raise _LoopStarted(block_state)
 
 
+def _fill(block, state: PipelineState, inputs: dict[str, Any]) -> None:
+    """Each input ``block`` names that ``state`` does not hold yet, from ``inputs`` or its default, as
+    ``ModularPipeline.__call__`` fills the state."""
+    for param in block.inputs:
+        if param.name is not None and param.name not in state.values:
+            state.set(param.name, inputs.get(param.name, param.default), param.kwargs_type)
+
+
 def _loop_start(loop, components, state: PipelineState) -> Any:
     """The ``BlockState`` of ``loop`` as its own ``__call__`` has it at its first step: the wrapper's set-up before
     its loop (Qwen-Image's ``additional_cond_kwargs``) is the family's, so it runs, and the loop is the engine's."""
     loop.loop_step = _raise_at_first_step  # this stepper's own instance of the family's loop block
-    for param in loop.inputs:  # as ModularPipeline.__call__ fills in what no block before the loop set
-        if param.name is not None and param.name not in state.values:
-            state.set(param.name, param.default, param.kwargs_type)
+    _fill(loop, state, {})
     try:
         loop(components, state)
     except _LoopStarted as started:
@@ -250,9 +256,7 @@ class ModularStepper(Stepper):
         """``blocks`` in order on ``state``, with each input they name that is not set yet taken from ``inputs`` or
         its default (as ``ModularPipeline.__call__`` fills the state)."""
         for block in blocks:
-            for param in block.inputs:
-                if param.name is not None and param.name not in state.values:
-                    state.set(param.name, inputs.get(param.name, param.default), param.kwargs_type)
+            _fill(block, state, inputs)
             components, state = block(components, state)
         return state
 
