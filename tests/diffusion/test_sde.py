@@ -131,7 +131,17 @@ def _rollouts(model: str, mode: str, **extra):
     return batched, alone
 
 
-@pytest.mark.parametrize(("family", "extra"), [("sd3", {}), ("flux", {}), ("wan", {"sde_type": "dance_sde"})])
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [
+        ("sd3", {}),
+        ("flux", {}),
+        ("wan", {"sde_type": "dance_sde"}),
+        ("qwen_image", {}),  # stepped by its modular blocks
+        ("z_image", {"sde_type": "cps"}),  # modular blocks, guided
+        ("flux2", {"sde_type": "dance_sde"}),
+    ],
+)
 def test_a_trajectory_does_not_depend_on_the_batch_or_the_mode(request, family, extra):
     model = request.getfixturevalue(f"tiny_{family}")
     by_mode = {mode: _rollouts(model, mode, **extra) for mode in ("request", "step")}
@@ -152,7 +162,9 @@ def test_a_trajectory_does_not_depend_on_the_batch_or_the_mode(request, family, 
         }
 
 
-def test_split_stages_hand_the_trajectory_to_the_final_output(tiny_sd3):
+@pytest.mark.parametrize("family", ["sd3", "qwen_image"])
+def test_split_stages_hand_the_trajectory_to_the_final_output(request, family):
+    model = request.getfixturevalue(f"tiny_{family}")
     from vllm_omni.config import DeployConfig, StageDeployConfig
 
     deploy = DeployConfig(
@@ -162,9 +174,9 @@ def test_split_stages_hand_the_trajectory_to_the_final_output(tiny_sd3):
             StageDeployConfig(stage_id=2, stage_type="decode", inputs=[1]),
         ]
     )
-    with Omni(model=tiny_sd3, deploy_config=deploy) as omni:
+    with Omni(model=model, deploy_config=deploy) as omni:
         split = omni.generate(PROMPTS[1], _params(12))[0]
-    with Omni(model=tiny_sd3) as omni:
+    with Omni(model=model) as omni:
         whole = omni.generate(PROMPTS[1], _params(12))[0]
     _same_trajectory(split, whole)
 

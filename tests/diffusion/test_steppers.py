@@ -284,8 +284,6 @@ def test_modular_families_refuse_what_their_blocks_are_not_run_for(tiny_z_image)
     pipeline = _load(tiny_z_image)
     assert isinstance(make_stepper(pipeline, CPU), ModularStepper)
     admission = DiffusionRole.admission("step", ModelCard.of(pipeline))
-    with pytest.raises(SamplingParamsError, match="'sde_type' is not supported by ZImagePipeline in execution_mode"):
-        admission.admit(_params(height=64, width=64, extra_args={"sde_type": "sde"}))
     with pytest.raises(SamplingParamsError, match="image is not supported by ZImagePipeline in execution_mode"):
         admission.admit(_params(height=64, width=64, image=[Image.new("RGB", (64, 64))]))
 

@@ -3,8 +3,8 @@
 A request that sets ``sde_type``, ``noise_level``, ``sde_window_size`` / ``sde_window_range`` or ``logprobs`` in
 ``extra_args`` (verl-omni's names) gets an `SdeSampler`: its own generator, its window, and the `Trajectory` it
 records. Each of its steps is `SdeSampler.step`, per request and in float32, wherever the step is taken: around
-the pipeline's ``scheduler.step`` in request mode (`sde_sampling`), and in `FlowMatchStepper.advance` in step
-mode and in a split ``denoise`` stage. So a request's trajectory depends on its seed and settings alone, not on
+the pipeline's ``scheduler.step`` in request mode (`sde_sampling`), and in `FlowMatchStepper.advance` and
+`ModularStepper.advance` in step mode and in a split ``denoise`` stage. So a request's trajectory depends on its seed and settings alone, not on
 the batch it ran in or the mode.
 
 With σ the current sigma, σ' the next, Δ = σ' − σ, v the guided velocity, x the latents and ε ~ N(0, I):
@@ -230,10 +230,11 @@ class SdeSampler:
 
     def record_embeds(self, cond: dict[str, torch.Tensor], uncond: dict[str, torch.Tensor] | None) -> None:
         """Keep the text inputs of the request's rows that the denoiser sees (unconditional ones as
-        ``negative_*``), by the pipeline argument names of `EMBEDDING_NAMES`."""
+        ``negative_*``), by the pipeline argument names of `EMBEDDING_NAMES`. A mask that masks nothing is left
+        out: it is the same input as none, which stock Qwen-Image passes then and its modular blocks do not."""
         for rows, prefix in ((cond, ""), (uncond or {}, "negative_")):
             for key, name in EMBEDDING_NAMES.items():
-                if rows.get(key) is not None:
+                if rows.get(key) is not None and not (key.endswith("_mask") and bool(rows[key].all())):
                     self.prompt_embeds[prefix + name] = rows[key].detach().float().cpu()
 
     def trajectory(self) -> Trajectory:
@@ -271,7 +272,7 @@ def sde_sampling(pipeline, batch: list[DiffusionRequest]) -> Iterator[list[SdeSa
         nonlocal stepped
         if not stepped:
             stepped = True
-            _record_first_step(found, seen, n)
+            record_first_step(found, seen, n)
         index = schedule_index(scheduler, timestep)
         result = step(model_output, timestep, sample, *args, **kwargs)
         prev = result[0] if isinstance(result, tuple) else result.prev_sample
@@ -304,7 +305,7 @@ def sde_sampling(pipeline, batch: list[DiffusionRequest]) -> Iterator[list[SdeSa
         hook.remove()
 
 
-def _record_first_step(found: list[SdeSampler | None], seen: list[dict[str, torch.Tensor]], n: int) -> None:
+def record_first_step(found: list[SdeSampler | None], seen: list[dict[str, torch.Tensor]], n: int) -> None:
     """Each sampler's text inputs from the denoiser calls of the first step, as diffusers' pipelines make them:
     one call with twice the rows is ``[uncond, cond]`` (SD3's classifier-free guidance), two calls are the
     conditional then the unconditional one (true CFG of Flux and Qwen-Image, Wan), one call of the rows alone has
@@ -353,6 +354,6 @@ def check_sde(card, params: OmniDiffusionSamplingParams) -> None:
         raise _error(
             key,
             f"stochastic sampling ({', '.join(sorted(SDE_ARGS))}) replaces the steps of FlowMatchEulerDiscreteScheduler "
-            f"(Flux, SD3, Wan, Qwen-Image); {card.pipeline_name}'s scheduler is another",
+            f"(Flux, SD3, Wan, Qwen-Image, Z-Image, FLUX.2, LTX, HunyuanVideo 1.5); {card.pipeline_name}'s scheduler is another",
         )
     settings.check_steps(params.num_inference_steps)

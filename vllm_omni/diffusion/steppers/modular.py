@@ -19,9 +19,13 @@ made is `Conditioning.blocks`), ``denoise`` the rest up to the loop and the loop
 (with what they read of the request's state besides the latents: `Latents.blocks`). Previews decode with those
 blocks too.
 
+A request that samples stochastically (``sde_type``, RL rollouts) takes its `SdeSampler.step` after the family's
+update: the update keeps the scheduler's own step index, and in the request's window the sampler's latents replace
+the Euler step's, as request mode's `sde_sampling` replaces them around the stock pipeline's ``scheduler.step``.
+
 The family's blocks are the ones diffusers maps its pipeline class to; what it adds is a table entry
-(`MODULAR_FAMILIES`): how a request's parameters become its guider. Image tasks and stochastic sampling (the
-hand-written steppers' `StepState` fields) are refused for these families in step mode.
+(`MODULAR_FAMILIES`): how a request's parameters become its guider. Image tasks (the hand-written steppers'
+``image`` and ``inpaint``) are refused for these families in step mode.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from diffusers.modular_pipelines import PipelineState
 
 from vllm_omni.diffusion.components import TEXT_ENCODERS
 from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.pipeline_facts import schedule_index
+from vllm_omni.diffusion.sde import EMBEDDING_NAMES, SDE_ARGS, record_first_step
 from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, joined
 from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
 from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
@@ -184,7 +190,7 @@ class ModularStepper(Stepper):
 
     pipeline_classes = tuple(MODULAR_FAMILIES)
     preview_method = "vae"  # its latents are the family's packed layout, which only its decoder blocks unpack
-    extra_args = frozenset().union(*(f.extra_args for f in MODULAR_FAMILIES.values()))
+    extra_args = SDE_ARGS.union(*(f.extra_args for f in MODULAR_FAMILIES.values()))
 
     def __init__(self, pipeline, device: torch.device):
         super().__init__(pipeline, device)
@@ -237,6 +243,10 @@ class ModularStepper(Stepper):
     @classmethod
     def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
         return (params.height, params.width, params.num_frames)
+
+    @classmethod
+    def encode_key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
+        return ()  # `encode` runs each request's blocks alone, with its own guider: any requests share a batch
 
     def _inputs(self, prompt: str | None, params: OmniDiffusionSamplingParams, seed: int | None) -> dict[str, Any]:
         n = params.num_outputs_per_prompt
@@ -319,6 +329,9 @@ class ModularStepper(Stepper):
             recorder.calls, recorder.answers = [], None
             self._sub_blocks(state, self.predict_blocks)
             calls += [(state, call) for call in recorder.calls]
+            if state.sde is not None and state.step == 0:  # the text inputs its denoiser sees, as request mode
+                seen = [{k: v for k, v in call.items() if k in EMBEDDING_NAMES} for call in recorder.calls]
+                record_first_step([state.sde], seen, state.params.num_outputs_per_prompt)
         answers: list[Any] = [None] * len(calls)
         for group in batched([call for _, call in calls], self.input_name):
             members = [calls[i] for i in group]
@@ -347,8 +360,14 @@ class ModularStepper(Stepper):
 
     def advance(self, states: list[ModularStepState], predictions: list[torch.Tensor]) -> None:
         for state, prediction in zip(states, predictions, strict=True):
+            x, scheduler = state.loop.latents, state.components.scheduler
+            index = schedule_index(scheduler, state.timestep)
             state.loop.noise_pred = prediction
             self._sub_blocks(state, self.update_blocks)
+            if state.sde is not None:
+                taken = state.sde.step(x, prediction, state.timestep, scheduler.sigmas, index)
+                if taken is not None:
+                    state.loop.latents = taken.to(state.loop.latents.dtype)
             state.latents = state.loop.latents
             state.step += 1
 
