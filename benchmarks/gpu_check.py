@@ -2,7 +2,7 @@
 Poisson load, and the speed knobs against none on the flux-bench model. One command; writes JSON and markdown.
 
     python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
-        [--families flux,sd3,wan,sd,sdxl] [--engine-families flux,wan] [--skip-engine] [--skip-poisson]
+        [--families flux,sd3,wan,sd,sdxl,qwen-image,z-image,flux2,ltx,hunyuan-video-1.5] [--engine-families flux,wan] [--skip-engine] [--skip-poisson]
         [--skip-speed-knobs] [--speed-knobs-args '...'] [--skip-quantization] [--quantization-args '...'] [--quick]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
@@ -47,6 +47,10 @@ Pass bars (worst pixel difference against the stock pipeline alone):
   for the stock pipeline batched). A worse result still passes when the stock pipeline batched moves pixels as
   far: step mode cannot be held closer to the stock pipeline than request-mode batching is. A flow-matching
   update that rounds differently from the scheduler's ``step`` is far outside it (42–48 levels on tiny Wan).
+  The families stepped by their diffusers modular blocks may also be as far as those blocks run alone by
+  diffusers' ``ModularPipeline`` are from the stock pipeline (*blocks alone*): Z-Image's blocks cast the timestep
+  to the model's dtype where ``ZImagePipeline`` keeps it in float32, 16/255 in bfloat16 on the CPU, where step
+  mode equals the blocks alone.
 
 Exit code 1 when a stepper or engine check fails (or raises), 2 on bad arguments (e.g. ``--device cuda`` without
 CUDA); the Poisson and speed-knob parts never change it. ``--quick``: those parts with their own smoke settings
@@ -74,10 +78,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # this checkout's vllm_omni, installed or not
     sys.path.insert(0, ROOT)
-FAMILIES = ("flux", "sd3", "wan", "sd", "sdxl")
+FAMILIES = ("flux", "sd3", "wan", "sd", "sdxl", "qwen-image", "z-image", "flux2", "ltx", "hunyuan-video-1.5")
+"""The hand-written steppers' families, then those stepped by their diffusers modular blocks (`ModularStepper`)."""
 DTYPES = ("float32", "bfloat16", "float16")
 BARS = {"float32": 2, "bfloat16": 16, "float16": 16}
-"""Worst pixel difference (0-255) allowed per dtype; half dtypes allow at least the stock pipeline's own."""
+"""Worst pixel difference (0-255) allowed per dtype; half dtypes allow at least the stock pipeline's own batched
+difference and a modular family's blocks' own difference."""
 
 
 @dataclass
@@ -170,6 +176,62 @@ SCRIPTS: dict[str, Script] = {
     ),
 }
 SCRIPTS["sdxl"] = SCRIPTS["sd3"]
+# The modular families: each request runs its family's blocks with its own scheduler and guider, and the step's
+# denoiser calls are one forward (Qwen-Image: masked prompts of different lengths padded into it).
+SCRIPTS |= {
+    "qwen-image": Script(
+        [
+            Request(0, "A", "a photo of a cat", _image(num_inference_steps=6), 1),
+            Request(
+                2,
+                "B",
+                "a red car parked in the rain",
+                _image(num_inference_steps=4, negative_prompt="a dog", extra_args={"true_cfg_scale": 4.0}),
+                2,
+            ),
+            Request(3, "C", "a blue house", _image(num_inference_steps=5, num_outputs_per_prompt=2), 3),
+        ]
+    ),
+    "z-image": Script(
+        [
+            Request(0, "A", "a photo of a cat", _image(num_inference_steps=6, guidance_scale=0.0), 1),
+            Request(2, "B", "a red car", _image(num_inference_steps=4, guidance_scale=3.0, negative_prompt="a dog"), 2),
+            Request(3, "C", "a blue house", _image(num_inference_steps=5, guidance_scale=2.0), 3),
+        ]
+    ),
+    "flux2": Script(  # the tiny [klein] is step-distilled: its blocks have no guider
+        [
+            Request(0, "A", "a photo of a cat", _image(num_inference_steps=5, guidance_scale=1.0), 1),
+            Request(1, "B", "a red car", _image(num_inference_steps=3, guidance_scale=1.0), 2),
+            Request(
+                2, "C", "a blue house", _image(num_inference_steps=4, guidance_scale=1.0, num_outputs_per_prompt=2), 3
+            ),
+        ]
+    ),
+    "ltx": Script(
+        [
+            Request(0, "A", "a photo of a cat", _video(num_frames=9, num_inference_steps=5, guidance_scale=1.0), 1),
+            Request(
+                1,
+                "B",
+                "a red car",
+                _video(num_frames=9, num_inference_steps=4, guidance_scale=3.0, negative_prompt="blurry"),
+                2,
+            ),
+            Request(2, "C", "a blue house", _video(num_frames=9, num_inference_steps=3, guidance_scale=1.0), 3),
+        ]
+    ),
+    # Guided by its own guider component. Its VAE cannot decode two videos in one call in diffusers 0.42, so its
+    # stock reference is not batched.
+    "hunyuan-video-1.5": Script(
+        [
+            Request(0, "A", "a photo of a cat", _video(num_inference_steps=4), 1),
+            Request(1, "B", "a red car", _video(num_inference_steps=3), 2),
+            Request(2, "C", "a blue house", _video(num_inference_steps=3), 3),
+        ],
+        reference_fillers=[],
+    ),
+}
 
 # Through the engine: more requests than slots (max_num_seqs 3), so the later ones join while others run.
 ENGINE_SLOTS = 3
@@ -240,10 +302,10 @@ def pixel_diff(got, want) -> tuple[float, float]:
     return worst, mean
 
 
-def bar_for(dtype: str, reference_worst: float | None) -> float:
+def bar_for(dtype: str, reference_worst: float | None, blocks_worst: float | None = None) -> float:
     if dtype == "float32":  # batching must not move float32 pixels, whatever the stock pipeline does
         return BARS[dtype]
-    return max(BARS[dtype], reference_worst or 0.0)
+    return max(BARS[dtype], reference_worst or 0.0, blocks_worst or 0.0)
 
 
 def sampling_params(params: dict[str, Any]):
@@ -267,11 +329,12 @@ def stock(pipeline, prompts: list[str], params, seeds: list[int]):
         height=params.height,
         width=params.width,
         num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale,
         output_type="np",
         generator=generators,
         **params.extra_args,
     )
+    if params.guidance_scale is not None:  # unset: the pipeline's own default (HunyuanVideo 1.5 takes none)
+        kwargs["guidance_scale"] = params.guidance_scale
     if params.negative_prompt is not None:
         kwargs["negative_prompt"] = (
             [params.negative_prompt] * len(prompts) if len(prompts) > 1 else params.negative_prompt
@@ -280,6 +343,23 @@ def stock(pipeline, prompts: list[str], params, seeds: list[int]):
         if params.num_frames is not None:
             return np.asarray(pipeline(**kwargs, num_frames=params.num_frames, num_videos_per_prompt=n).frames)
         return np.asarray(pipeline(**kwargs, num_images_per_prompt=n).images)
+
+
+def blocks_alone(stepper, prompt: str, params, seed: int):
+    """A modular family's blocks run alone for one request by diffusers' own ``ModularPipeline.__call__`` (a
+    pipeline of their own on the stepper's components), with the request's guider and block inputs: what step mode
+    computes before any batching. Returns floats in [0, 1] like `stock`."""
+    import numpy as np
+    import torch
+
+    from vllm_omni.diffusion.steppers.modular import modular_blocks
+
+    modular = modular_blocks(stepper.pipeline).init_pipeline()
+    components = {k: v for k, v in stepper.pipeline.components.items() if v is not None}
+    modular.update_components(**(components | {"guider": stepper._components(params).guider}))
+    with torch.inference_mode():
+        state = modular(**stepper._inputs(prompt, params, seed))
+    return np.asarray(state.get("images" if params.num_frames is None else "videos"))
 
 
 def _synchronize(device) -> None:
@@ -305,28 +385,48 @@ def check_steppers(family: str, model: str, dtype_name: str, device) -> dict[str
     outputs, largest = run_joined(stepper, joins)
     _synchronize(device)
     step_s = time.perf_counter() - started
+    # A modular family's blocks alone, for their own difference from the stock pipeline (they run on the stepper's
+    # pipeline, which the stock reference below does not).
+    blocks, blocks_error = {}, None
+    if hasattr(stepper, "modular"):
+        try:
+            blocks = {
+                r.name: blocks_alone(stepper, r.prompt, sampling_params(r.params), r.seed) for r in script.requests
+            }
+        except Exception as e:  # noqa: BLE001 - diffusers' LTX blocks need negative embeddings even unguided
+            blocks_error = f"{type(e).__name__}: {e}"
     # The stepper may change the pipeline for good (UNetStepper upcasts a float16 force_upcast VAE): the stock
     # reference runs on a pipeline of its own, as loaded.
     del stepper, pipeline
     pipeline = load_pipeline(model, getattr(torch, dtype_name), device)
-    requests, worst, mean, ref_worst, ref_mean = [], 0.0, 0.0, 0.0, 0.0
+    requests, worst, mean, ref_worst, ref_mean, blocks_worst = [], 0.0, 0.0, 0.0, 0.0, 0.0
+    fillers = script.reference_fillers
     for r in script.requests:
         params = sampling_params(r.params)
         n = params.num_outputs_per_prompt
         alone = stock(pipeline, [r.prompt], params, [r.seed])
         w, m = pixel_diff(outputs[r.name], alone)
-        fillers = script.reference_fillers
-        batched = stock(pipeline, [r.prompt, *fillers], params, [r.seed] + [100 + i for i in range(len(fillers))])
-        rw, rm = pixel_diff(batched[:n], alone)
-        requests.append({"name": r.name, "worst": w, "mean": round(m, 6), "reference_worst": rw})
-        worst, mean, ref_worst, ref_mean = max(worst, w), max(mean, m), max(ref_worst, rw), max(ref_mean, rm)
+        rw = rm = None
+        if fillers:
+            seeds = [r.seed] + [100 + i for i in range(len(fillers))]
+            rw, rm = pixel_diff(stock(pipeline, [r.prompt, *fillers], params, seeds)[:n], alone)
+            ref_worst, ref_mean = max(ref_worst, rw), max(ref_mean, rm)
+        request = {"name": r.name, "worst": w, "mean": round(m, 6), "reference_worst": rw}
+        if blocks:
+            request["blocks_worst"] = pixel_diff(blocks[r.name], alone)[0]
+            request["worst_vs_blocks"] = pixel_diff(outputs[r.name], blocks[r.name])[0]
+            blocks_worst = max(blocks_worst, request["blocks_worst"])
+        requests.append(request)
+        worst, mean = max(worst, w), max(mean, m)
     del pipeline
     return {
         "largest_forward": largest,
         "worst": worst,
         "mean": round(mean, 6),
-        "reference_worst": ref_worst,
-        "reference_mean": round(ref_mean, 6),
+        "reference_worst": ref_worst if fillers else None,  # None: no stock batched reference for this family
+        "reference_mean": round(ref_mean, 6) if fillers else None,
+        "blocks_worst": blocks_worst if blocks else None,  # None: a hand-written stepper, or blocks_error
+        **({"blocks_error": blocks_error} if blocks_error else {}),
         "requests": requests,
         "step_mode_s": round(step_s, 3),
     }
@@ -537,15 +637,16 @@ def run_speed_knobs(args) -> dict[str, Any]:
 def _row_line(row: dict[str, Any]) -> str:
     if row.get("error"):
         return (
-            f"| {row['check']} | {row['family']} | {row['dtype']} | – | – | – | – | ≤ {row.get('bar', '–')} | "
+            f"| {row['check']} | {row['family']} | {row['dtype']} | – | – | – | – | – | ≤ {row.get('bar', '–')} | "
             f"**ERROR** {row['error'].splitlines()[-1][:150]} |"
         )
-    ref = row.get("reference_worst")
+    ref, blocks = row.get("reference_worst"), row.get("blocks_worst")
     largest = row["largest_forward"]
     largest = f"{largest:.2f} (mean)" if row.get("largest_is_mean") else str(largest)
     return (
         f"| {row['check']} | {row['family']} | {row['dtype']} | {largest} | {row['worst']:.0f} | {row['mean']:.4f} "
-        f"| {'–' if ref is None else f'{ref:.0f}'} | ≤ {row['bar']:.0f} | {'PASS' if row['pass'] else '**FAIL**'} |"
+        f"| {'–' if ref is None else f'{ref:.0f}'} | {'–' if blocks is None else f'{blocks:.0f}'} "
+        f"| ≤ {row['bar']:.0f} | {'PASS' if row['pass'] else '**FAIL**'} |"
     )
 
 
@@ -569,10 +670,14 @@ def markdown(summary: dict[str, Any]) -> str:
         "Worst pixel difference over the check's requests (0-255 levels, both rounded to 8 bits) and the largest "
         "mean absolute difference of one request; *stock batched* is the stock pipeline's own worst difference "
         "between one request batched with three others and the request alone (request mode's batching). Largest "
-        "forward: most requests in one denoiser forward (engine: the highest of the requests' mean batch).",
+        "forward: most requests in one denoiser forward (engine: the highest of the requests' mean batch). *Blocks "
+        "alone* (the families stepped by their diffusers modular blocks): the worst difference between those "
+        "blocks run alone by diffusers' `ModularPipeline` and the stock pipeline alone, which step mode cannot "
+        "be held under in a half dtype.",
         "",
-        "| check | family | dtype | largest forward | worst | mean | stock batched worst | bar | result |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| check | family | dtype | largest forward | worst | mean | stock batched worst | blocks alone worst | bar "
+        "| result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row_line(row) for row in summary["correctness"]]
     poisson = summary.get("poisson")
@@ -751,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
                             if (r["check"], r["family"], r["dtype"]) == ("steppers", family, dtype_name)
                         ]
                         row["reference_worst"] = mine[0].get("reference_worst") if mine else None
-                    row["bar"] = bar_for(dtype_name, row.get("reference_worst"))
+                    row["bar"] = bar_for(dtype_name, row.get("reference_worst"), row.get("blocks_worst"))
                     row["pass"] = row["worst"] <= row["bar"]
                 except Exception:  # noqa: BLE001 - a check that raises fails, the others still run
                     row |= {"pass": False, "error": traceback.format_exc(limit=8)}

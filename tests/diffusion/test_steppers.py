@@ -277,6 +277,19 @@ def test_modular_split_stages_equal_step_mode(family, request):
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
 
 
+def test_a_modular_stepper_leaves_the_familys_blocks_as_diffusers_runs_them(tiny_qwen_image):
+    """The stepper stops its copy of the loop block at the first step; diffusers' block classes share their
+    sub-blocks, so a pipeline of the same family built after it must still run its loop."""
+    from vllm_omni.diffusion.steppers.modular import modular_blocks
+
+    pipeline = _load(tiny_qwen_image)
+    make_stepper(pipeline, CPU).prepare("a cat", _params(height=64, width=64, num_inference_steps=2), 1)
+    modular = modular_blocks(pipeline).init_pipeline()
+    modular.update_components(**{k: v for k, v in pipeline.components.items() if v is not None})
+    state = modular(prompt="a cat", height=64, width=64, num_inference_steps=2, output_type="np")
+    assert np.asarray(state.get("images")).shape == (1, 64, 64, 3)
+
+
 def test_modular_families_refuse_what_their_blocks_are_not_run_for(tiny_z_image):
     from vllm_omni.diffusion.roles import DiffusionRole
     from vllm_omni.diffusion.steppers import ModularStepper

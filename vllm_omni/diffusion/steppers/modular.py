@@ -151,7 +151,7 @@ def _fill(block, state: PipelineState, inputs: dict[str, Any]) -> None:
 def _loop_start(loop, components, state: PipelineState) -> Any:
     """The ``BlockState`` of ``loop`` as its own ``__call__`` has it at its first step: the wrapper's set-up before
     its loop (Qwen-Image's ``additional_cond_kwargs``) is the family's, so it runs, and the loop is the engine's."""
-    loop.loop_step = _raise_at_first_step  # this stepper's own instance of the family's loop block
+    loop.loop_step = _raise_at_first_step  # on the stepper's own copy of the family's loop block
     _fill(loop, state, {})
     try:
         loop(components, state)
@@ -198,7 +198,8 @@ class ModularStepper(Stepper):
         blocks = modular_blocks(pipeline).get_execution_blocks(prompt="")
         leaves = list(blocks.sub_blocks.values())
         loop = next(i for i, b in enumerate(leaves) if _is_loop(b))
-        self.loop, self.after = leaves[loop], leaves[loop + 1 :]
+        # A copy: diffusers' block classes share their sub-block instances, and `_loop_start` sets this one's step.
+        self.loop, self.after = copy.copy(leaves[loop]), leaves[loop + 1 :]
         # The encode stage: the blocks that read a text encoder; the rest before the loop start a request.
         self.encode_blocks = [b for b in leaves[:loop] if _encodes_text(b)]
         self.start_blocks = [b for b in leaves[:loop] if not _encodes_text(b)]
