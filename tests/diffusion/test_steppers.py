@@ -290,6 +290,34 @@ def test_a_modular_stepper_leaves_the_familys_blocks_as_diffusers_runs_them(tiny
     assert np.asarray(state.get("images")).shape == (1, 64, 64, 3)
 
 
+@pytest.mark.parametrize(
+    ("family", "call", "calls"),
+    [
+        ("tiny_qwen_image", {}, 1),
+        ("tiny_flux2", {"guidance_scale": 1.0}, 1),  # its decoder reads per-row latent_ids: concatenated
+        ("tiny_ltx", {"guidance_scale": 1.0, "num_frames": 9}, 3),  # its decoder draws per request: each alone
+        ("tiny_hunyuan_video15", {"num_frames": 5}, 3),  # its VAE takes one video per call
+    ],
+    ids=["qwen-image", "flux2", "ltx", "hunyuan-video-1.5"],
+)
+def test_requests_that_finish_together_are_decoded_in_one_call(family, call, calls, request):
+    pipeline = _load(request.getfixturevalue(family))
+    stepper = make_stepper(pipeline, CPU)
+    outputs = (1, 1) if "hunyuan" in family else (1, 2)  # its blocks make one output per prompt
+    params = [_params(height=32, width=32, num_inference_steps=2, num_outputs_per_prompt=n, **call) for n in outputs]
+    states = [stepper.prepare(p, q, seed) for p, q, seed in (("a cat", params[0], 1), ("a red car", params[1], 2))]
+    states.append(stepper.prepare("a blue house", params[0], 3))
+    decoder_calls = []
+    hook = pipeline.vae.decoder.register_forward_hook(lambda *_: decoder_calls.append(1))
+    with torch.inference_mode():
+        together = stepper.decode(states)
+        hook.remove()
+        alone = [stepper.decode([state])[0] for state in states]
+    assert len(decoder_calls) == calls and [len(items) for items in together] == [1, outputs[1], 1]
+    for mine, theirs in zip(together, alone, strict=True):
+        assert np.abs(np.asarray(mine, dtype=np.float64) - np.asarray(theirs)).max() <= 1e-5
+
+
 def test_modular_families_refuse_what_their_blocks_are_not_run_for(tiny_z_image):
     from vllm_omni.diffusion.roles import DiffusionRole
     from vllm_omni.diffusion.steppers import ModularStepper
@@ -299,6 +327,16 @@ def test_modular_families_refuse_what_their_blocks_are_not_run_for(tiny_z_image)
     admission = DiffusionRole.admission("step", ModelCard.of(pipeline))
     with pytest.raises(SamplingParamsError, match="image is not supported by ZImagePipeline in execution_mode"):
         admission.admit(_params(height=64, width=64, image=[Image.new("RGB", (64, 64))]))
+
+
+def test_hunyuan_video_15_in_step_mode_refuses_more_than_one_output_per_prompt(tiny_hunyuan_video15):
+    from vllm_omni.diffusion.roles import DiffusionRole
+
+    admission = DiffusionRole.admission("step", ModelCard.of(_load(tiny_hunyuan_video15)))
+    admission.admit(_params(height=32, width=32, num_frames=5))
+    with pytest.raises(SamplingParamsError, match="num_outputs_per_prompt must be 1 for HunyuanVideo15Pipeline") as e:
+        admission.admit(_params(height=32, width=32, num_frames=5, num_outputs_per_prompt=2))
+    assert e.value.param == "num_outputs_per_prompt"
 
 
 @pytest.mark.parametrize(

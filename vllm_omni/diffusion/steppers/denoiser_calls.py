@@ -1,6 +1,6 @@
 """The denoiser calls of many requests' modular blocks, made one forward (`vllm_omni.diffusion.steppers.modular`):
 each request's blocks call `DenoiserCalls` instead of the denoiser, and `batched` groups the recorded calls whose
-arguments can be concatenated row-wise."""
+arguments can be concatenated row-wise. The decoder blocks' inputs of many requests are put together the same way."""
 
 from __future__ import annotations
 

@@ -16,15 +16,15 @@ with that request's own scheduler and guider. The denoiser calls of all requests
 
 A split pipeline runs the same blocks in three stages: ``encode`` the ones that read a text encoder (what they
 made is `Conditioning.blocks`), ``denoise`` the rest up to the loop and the loop, ``decode`` the blocks after it
-(with what they read of the request's state besides the latents: `Latents.blocks`). Previews decode with those
-blocks too.
+(with what they read of the request's state besides the latents: `Latents.blocks`), in one call for the requests
+whose inputs to them can be put together. Previews decode with those blocks too.
 
 A request that samples stochastically (``sde_type``, RL rollouts) takes its `SdeSampler.step` after the family's
 update: the update keeps the scheduler's own step index, and in the request's window the sampler's latents replace
 the Euler step's, as request mode's `sde_sampling` replaces them around the stock pipeline's ``scheduler.step``.
 
 The family's blocks are the ones diffusers maps its pipeline class to; what it adds is a table entry
-(`MODULAR_FAMILIES`): how a request's parameters become its guider. Image tasks (the hand-written steppers'
+(`MODULAR_FAMILIES`, in modular_families.py): how a request's parameters become its guider. Image tasks (the hand-written steppers'
 ``image`` and ``inpaint``) are refused for these families in step mode.
 """
 
@@ -34,7 +34,6 @@ import contextlib
 import copy
 import functools
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,44 +47,11 @@ from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.pipeline_facts import schedule_index
 from vllm_omni.diffusion.sde import EMBEDDING_NAMES, SDE_ARGS, record_first_step
 from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, joined
+from vllm_omni.diffusion.steppers.modular_families import MODULAR_FAMILIES
 from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
 from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
+from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
-
-
-def _cfg(params: OmniDiffusionSamplingParams) -> float | None:
-    """The stock rule: classifier-free guidance when ``guidance_scale > 1``, at that scale."""
-    return params.guidance_scale if params.guidance_scale > 1 else None
-
-
-@dataclass(frozen=True)
-class ModularFamily:
-    """What step mode needs to know of a family beyond its modular blocks: how its stock pipeline guides."""
-
-    guidance: Callable[[OmniDiffusionSamplingParams], float | None] | None = _cfg
-    """The request's classifier-free guidance scale as diffusers' guider defines it (``uncond + s·(cond −
-    uncond)``), or ``None`` when its stock pipeline would not guide it; ``None`` here: the pipeline has a guider
-    component of its own, which every request uses as it is (HunyuanVideo 1.5)."""
-    extra_args: frozenset[str] = frozenset()
-    """``extra_args`` keys that are inputs of its blocks."""
-
-
-def _true_cfg(params: OmniDiffusionSamplingParams) -> float | None:
-    # QwenImagePipeline guides when true_cfg_scale > 1 and a negative prompt is given (its default is 4.0).
-    scale = float(params.extra_args.get("true_cfg_scale", 4.0))
-    return scale if scale > 1 and params.negative_prompt is not None else None
-
-
-MODULAR_FAMILIES: dict[str, ModularFamily] = {
-    # ZImagePipeline guides when guidance_scale > 0, as cond + s·(cond − uncond): the guider's s + 1.
-    "ZImagePipeline": ModularFamily(lambda p: p.guidance_scale + 1 if p.guidance_scale > 0 else None),
-    "QwenImagePipeline": ModularFamily(_true_cfg, frozenset({"true_cfg_scale"})),
-    # [klein] guides when guidance_scale > 1 unless it is step-distilled, whose blocks have no guider.
-    "Flux2KleinPipeline": ModularFamily(),
-    "LTXPipeline": ModularFamily(),
-    "HunyuanVideo15Pipeline": ModularFamily(None),
-}
-"""The stock pipeline classes that step mode runs through their modular blocks, and how each guides."""
 
 
 def modular_blocks(pipeline) -> Any:
@@ -205,8 +171,7 @@ class ModularStepper(Stepper):
         self.start_blocks = [b for b in leaves[:loop] if not _encodes_text(b)]
         self.encoded = {out.name: out.kwargs_type for b in self.encode_blocks for out in b.intermediate_outputs}
         """What the encode blocks hand on (`Conditioning.blocks`), with the kind of input each is."""
-        self.decoded = [param.name for b in self.after for param in b.inputs if param.name is not None]
-        """What the decoder blocks read."""
+        self.decoded = [param.name for b in self.after for param in b.inputs if param.name]  # the decoder's inputs
         required = {param.name for param in self.loop.inputs if param.required}
         self.encodes_negatives = any(name.startswith("negative_") and name in required for name in self.encoded)
         """Whether its loop takes negative embeddings even unguided (LTX: its guider then ignores them), so that
@@ -240,6 +205,17 @@ class ModularStepper(Stepper):
         if not needs:
             return None
         return f"in execution_mode 'request': its decoder blocks read {', '.join(sorted(needs))}; use 'step'"
+
+    @classmethod
+    def check_params(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> None:
+        super().check_params(card, params)
+        if MODULAR_FAMILIES[card.pipeline_name].one_output_per_prompt and params.num_outputs_per_prompt > 1:
+            raise SamplingParamsError(
+                "num_outputs_per_prompt",
+                f"num_outputs_per_prompt must be 1 for {card.pipeline_name} in execution_mode 'step' or split into "
+                f"stages (its modular blocks make one output per prompt), got {params.num_outputs_per_prompt}; "
+                "serve it with execution_mode 'request' for more",
+            )
 
     @classmethod
     def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
@@ -305,18 +281,9 @@ class ModularStepper(Stepper):
         with torch.no_grad():
             state = self._run(self.start_blocks, components, state, self._inputs(None, params, seed))
             loop = _loop_start(self.loop, components, state)
-        return ModularStepState(
-            params=params,
-            latents=loop.latents,
-            noise_scheduler=components.scheduler,
-            timesteps=loop.timesteps,
-            cond={},
-            uncond=None,
-            shared={},
-            loop=loop,
-            pipeline=state,
-            components=components,
-        )
+        # Its denoiser inputs are its loop's (cond, uncond and shared stay empty).
+        blocks = {"loop": loop, "pipeline": state, "components": components}
+        return ModularStepState(params, loop.latents, components.scheduler, loop.timesteps, {}, None, {}, **blocks)
 
     def _sub_blocks(self, state: ModularStepState, blocks: list) -> None:
         components = state.components
@@ -378,13 +345,22 @@ class ModularStepper(Stepper):
         return {name: made[name] for name in self.decoded if name != "latents" and made.get(name) is not None}
 
     def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
-        """Each request's latents through the family's decoder blocks, alone."""
-        outputs = []
+        """The requests' latents through the family's decoder blocks: one call for the requests whose decoder inputs
+        can be put together as a step's denoiser calls are (`batched`: per-row tensors such as FLUX.2's
+        ``latent_ids`` concatenated, any other input equal), where the family decodes batches."""
+        requests = []
         for state in states:
-            params = state.params
             known = state.blocks if isinstance(state, Latents) else self.decode_inputs(state)
-            inputs = self._inputs(None, params, None) | (known or {}) | {"latents": state.latents}
+            inputs = self._inputs(None, state.params, None) | (known or {}) | {"latents": state.latents}
+            requests.append({name: inputs[name] for name in self.decoded if name in inputs})
+        outputs: list[list[Any]] = [[] for _ in states]
+        for group in batched(requests, "latents") if self.family.batched_decode else [[i] for i in range(len(states))]:
+            rows = [len(requests[i]["latents"]) for i in group]
             with torch.no_grad():
-                decoded = self._run(self.after, self.modular, PipelineState(), inputs)
-            outputs.append(list(decoded.get("images" if params.num_frames is None else "videos")))
+                decoded = self._run(
+                    self.after, self.modular, PipelineState(), joined([requests[i] for i in group], rows)
+                )
+            items = list(decoded.get("images" if states[group[0]].params.num_frames is None else "videos"))
+            for i, n in zip(group, rows, strict=True):
+                outputs[i], items = items[:n], items[n:]
         return outputs
