@@ -255,13 +255,27 @@ def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image):
     assert rows == [2, 5, 5, 5], "one forward per engine step: A's 2 rows, then B's 2 and C's 1"
 
 
-@pytest.mark.parametrize("family", ["tiny_z_image", "tiny_qwen_image"])
-def test_modular_split_stages_equal_step_mode(family, request):
+@pytest.mark.parametrize(
+    ("family", "size", "cfg"),
+    [
+        ("tiny_z_image", {"height": 64, "width": 64, "guidance_scale": 2.0}, {}),
+        (
+            "tiny_qwen_image",
+            {"height": 64, "width": 64},
+            {"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 3.0}},
+        ),
+        ("tiny_flux2", {"height": 32, "width": 32, "guidance_scale": 1.0}, {}),  # decoder reads latent_ids
+        # Its loop takes negative embeddings even unguided: the encode stage makes them for every request.
+        ("tiny_ltx", {"height": 32, "width": 32, "num_frames": 9, "guidance_scale": 1.0}, {}),
+        ("tiny_hunyuan_video15", {"height": 32, "width": 32, "num_frames": 5}, {}),
+    ],
+    ids=["z-image", "qwen-image", "flux2", "ltx", "hunyuan-video-1.5"],
+)
+def test_modular_split_stages_equal_step_mode(family, size, cfg, request):
     """The encode stage (no denoiser) runs the family's text-encoder blocks; what they made, pickled as to a Ray
     replica, starts the request in a denoise stage (no text encoders): the images of one stage in step mode."""
     path = request.getfixturevalue(family)
-    cfg = {"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 3.0}} if "qwen" in family else {}
-    size = {"height": 64, "width": 64, "num_inference_steps": 3, "guidance_scale": 2.0}
+    size = size | {"num_inference_steps": 3}
     script = [(0, "A", "a photo of a cat", _params(**size, **cfg), 1), (1, "B", "a red car", _params(**size), 2)]
     want, _ = run_joined(make_stepper(_load(path), CPU), script)
     encoder = make_stepper(load_pipeline(path, torch.float32, CPU, DENOISERS), CPU, SPLIT)
@@ -373,22 +387,30 @@ def test_more_modular_families_join_at_different_steps(family, call, request):
         assert worst <= 2, f"{family} {name}: worst pixel difference {worst}/255"
 
 
-def test_z_image_steps_requests_with_different_adapters_in_one_forward(tiny_z_image, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "call"),
+    [
+        ("tiny_z_image", {"height": 64, "width": 64, "guidance_scale": 2.0}),
+        # (The tiny Qwen-Image's pixels move by under 1/255 for such an adapter: the bar could not tell them apart.)
+        ("tiny_flux2", {"height": 32, "width": 32, "guidance_scale": 1.0}),
+    ],
+    ids=["z-image", "flux2"],
+)
+def test_modular_families_step_requests_with_different_adapters_in_one_forward(family, call, tmp_path, request):
     """Per-row LoRA through the modular stepper: requests with adapter a at 0.8, adapter b and none share each
     step's forward, and each equals the stock pipeline with its adapters alone."""
+    model = request.getfixturevalue(family)
     from vllm_omni.diffusion.lora import LoraAdapters
     from vllm_omni.sampling_params import LoraSelection
     from vllm_omni.testing.lora import stock_lora_images, write_random_lora
 
-    files = {
-        name: write_random_lora(tiny_z_image, str(tmp_path / name), seed=seed) for name, seed in (("a", 1), ("b", 2))
-    }
-    pipeline = load_pipeline(tiny_z_image, torch.float32, CPU)
+    files = {name: write_random_lora(model, str(tmp_path / name), seed=seed) for name, seed in (("a", 1), ("b", 2))}
+    pipeline = load_pipeline(model, torch.float32, CPU)
     stepper = make_stepper(pipeline, CPU)
     stepper.lora = LoraAdapters(pipeline, max_loras=2, max_lora_rank=4)
     for name, path in files.items():
         stepper.lora.load(name, path)
-    call = {"height": 64, "width": 64, "num_inference_steps": 3, "guidance_scale": 2.0}
+    call = call | {"num_inference_steps": 3}
     weights = {"A": {"a": 0.8}, "B": {"b": 1.0}, "C": {}}
     script = [
         (0, "A", "a cat", _params(**call, lora=[LoraSelection(name="a", scale=0.8)]), 1),
@@ -399,8 +421,8 @@ def test_z_image_steps_requests_with_different_adapters_in_one_forward(tiny_z_im
     assert largest == 3
     for _, name, prompt, _, seed in script:
         adapters = {k: files[k] for k in weights[name]}
-        stock = stock_lora_images(tiny_z_image, adapters, weights[name], prompt, seed=seed, output_type="np", **call)
+        stock = stock_lora_images(model, adapters, weights[name], prompt, seed=seed, output_type="np", **call)
         want = np.asarray(stock.images)
         assert np.abs(np.asarray(outputs[name][0]) - want[0]).max() * 255 <= 2, name
-    plain = np.asarray(stock_lora_images(tiny_z_image, {}, {}, "a cat", seed=1, output_type="np", **call).images)[0]
+    plain = np.asarray(stock_lora_images(model, {}, {}, "a cat", seed=1, output_type="np", **call).images)[0]
     assert np.abs(np.asarray(outputs["A"][0]) - plain).max() * 255 > 10, "adapter a does not change the image"

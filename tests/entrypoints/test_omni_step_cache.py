@@ -31,7 +31,11 @@ def _stock(model: str, prompt: str, seed: int, backend: str | None, options: dic
     if backend is not None:
         pipeline.transformer.enable_cache(cache_hook_config(backend, options, lambda: pipeline.current_timestep))
     image = pipeline(
-        prompt, height=64, width=64, num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed)
+        prompt=prompt,
+        height=64,
+        width=64,
+        num_inference_steps=STEPS,
+        generator=torch.Generator("cpu").manual_seed(seed),
     ).images[0]
     return np.asarray(image, dtype=np.int16)
 
@@ -83,13 +87,18 @@ def test_each_backend_matches_stock_diffusers_alone_and_in_a_batch_of_four(tiny_
     assert np.abs(_pixels(first) - uncached).max() > 0  # the cache changed what was computed
 
 
-def test_a_modular_family_skips_per_request_in_step_mode(tiny_qwen_image):
-    """Qwen-Image, stepped by its modular blocks (`vllm_omni.diffusion.steppers.modular`): in a batch of four, each
-    request skips what it skips alone, and each image is stock diffusers' with the same cache config, alone."""
-    options = BACKENDS["first_block"]
-    want = [_stock(tiny_qwen_image, prompt, seed, "first_block", options) for seed, prompt in enumerate(PROMPTS)]
-    knobs = {"execution_mode": "step", "cache_backend": "first_block", "cache_config": options}
-    with Omni(tiny_qwen_image, max_num_seqs=4, **knobs) as omni:
+@pytest.mark.parametrize(
+    ("family", "backend"),
+    [(f, b) for f in ("qwen_image", "flux2") for b in BACKENDS if (f, b) != ("flux2", "first_block")],
+)
+def test_a_modular_family_skips_per_request_in_step_mode(family, backend, request):
+    """Qwen-Image and FLUX.2 [klein], stepped by their modular blocks (`vllm_omni.diffusion.steppers.modular`): in a
+    batch of four, each request skips what it skips alone, and each image is stock diffusers' with the same cache
+    config, alone."""
+    model, options = request.getfixturevalue(f"tiny_{family}"), BACKENDS[backend]
+    want = [_stock(model, prompt, seed, backend, options) for seed, prompt in enumerate(PROMPTS)]
+    knobs = {"execution_mode": "step", "cache_backend": backend, "cache_config": options}
+    with Omni(model, max_num_seqs=4, **knobs) as omni:
         skipped_alone = []
         for seed, prompt in enumerate(PROMPTS):
             before = _skipped(omni)
@@ -117,6 +126,11 @@ def test_a_request_that_opts_out_runs_every_block_beside_cached_ones(tiny_flux):
     assert np.abs(_pixels(mixed[1]) - _stock(tiny_flux, PROMPTS[1], 1, "first_block", options)).max() <= 2
 
 
+def test_a_backend_that_diffusers_cannot_run_on_a_denoiser_is_refused_at_start_up(tiny_flux2):
+    with pytest.raises(ValueError, match=r"cache_backend='first_block': diffusers 0.42's FirstBlockCache fails"):
+        Omni(tiny_flux2, cache_backend="first_block", cache_config={"threshold": 0.5})
+
+
 def test_a_denoiser_without_diffusers_cache_hooks_is_refused_at_start_up(tiny_sd):
     with pytest.raises(ValueError, match=r"cache_backend='first_block': UNet2DConditionModel has no diffusers cache"):
         Omni(tiny_sd, cache_backend="first_block")
@@ -132,7 +146,11 @@ def _stock_cache_dit(model: str, prompt: str, seed: int) -> np.ndarray:
     pipeline = load_pipeline(model, torch.float32, torch.device("cpu"))
     cache_dit.enable_cache(pipeline, cache_config=cache_dit.DBCacheConfig(**CACHE_DIT))
     image = pipeline(
-        prompt, height=64, width=64, num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(seed)
+        prompt=prompt,
+        height=64,
+        width=64,
+        num_inference_steps=STEPS,
+        generator=torch.Generator("cpu").manual_seed(seed),
     ).images[0]
     return np.asarray(image, dtype=np.int16)
 

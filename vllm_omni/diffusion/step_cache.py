@@ -56,11 +56,19 @@ class RequestCache:
     """The request's denoising steps, which cache-dit sizes its context by (`CallCache`)."""
 
 
-def no_cache_hooks(denoiser_class: type) -> str | None:
-    """Why diffusers' cache hooks cannot go on a denoiser of ``denoiser_class``; ``None`` when they can."""
-    if issubclass(denoiser_class, CacheMixin):
-        return None
-    return f"{denoiser_class.__name__} has no diffusers cache hooks (it is not a CacheMixin model)"
+BROKEN_HOOKS: dict[tuple[str, str], str] = {
+    ("first_block", "Flux2Transformer2DModel"): "diffusers 0.42's FirstBlockCache fails on the outputs of its blocks "
+    "(TypeError at the first step, stock diffusers too); taylorseer, magcache and pab work",
+}
+"""(backend, denoiser class) pairs that diffusers declares but cannot run, with what happens."""
+
+
+def no_cache_hooks(denoiser_class: type, backend: str | None = None) -> str | None:
+    """Why diffusers' cache hooks (of ``backend``, when given) cannot go on a denoiser of ``denoiser_class``;
+    ``None`` when they can."""
+    if not issubclass(denoiser_class, CacheMixin):
+        return f"{denoiser_class.__name__} has no diffusers cache hooks (it is not a CacheMixin model)"
+    return BROKEN_HOOKS.get((backend, denoiser_class.__name__))
 
 
 class _SkipCount:
@@ -92,7 +100,7 @@ class StepCache(_SkipCount):
         self._managers: list[StateManager] = []
         """The hooks' state managers: they hold the cache context a call runs in."""
         for denoiser in denoisers:
-            if (why := no_cache_hooks(type(denoiser))) is not None:
+            if (why := no_cache_hooks(type(denoiser), backend)) is not None:
                 raise ValueError(f"cache_backend={backend!r}: {why}; set cache_backend to 'none'")
             denoiser.enable_cache(config)
             for module in denoiser.modules():

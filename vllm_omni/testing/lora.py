@@ -147,4 +147,4 @@ def stock_lora_images(
         pipeline.set_adapters(list(weights), list(weights.values()))
     else:
         pipeline.disable_lora()
-    return pipeline(prompt, generator=torch.Generator("cpu").manual_seed(seed), **call)
+    return pipeline(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **call)

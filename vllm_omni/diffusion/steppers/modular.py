@@ -85,6 +85,18 @@ class RequestComponents:
         return found.fget(self) if isinstance(found, property) else getattr(self._modular, name)
 
 
+@dataclass(frozen=True)
+class _Unloaded:
+    """The denoiser of a stage that does not load it, as blocks that read only its dtype see it (HunyuanVideo 1.5's
+    text-encoder blocks cast to it): the stage's own dtype, which its denoise stage runs when it has the same."""
+
+    name: str
+    dtype: torch.dtype
+
+    def __getattr__(self, attr: str) -> Any:
+        raise AttributeError(f"{self.name} is not loaded in this stage (its blocks asked for {attr!r})")
+
+
 @dataclass(eq=False)
 class ModularStepState(StepState):
     """A request stepped by its family's modular blocks: `StepState` plus the blocks' own state."""
@@ -185,7 +197,7 @@ class ModularStepper(Stepper):
         self.guider = getattr(pipeline, "guider", None) or ClassifierFreeGuidance()
         """What each request's guider is a copy of: the pipeline's own where it has one."""
         self.modular.update_components(**{k: v for k, v in pipeline.components.items() if v is not None})
-        self.denoiser_name = "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+        self.denoiser_name = "transformer" if "transformer" in pipeline.components else "unet"
         """The component the family's blocks call the denoiser by."""
         self.input_name = (
             None if self.denoiser is None else next(iter(inspect.signature(self.denoiser.forward).parameters))
@@ -256,7 +268,12 @@ class ModularStepper(Stepper):
             if scale is None:
                 guider.disable()
         scheduler = fresh_noise_scheduler(self.pipeline, self.card.scheduler_overrides(params))
-        calls = {} if self.denoiser is None else {self.denoiser_name: DenoiserCalls(self.denoiser, self.input_name)}
+        if self.denoiser is None:  # an encode or decode stage
+            loaded = self.pipeline.components.items()
+            dtype = next((c.dtype for n, c in loaded if n in TEXT_ENCODERS and c is not None), self.pipeline.vae.dtype)
+            calls = {self.denoiser_name: _Unloaded(self.denoiser_name, dtype)}
+        else:
+            calls = {self.denoiser_name: DenoiserCalls(self.denoiser, self.input_name)}
         return RequestComponents(self.modular, scheduler, guider, calls)
 
     def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
