@@ -19,7 +19,9 @@ from vllm_omni.diffusion.previews import LatentProjection, Previews, clean_laten
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.testing.edits import noise_image
 
-FAMILIES = ["flux", "sd", "sd3", "sdxl", "wan", "z_image"]
+FAMILIES = ["flux", "sd", "sd3", "sdxl", "wan", "z_image", "qwen_image"]
+FRAMES = {"wan": 5, "hunyuan_video15": 5, "ltx": 9}
+"""The video families' frames per request (one video per prompt)."""
 MODES = ["request", "step"]
 STEPS = 4
 
@@ -210,7 +212,7 @@ def engines(request):
 
 def _params(family: str, partial: int = 0, seed: int = 0, **kwargs) -> OmniDiffusionSamplingParams:
     """Non-square, so that a preview with width and height swapped shows; two outputs per prompt for images."""
-    shape = {"num_frames": 5} if family == "wan" else {"num_outputs_per_prompt": 2}
+    shape = {"num_frames": FRAMES[family]} if family in FRAMES else {"num_outputs_per_prompt": 2}
     values = dict(height=64, width=96, num_inference_steps=STEPS, seed=seed, partial_images=partial)
     return OmniDiffusionSamplingParams(**(values | shape | kwargs))
 
@@ -254,15 +256,15 @@ def _check_stream(outputs, count: int, images: int, size=(96, 64), request_id=No
 async def test_previews_arrive_in_order_before_the_unchanged_output(family, engines):
     """partial_images=3 on 4 steps: previews after steps 1, 2 and 3, each one image per output (for video, one
     frame), then the output, pixel-equal to the same seed's without previews; both modes make the same previews."""
-    outputs_per_prompt = 1 if family == "wan" else 2
+    outputs_per_prompt = 1 if family in FRAMES else 2
     previews = {}
     for mode in MODES:
         omni = engines(family, mode)
         (plain,) = await _collect(omni, _params(family, 0, seed=3))
         outputs = await _collect(omni, _params(family, 3, seed=3), request_id=f"{family}-{mode}")
         partial, final = _check_stream(outputs, 3, outputs_per_prompt, request_id=f"{family}-{mode}")
-        if family == "wan":
-            assert final.images == [] and [len(video) for video in final.videos] == [5]
+        if family in FRAMES:
+            assert final.images == [] and [len(video) for video in final.videos] == [FRAMES[family]]
         else:
             assert [image.size for image in final.images] == [(96, 64)] * 2
         assert np.array_equal(_final_pixels(final), _final_pixels(plain)), f"{family} {mode}: previews changed it"
@@ -272,6 +274,31 @@ async def test_previews_arrive_in_order_before_the_unchanged_output(family, engi
     for i, (one, other) in enumerate(zip(previews["request"], previews["step"], strict=True)):
         worst = np.abs(one - other).max()
         assert worst <= 3, f"{family} preview {i}: request and step mode differ by {worst}/255"
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("family", "why"),
+    [
+        ("flux2", "its decoder blocks read latent_ids"),
+        ("ltx", "its decoder blocks read dtype"),
+        ("hunyuan_video15", "its call takes no callback_on_step_end"),
+    ],
+)
+async def test_families_that_preview_in_step_mode_only(family, why, engines):
+    """FLUX.2's decoder blocks read the latents' position ids and LTX's their dtype, which the stock loop does not
+    hand on, and HunyuanVideo 1.5's call has no step callback: request mode refuses previews naming that, step mode
+    streams them."""
+    params = _params(family, 2, seed=1)
+    with pytest.raises(SamplingParamsError, match=f"{why}; use 'step'") as refused:
+        await _collect(engines(family, "request"), params)
+    assert refused.value.param == "partial_images"
+    outputs = await _collect(engines(family, "step"), params)
+    partial, final = _check_stream(outputs, 2, 1 if family in FRAMES else 2)
+    (plain,) = await _collect(engines(family, "step"), _params(family, 0, seed=1))
+    assert np.array_equal(_final_pixels(final), _final_pixels(plain))
+    assert not np.array_equal(_preview_pixels(partial[0]), _preview_pixels(partial[1]))
 
 
 @pytest.mark.slow

@@ -275,6 +275,8 @@ class StageAdmission:
         why = f"previews are made for {', '.join(SUPPORTED_PIPELINES)}" if cls is None else None
         if why is None and self.stepper is None:  # request mode: the stock pipeline's loop, not the stepper's
             why = cls.request_mode_previews_refusal(name)
+            if why is None and "callback_on_step_end" not in self.card.call_args:  # HunyuanVideo 1.5
+                why = "in execution_mode 'request': its call takes no callback_on_step_end; use 'step'"
         if why is not None:
             raise SamplingParamsError(
                 "partial_images", f"{name} cannot show partial images ({why}); set partial_images to 0"
