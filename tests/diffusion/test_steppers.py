@@ -393,8 +393,9 @@ def test_more_modular_families_join_at_different_steps(family, call, request):
         ("tiny_z_image", {"height": 64, "width": 64, "guidance_scale": 2.0}),
         # (The tiny Qwen-Image's pixels move by under 1/255 for such an adapter: the bar could not tell them apart.)
         ("tiny_flux2", {"height": 32, "width": 32, "guidance_scale": 1.0}),
+        ("tiny_ltx", {"height": 32, "width": 32, "num_frames": 9, "guidance_scale": 1.0}),
     ],
-    ids=["z-image", "flux2"],
+    ids=["z-image", "flux2", "ltx"],
 )
 def test_modular_families_step_requests_with_different_adapters_in_one_forward(family, call, tmp_path, request):
     """Per-row LoRA through the modular stepper: requests with adapter a at 0.8, adapter b and none share each
@@ -422,7 +423,8 @@ def test_modular_families_step_requests_with_different_adapters_in_one_forward(f
     for _, name, prompt, _, seed in script:
         adapters = {k: files[k] for k in weights[name]}
         stock = stock_lora_images(model, adapters, weights[name], prompt, seed=seed, output_type="np", **call)
-        want = np.asarray(stock.images)
+        want = np.asarray(stock.frames if "num_frames" in call else stock.images)
         assert np.abs(np.asarray(outputs[name][0]) - want[0]).max() * 255 <= 2, name
-    plain = np.asarray(stock_lora_images(model, {}, {}, "a cat", seed=1, output_type="np", **call).images)[0]
+    plain = stock_lora_images(model, {}, {}, "a cat", seed=1, output_type="np", **call)
+    plain = np.asarray(plain.frames if "num_frames" in call else plain.images)[0]
     assert np.abs(np.asarray(outputs["A"][0]) - plain).max() * 255 > 10, "adapter a does not change the image"
