@@ -2,8 +2,8 @@
 Poisson load, and the speed knobs against none on the flux-bench model. One command; writes JSON and markdown.
 
     python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
-        [--families flux,sd3,wan,sd,sdxl,qwen-image,z-image,flux2,ltx,hunyuan-video-1.5] [--engine-families flux,wan] [--skip-engine] [--skip-poisson]
-        [--skip-speed-knobs] [--speed-knobs-args '...'] [--skip-quantization] [--quantization-args '...'] [--quick]
+        [--families flux,sd3,wan,sd,sdxl,qwen-image,z-image,flux2,ltx,hunyuan-video-1.5]
+        [--engine-families flux,wan] [--skip-engine] [--skip-poisson] [--skip-speed-knobs] [--speed-knobs-args '...'] [--skip-quantization] [--quantization-args '...'] [--quick]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
    (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it

@@ -4,8 +4,8 @@ A request that sets ``sde_type``, ``noise_level``, ``sde_window_size`` / ``sde_w
 ``extra_args`` (verl-omni's names) gets an `SdeSampler`: its own generator, its window, and the `Trajectory` it
 records. Each of its steps is `SdeSampler.step`, per request and in float32, wherever the step is taken: around
 the pipeline's ``scheduler.step`` in request mode (`sde_sampling`), and in `FlowMatchStepper.advance` and
-`ModularStepper.advance` in step mode and in a split ``denoise`` stage. So a request's trajectory depends on its seed and settings alone, not on
-the batch it ran in or the mode.
+`ModularStepper.advance` in step mode and in a split ``denoise`` stage. So a request's trajectory depends on its
+seed and settings alone, not on the batch it ran in or the mode.
 
 With σ the current sigma, σ' the next, Δ = σ' − σ, v the guided velocity, x the latents and ε ~ N(0, I):
 
@@ -354,6 +354,7 @@ def check_sde(card, params: OmniDiffusionSamplingParams) -> None:
         raise _error(
             key,
             f"stochastic sampling ({', '.join(sorted(SDE_ARGS))}) replaces the steps of FlowMatchEulerDiscreteScheduler "
-            f"(Flux, SD3, Wan, Qwen-Image, Z-Image, FLUX.2, LTX, HunyuanVideo 1.5); {card.pipeline_name}'s scheduler is another",
+            "(Flux, SD3, Wan, Qwen-Image, Z-Image, FLUX.2, LTX, HunyuanVideo 1.5); "
+            f"{card.pipeline_name}'s scheduler is another",
         )
     settings.check_steps(params.num_inference_steps)

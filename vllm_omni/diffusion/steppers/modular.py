@@ -24,8 +24,9 @@ update: the update keeps the scheduler's own step index, and in the request's wi
 the Euler step's, as request mode's `sde_sampling` replaces them around the stock pipeline's ``scheduler.step``.
 
 The family's blocks are the ones diffusers maps its pipeline class to; what it adds is a table entry
-(`MODULAR_FAMILIES`, in modular_families.py): how a request's parameters become its guider. Image tasks (the hand-written steppers'
-``image`` and ``inpaint``) are refused for these families in step mode.
+(`MODULAR_FAMILIES`, in modular_families.py): how a request's parameters become its guider, and what its blocks
+cannot take. Image tasks (the hand-written steppers' ``image`` and ``inpaint``) are refused for these families in
+step mode: diffusers' modular image-to-image blocks do not compute what the stock image pipelines do.
 """
 
 from __future__ import annotations
