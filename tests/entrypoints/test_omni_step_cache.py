@@ -131,6 +131,11 @@ def test_a_backend_that_diffusers_cannot_run_on_a_denoiser_is_refused_at_start_u
         Omni(tiny_flux2, cache_backend="first_block", cache_config={"threshold": 0.5})
 
 
+def test_first_block_on_a_one_block_model_is_refused_at_start_up_naming_the_count(tiny_ltx):
+    with pytest.raises(ValueError, match="first_block needs two transformer blocks or more; this model has 1"):
+        Omni(tiny_ltx, cache_backend="first_block", cache_config={"threshold": 0.5})
+
+
 def test_a_denoiser_without_diffusers_cache_hooks_is_refused_at_start_up(tiny_sd):
     with pytest.raises(ValueError, match=r"cache_backend='first_block': UNet2DConditionModel has no diffusers cache"):
         Omni(tiny_sd, cache_backend="first_block")

@@ -71,6 +71,18 @@ def no_cache_hooks(denoiser_class: type, backend: str | None = None) -> str | No
     return BROKEN_HOOKS.get((backend, denoiser_class.__name__))
 
 
+def too_few_blocks(denoiser: torch.nn.Module, backend: str) -> str | None:
+    """Why ``backend`` cannot go on this model of a class it supports: first_block caches the blocks between a
+    head and a tail block, so it needs two (diffusers fails with an IndexError on one, as tiny test models have)."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    if backend != "first_block":
+        return None
+    lists = [m for n, m in denoiser.named_children() if n in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS]
+    blocks = sum(len(m) for m in lists if isinstance(m, torch.nn.ModuleList))
+    return None if blocks >= 2 else f"first_block needs two transformer blocks or more; this model has {blocks}"
+
+
 class _SkipCount:
     """The computations a step cache skipped, since start-up, in calls that succeeded (a failed call's are not: its
     retry makes the decisions again); ``on_skip`` gets each call's count (the engine's metric)."""
@@ -100,7 +112,7 @@ class StepCache(_SkipCount):
         self._managers: list[StateManager] = []
         """The hooks' state managers: they hold the cache context a call runs in."""
         for denoiser in denoisers:
-            if (why := no_cache_hooks(type(denoiser), backend)) is not None:
+            if (why := no_cache_hooks(type(denoiser), backend) or too_few_blocks(denoiser, backend)) is not None:
                 raise ValueError(f"cache_backend={backend!r}: {why}; set cache_backend to 'none'")
             denoiser.enable_cache(config)
             for module in denoiser.modules():
