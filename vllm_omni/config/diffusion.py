@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from vllm_omni.config.parallel import PARALLEL_KNOBS
+from vllm_omni.config.resolver import knob_as_written
 from vllm_omni.config.stage import StageDeployConfig
 
 
@@ -38,4 +40,10 @@ class OmniDiffusionConfig(BaseModel):
             raise ValueError(f"stage {stage.stage_id} has stage_type 'llm', which this release does not serve")
         if not 0 <= replica < stage.num_replicas:
             raise ValueError(f"stage {stage.stage_id} has {stage.num_replicas} replica(s), not a replica {replica}")
+        parallel = [knob_as_written(stage, k) for k in PARALLEL_KNOBS if getattr(stage, k) > 1]
+        if parallel:  # issue 43: the engine does not start a replica's ranks yet
+            raise ValueError(
+                f"stage {stage.stage_id}: {' x '.join(parallel)} run one request on several ranks, which this "
+                "release does not serve yet: set them to 1"
+            )
         return cls(model=model, stage=stage, replica=replica, torch_threads=torch_threads)
