@@ -1,0 +1,55 @@
+"""`RankGroup`: one pipeline call on two gloo ranks (one torch thread each) gives the single-process image, with the
+denoiser split by diffusers' context parallelism."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from vllm_omni.diffusion.parallel import RankGroup, enable_context_parallel
+
+pytestmark = pytest.mark.slow
+
+
+def _call(family: str) -> dict:
+    if family == "wan":
+        return dict(prompt="a red fox", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="np")
+    return dict(prompt="a red fox", num_inference_steps=2, height=64, width=64, output_type="np")
+
+
+def _pixels(output, family: str) -> np.ndarray:
+    return np.asarray(output.frames if family == "wan" else output.images)
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_ulysses_2_on_two_gloo_ranks_gives_the_single_process_image(request, family):
+    model = request.getfixturevalue(f"tiny_{family}")
+    torch.manual_seed(0)
+    alone = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    reference = _pixels(alone(**_call(family), generator=torch.Generator().manual_seed(7)), family)
+    group = RankGroup(model, ulysses_degree=2)
+    try:
+        assert group.split == ["transformer"]
+        pixels = _pixels(group.call(7, **_call(family)), family)
+        again = _pixels(group.call(8, **_call(family)), family)
+    finally:
+        group.close()
+    assert pixels.shape == reference.shape
+    assert np.abs(pixels - reference).max() <= 2 / 255
+    assert np.abs(again - reference).max() > 2 / 255  # another seed: the group runs each call anew
+
+
+def test_a_failed_call_is_reported_and_the_group_serves_the_next(tiny_flux):
+    group = RankGroup(tiny_flux, ulysses_degree=2)
+    try:
+        with pytest.raises(RuntimeError, match=r"the group failed \(call\): ValueError\(.*prompt_embeds"):
+            group.call(0, prompt=None, num_inference_steps=1, height=64, width=64, output_type="np")
+        assert _pixels(group.call(0, **_call("flux")), "flux").shape == (1, 64, 64, 3)
+    finally:
+        group.close()
+
+
+def test_enable_context_parallel_needs_the_process_group(tiny_flux):
+    pipeline = DiffusionPipeline.from_pretrained(tiny_flux, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="torch.distributed must be available and initialized"):
+        enable_context_parallel(pipeline, ulysses_degree=2, ring_degree=1)

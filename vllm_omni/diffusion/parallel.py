@@ -1,0 +1,172 @@
+"""One pipeline call on several ranks: a `RankGroup` is one replica's ``torch.distributed`` process group (gloo on
+the CPU, NCCL on CUDA), one spawned process per rank, each holding the whole pipeline with its denoisers split by
+diffusers' context parallelism (``ulysses_degree``, ``ring_degree``). The caller hands rank 0 a call; rank 0
+broadcasts it, every rank runs it, and rank 0 returns the output.
+
+Not yet wired into the engine (issue 43): a replica still runs on one rank, and `OmniDiffusionConfig.from_stage`
+refuses the parallel knobs above 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import queue
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vllm_omni.diffusion.runner import loaded_denoisers
+
+
+@contextlib.contextmanager
+def _one_device_per_cpu_rank() -> Iterator[None]:
+    """diffusers 0.42 places a rank on ``rank % torch.accelerator.device_count()``, which is 0 on a host without an
+    accelerator (ZeroDivisionError); on the CPU every rank's device is the CPU, so count one while it places them."""
+    if torch.accelerator.device_count() > 0:
+        yield
+        return
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count
+
+
+def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int) -> list[str]:
+    """Split each denoiser of ``pipeline`` over the ranks of the initialized process group with diffusers' context
+    parallelism (``ContextParallelConfig``, the denoiser's ``_cp_plan``); returns the denoisers' names."""
+    from diffusers import ContextParallelConfig
+
+    names = loaded_denoisers(pipeline)
+    for name in names:
+        config = ContextParallelConfig(
+            ulysses_degree=ulysses_degree if ulysses_degree > 1 else None,
+            ring_degree=ring_degree if ring_degree > 1 else None,
+        )
+        with _one_device_per_cpu_rank():
+            getattr(pipeline, name).enable_parallelism(config=config)
+    return names
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, outbox) -> None:
+    """One rank: join the group, load the pipeline, then run every call rank 0 broadcasts until it sends ``None``."""
+    from diffusers import DiffusionPipeline
+
+    torch.set_num_threads(setup["torch_threads"])
+    cuda = torch.cuda.is_available()
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=setup["timeout_s"]),
+    )
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    try:
+        pipeline = DiffusionPipeline.from_pretrained(setup["model"], dtype=setup["dtype"], local_files_only=True).to(
+            device
+        )
+        split = enable_context_parallel(pipeline, setup["ulysses_degree"], setup["ring_degree"])
+        if rank == 0:
+            outbox.put(("ready", split))
+        while True:
+            job = [inbox.get() if rank == 0 else None]
+            dist.broadcast_object_list(job, src=0)
+            if job[0] is None:
+                return
+            kwargs, seed = job[0]
+            try:
+                output = pipeline(**kwargs, generator=torch.Generator(device).manual_seed(seed))
+            except Exception as exc:  # every rank fails alike on a bad call; rank 0 reports it
+                output = exc
+            if rank == 0:
+                outbox.put(("error", repr(output)) if isinstance(output, Exception) else ("ok", output))
+    except Exception as exc:
+        if rank == 0:
+            outbox.put(("error", repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+class RankGroup:
+    """One replica's ranks: ``ulysses_degree × ring_degree`` spawned processes, each with the pipeline of ``model``
+    loaded at ``dtype`` and its denoisers split over the group. `call` runs one pipeline call on all of them and
+    returns rank 0's output; `close` ends them. A collective that waits past ``timeout_s`` ends the group."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        ulysses_degree: int = 1,
+        ring_degree: int = 1,
+        dtype: torch.dtype = torch.float32,
+        torch_threads: int = 1,
+        timeout_s: float = 300.0,
+    ):
+        self.world = math.prod((ulysses_degree, ring_degree))
+        self.timeout_s = timeout_s
+        setup = dict(
+            model=model,
+            dtype=dtype,
+            ulysses_degree=ulysses_degree,
+            ring_degree=ring_degree,
+            torch_threads=torch_threads,
+            timeout_s=timeout_s,
+        )
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: no torch state is forked
+        self._inbox, self._outbox = context.Queue(), context.Queue()
+        port = _free_port()
+        self._ranks = [
+            context.Process(
+                target=_rank_main, args=(rank, self.world, port, setup, self._inbox, self._outbox), daemon=True
+            )
+            for rank in range(self.world)
+        ]
+        for process in self._ranks:
+            process.start()
+        self.split: list[str] = self._receive("ready")
+        """The denoisers that diffusers' context parallelism split over the group."""
+
+    def _receive(self, what: str) -> Any:
+        """Rank 0's next answer; RuntimeError when a rank died or failed first."""
+        while True:
+            try:
+                status, value = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [rank for rank, p in enumerate(self._ranks) if p.exitcode is not None]
+                if dead:
+                    self.close()
+                    raise RuntimeError(f"rank(s) {dead} of the group ended before it answered ({what})") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"the group failed ({what}): {value}")
+            return value
+
+    def call(self, seed: int, **kwargs: Any) -> Any:
+        """Run ``pipeline(**kwargs, generator=Generator().manual_seed(seed))`` on every rank; rank 0's output."""
+        self._inbox.put((kwargs, seed))
+        return self._receive("call")
+
+    def close(self) -> None:
+        """Tell the ranks to stop, and wait for them (a rank still running after ``timeout_s`` is killed)."""
+        if all(p.exitcode is None for p in self._ranks):
+            self._inbox.put(None)
+        for process in self._ranks:
+            process.join(self.timeout_s)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
