@@ -53,3 +53,32 @@ def test_enable_context_parallel_needs_the_process_group(tiny_flux):
     pipeline = DiffusionPipeline.from_pretrained(tiny_flux, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="torch.distributed must be available and initialized"):
         enable_context_parallel(pipeline, ulysses_degree=2, ring_degree=1)
+
+
+def _guided(family: str) -> dict:
+    if family == "wan":
+        return {**_call(family), "negative_prompt": "blurry", "guidance_scale": 5.0}
+    return {**_call(family), "negative_prompt": "blurry", "true_cfg_scale": 4.0}
+
+
+@pytest.mark.parametrize("family", ["flux", "wan", "qwen_image"])
+def test_cfg_2_on_two_gloo_ranks_gives_the_single_process_image(request, family):
+    model = request.getfixturevalue(f"tiny_{family}")
+    family = family.replace("_", "-")
+    alone = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    reference = _pixels(alone(**_guided(family), generator=torch.Generator().manual_seed(7)), family)
+    unguided = _pixels(alone(**_call(family), generator=torch.Generator().manual_seed(7)), family)
+    group = RankGroup(model, cfg_parallel_size=2)
+    try:
+        assert group.split == ["transformer"]
+        pixels = _pixels(group.call(7, **_guided(family)), family)
+        plain = _pixels(group.call(7, **_call(family)), family)  # Flux and Qwen-Image: no negative prompt, no CFG
+    finally:
+        group.close()
+    assert np.abs(pixels - reference).max() <= 2 / 255
+    assert np.abs(plain - unguided).max() <= 2 / 255
+
+
+def test_cfg_parallel_with_context_parallel_is_refused_until_it_runs(tiny_flux):
+    with pytest.raises(ValueError, match="cfg_parallel_size 2 with ulysses_degree or ring_degree is not run yet"):
+        RankGroup(tiny_flux, cfg_parallel_size=2, ulysses_degree=2)

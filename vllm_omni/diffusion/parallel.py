@@ -1,11 +1,11 @@
 """One pipeline call on several ranks: a `RankGroup` is one replica's ``torch.distributed`` process group (gloo on
-the CPU, NCCL on CUDA), one spawned process per rank, each holding the whole pipeline with its denoisers split by
-diffusers' context parallelism (``ulysses_degree``, ``ring_degree``). The caller hands rank 0 a call; rank 0
-broadcasts it, every rank runs it, and rank 0 returns the output.
+the CPU, NCCL on CUDA), one spawned process per rank, each holding the whole pipeline with its denoisers split over
+the group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree``) or by CFG-parallel
+(``cfg_parallel_size``, `vllm_omni.diffusion.cfg_parallel`). The caller hands rank 0 a call; rank 0 broadcasts it,
+every rank runs it, and rank 0 returns the output.
 
 Not yet wired into the engine (issue 43): a replica still runs on one rank, and `OmniDiffusionConfig.from_stage`
-refuses the parallel knobs above 1.
-"""
+refuses the parallel knobs above 1."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vllm_omni.diffusion.cfg_parallel import enable_cfg_parallel
 from vllm_omni.diffusion.runner import loaded_denoisers
 
 
@@ -79,7 +80,11 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
         pipeline = DiffusionPipeline.from_pretrained(setup["model"], dtype=setup["dtype"], local_files_only=True).to(
             device
         )
-        split = enable_context_parallel(pipeline, setup["ulysses_degree"], setup["ring_degree"])
+        if setup["cfg_parallel_size"] > 1:
+            split = loaded_denoisers(pipeline)
+            enable_cfg_parallel([getattr(pipeline, name) for name in split], rank)
+        else:
+            split = enable_context_parallel(pipeline, setup["ulysses_degree"], setup["ring_degree"])
         if rank == 0:
             outbox.put(("ready", split))
         while True:
@@ -103,25 +108,33 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
 
 
 class RankGroup:
-    """One replica's ranks: ``ulysses_degree × ring_degree`` spawned processes, each with the pipeline of ``model``
-    loaded at ``dtype`` and its denoisers split over the group. `call` runs one pipeline call on all of them and
+    """One replica's ranks: ``cfg_parallel_size × ulysses_degree × ring_degree`` spawned processes, each with the
+    pipeline of ``model`` loaded at ``dtype`` and its denoisers split over the group (CFG-parallel, or diffusers'
+    context parallelism; not both yet). `call` runs one pipeline call on all of them and
     returns rank 0's output; `close` ends them. A collective that waits past ``timeout_s`` ends the group."""
 
     def __init__(
         self,
         model: str,
         *,
+        cfg_parallel_size: int = 1,
         ulysses_degree: int = 1,
         ring_degree: int = 1,
         dtype: torch.dtype = torch.float32,
         torch_threads: int = 1,
         timeout_s: float = 300.0,
     ):
-        self.world = math.prod((ulysses_degree, ring_degree))
+        if cfg_parallel_size > 1 and ulysses_degree * ring_degree > 1:
+            raise ValueError(
+                "cfg_parallel_size 2 with ulysses_degree or ring_degree is not run yet: the context-parallel mesh "
+                "would have to be one of each CFG branch's ranks"
+            )
+        self.world = math.prod((cfg_parallel_size, ulysses_degree, ring_degree))
         self.timeout_s = timeout_s
         setup = dict(
             model=model,
             dtype=dtype,
+            cfg_parallel_size=cfg_parallel_size,
             ulysses_degree=ulysses_degree,
             ring_degree=ring_degree,
             torch_threads=torch_threads,
@@ -139,7 +152,7 @@ class RankGroup:
         for process in self._ranks:
             process.start()
         self.split: list[str] = self._receive("ready")
-        """The denoisers that diffusers' context parallelism split over the group."""
+        """The denoisers split over the group."""
 
     def _receive(self, what: str) -> Any:
         """Rank 0's next answer; RuntimeError when a rank died or failed first."""
