@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from vllm_omni import Omni
 from vllm_omni.config import DeployConfig, OmniDiffusionConfig, StageDeployConfig, resolve_stage_configs
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.parallel import world_size
@@ -174,3 +175,11 @@ def test_a_replica_of_several_ranks_is_refused_when_it_starts_until_the_engine_r
         "set them to 1"
     )
     assert OmniDiffusionConfig.from_stage("/models/flux", _resolve()).stage.ulysses_degree == 1
+
+
+def test_omni_keywords_and_stage_overrides_reach_the_checks_before_anything_loads(tmp_path):
+    model = _folder(tmp_path, denoisers=(("transformer", "FluxTransformer2DModel", 3),)).model
+    with pytest.raises(ValueError, match=r"^stage 0: ulysses_degree= 2 \(python\) gives each rank a share of the"):
+        Omni(model, ulysses_degree=2)
+    with pytest.raises(ValueError, match=r"^stage 0: cfg_parallel_size 2 \(stage_override\) run one request on"):
+        Omni(model, stage_overrides={0: {"cfg_parallel_size": 2}})
