@@ -1,5 +1,5 @@
-"""`RankGroup`: one pipeline call on two gloo ranks (one torch thread each) gives the single-process image, with the
-denoiser split by diffusers' context parallelism."""
+"""`RankGroup`: one pipeline call on two gloo ranks (one torch thread each), alone or a batch of 4 prompts, gives the
+single-process images, with the denoiser split by diffusers' context parallelism (Ulysses) or by CFG-parallel."""
 
 import numpy as np
 import pytest
@@ -11,10 +11,13 @@ from vllm_omni.diffusion.parallel import RankGroup, enable_context_parallel
 pytestmark = pytest.mark.slow
 
 
-def _call(family: str) -> dict:
+PROMPTS = ["a red fox", "a blue car on a road", "snow", "a small green frog on a leaf"]
+
+
+def _call(family: str, prompt: str | list[str] = "a red fox") -> dict:
     if family == "wan":
-        return dict(prompt="a red fox", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="np")
-    return dict(prompt="a red fox", num_inference_steps=2, height=64, width=64, output_type="np")
+        return dict(prompt=prompt, num_inference_steps=2, height=32, width=32, num_frames=5, output_type="np")
+    return dict(prompt=prompt, num_inference_steps=2, height=64, width=64, output_type="np")
 
 
 def _pixels(output, family: str) -> np.ndarray:
@@ -27,15 +30,18 @@ def test_ulysses_2_on_two_gloo_ranks_gives_the_single_process_image(request, fam
     torch.manual_seed(0)
     alone = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     reference = _pixels(alone(**_call(family), generator=torch.Generator().manual_seed(7)), family)
+    batch = _pixels(alone(**_call(family, PROMPTS), generator=torch.Generator().manual_seed(7)), family)
     group = RankGroup(model, ulysses_degree=2)
     try:
         assert group.split == ["transformer"]
         pixels = _pixels(group.call(7, **_call(family)), family)
         again = _pixels(group.call(8, **_call(family)), family)
+        batched = _pixels(group.call(7, **_call(family, PROMPTS)), family)
     finally:
         group.close()
-    assert pixels.shape == reference.shape
+    assert pixels.shape == reference.shape and batched.shape == batch.shape == (4, *reference.shape[1:])
     assert np.abs(pixels - reference).max() <= 2 / 255
+    assert np.abs(batched - batch).max() <= 2 / 255
     assert np.abs(again - reference).max() > 2 / 255  # another seed: the group runs each call anew
 
 
@@ -55,10 +61,11 @@ def test_enable_context_parallel_needs_the_process_group(tiny_flux):
         enable_context_parallel(pipeline, ulysses_degree=2, ring_degree=1)
 
 
-def _guided(family: str) -> dict:
+def _guided(family: str, prompt: str | list[str] = "a red fox") -> dict:
+    negative = "blurry" if isinstance(prompt, str) else ["blurry"] * len(prompt)
     if family == "wan":
-        return {**_call(family), "negative_prompt": "blurry", "guidance_scale": 5.0}
-    return {**_call(family), "negative_prompt": "blurry", "true_cfg_scale": 4.0}
+        return {**_call(family, prompt), "negative_prompt": negative, "guidance_scale": 5.0}
+    return {**_call(family, prompt), "negative_prompt": negative, "true_cfg_scale": 4.0}
 
 
 @pytest.mark.parametrize("family", ["flux", "wan", "qwen_image"])
@@ -68,15 +75,18 @@ def test_cfg_2_on_two_gloo_ranks_gives_the_single_process_image(request, family)
     alone = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     reference = _pixels(alone(**_guided(family), generator=torch.Generator().manual_seed(7)), family)
     unguided = _pixels(alone(**_call(family), generator=torch.Generator().manual_seed(7)), family)
+    batch = _pixels(alone(**_guided(family, PROMPTS), generator=torch.Generator().manual_seed(7)), family)
     group = RankGroup(model, cfg_parallel_size=2)
     try:
         assert group.split == ["transformer"]
         pixels = _pixels(group.call(7, **_guided(family)), family)
         plain = _pixels(group.call(7, **_call(family)), family)  # Flux and Qwen-Image: no negative prompt, no CFG
+        batched = _pixels(group.call(7, **_guided(family, PROMPTS)), family)
     finally:
         group.close()
     assert np.abs(pixels - reference).max() <= 2 / 255
     assert np.abs(plain - unguided).max() <= 2 / 255
+    assert batched.shape[0] == 4 and np.abs(batched - batch).max() <= 2 / 255
 
 
 def test_cfg_parallel_with_context_parallel_is_refused_until_it_runs(tiny_flux):
