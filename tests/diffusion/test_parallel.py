@@ -92,3 +92,18 @@ def test_cfg_2_on_two_gloo_ranks_gives_the_single_process_image(request, family)
 def test_cfg_parallel_with_context_parallel_is_refused_until_it_runs(tiny_flux):
     with pytest.raises(ValueError, match="cfg_parallel_size 2 with ulysses_degree or ring_degree is not run yet"):
         RankGroup(tiny_flux, cfg_parallel_size=2, ulysses_degree=2)
+
+
+def test_vae_patch_2_on_two_gloo_ranks_gives_one_ranks_tiled_image(tiny_flux):
+    call = dict(prompt=PROMPTS, num_inference_steps=2, height=128, width=96, output_type="np")  # above one tile
+    alone = DiffusionPipeline.from_pretrained(tiny_flux, dtype=torch.float32)
+    alone.vae.enable_tiling()
+    reference = _pixels(alone(**call, generator=torch.Generator().manual_seed(7)), "flux")
+    group = RankGroup(tiny_flux, vae_patch_parallel_size=2)
+    try:
+        assert group.split == ["vae"]
+        pixels = _pixels(group.call(7, **call), "flux")
+    finally:
+        group.close()
+    assert pixels.shape == (4, 128, 96, 3)
+    assert np.abs(pixels - reference).max() <= 2 / 255

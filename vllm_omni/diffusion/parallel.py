@@ -1,7 +1,8 @@
 """One pipeline call on several ranks: a `RankGroup` is one replica's ``torch.distributed`` process group (gloo on
 the CPU, NCCL on CUDA), one spawned process per rank, each holding the whole pipeline with its denoisers split over
-the group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree``) or by CFG-parallel
-(``cfg_parallel_size``, `vllm_omni.diffusion.cfg_parallel`). The caller hands rank 0 a call; rank 0 broadcasts it,
+the group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree``), by CFG-parallel
+(``cfg_parallel_size``, `vllm_omni.diffusion.cfg_parallel`), or its VAE decode by patches
+(``vae_patch_parallel_size``, `vllm_omni.diffusion.vae_patch_parallel`); one kind at a time for now. The caller hands rank 0 a call; rank 0 broadcasts it,
 every rank runs it, and rank 0 returns the output.
 
 Not yet wired into the engine (issue 43): a replica still runs on one rank, and `OmniDiffusionConfig.from_stage`
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from vllm_omni.diffusion.cfg_parallel import enable_cfg_parallel
 from vllm_omni.diffusion.runner import loaded_denoisers
+from vllm_omni.diffusion.vae_patch_parallel import enable_vae_patch_parallel
 
 
 @contextlib.contextmanager
@@ -80,7 +82,10 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
         pipeline = DiffusionPipeline.from_pretrained(setup["model"], dtype=setup["dtype"], local_files_only=True).to(
             device
         )
-        if setup["cfg_parallel_size"] > 1:
+        if setup["vae_patch_parallel_size"] > 1:
+            split = ["vae"]
+            enable_vae_patch_parallel(pipeline.vae, rank, world)
+        elif setup["cfg_parallel_size"] > 1:
             split = loaded_denoisers(pipeline)
             enable_cfg_parallel([getattr(pipeline, name) for name in split], rank)
         else:
@@ -108,9 +113,9 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
 
 
 class RankGroup:
-    """One replica's ranks: ``cfg_parallel_size × ulysses_degree × ring_degree`` spawned processes, each with the
-    pipeline of ``model`` loaded at ``dtype`` and its denoisers split over the group (CFG-parallel, or diffusers'
-    context parallelism; not both yet). `call` runs one pipeline call on all of them and
+    """One replica's ranks: the product of the degrees, one spawned process each, each with the pipeline of
+    ``model`` loaded at ``dtype`` and its denoisers (or its VAE decode) split over the group; one kind of split at a
+    time for now. `call` runs one pipeline call on all of them and
     returns rank 0's output; `close` ends them. A collective that waits past ``timeout_s`` ends the group."""
 
     def __init__(
@@ -120,6 +125,7 @@ class RankGroup:
         cfg_parallel_size: int = 1,
         ulysses_degree: int = 1,
         ring_degree: int = 1,
+        vae_patch_parallel_size: int = 1,
         dtype: torch.dtype = torch.float32,
         torch_threads: int = 1,
         timeout_s: float = 300.0,
@@ -129,12 +135,15 @@ class RankGroup:
                 "cfg_parallel_size 2 with ulysses_degree or ring_degree is not run yet: the context-parallel mesh "
                 "would have to be one of each CFG branch's ranks"
             )
-        self.world = math.prod((cfg_parallel_size, ulysses_degree, ring_degree))
+        if vae_patch_parallel_size > 1 and cfg_parallel_size * ulysses_degree * ring_degree > 1:
+            raise ValueError("vae_patch_parallel_size with another parallel degree is not run yet")
+        self.world = math.prod((cfg_parallel_size, ulysses_degree, ring_degree, vae_patch_parallel_size))
         self.timeout_s = timeout_s
         setup = dict(
             model=model,
             dtype=dtype,
             cfg_parallel_size=cfg_parallel_size,
+            vae_patch_parallel_size=vae_patch_parallel_size,
             ulysses_degree=ulysses_degree,
             ring_degree=ring_degree,
             torch_threads=torch_threads,
