@@ -107,3 +107,9 @@ def test_vae_patch_2_on_two_gloo_ranks_gives_one_ranks_tiled_image(tiny_flux):
         group.close()
     assert pixels.shape == (4, 128, 96, 3)
     assert np.abs(pixels - reference).max() <= 2 / 255
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_ring_on_the_cpu_is_refused_before_any_rank_starts(tiny_flux):
+    with pytest.raises(ValueError, match="ring_degree needs an attention backend that returns the log-sum-exp"):
+        RankGroup(tiny_flux, ring_degree=2)

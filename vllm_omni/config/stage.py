@@ -120,7 +120,8 @@ class StageDeployConfig(BaseModel):
 
     ring_degree: Annotated[int, Knob("denoising")] = Field(default=1, ge=1)
     """Ranks that split the denoiser's sequence with diffusers' context parallelism, ring style (each rank's keys
-    and values pass around the ring). Refused for a denoiser without a ``_cp_plan``."""
+    and values pass around the ring). Refused for a denoiser without a ``_cp_plan``. CUDA only: diffusers' ring
+    attention needs the log-sum-exp of each block, which none of its CPU attention backends returns."""
 
     vae_patch_parallel_size: Annotated[int, Knob("decoding")] = Field(default=1, ge=1)
     """Ranks that decode spatial patches of each image with the VAE, stitched as the same tiling on one rank."""

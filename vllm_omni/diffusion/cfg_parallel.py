@@ -44,8 +44,10 @@ class CfgParallelHook(ModelHook):
         return module
 
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
-        context = self.calls._context
-        name = context.name if context is not None else None
+        try:
+            name = self.calls.context.name
+        except ValueError:  # no cache_context around this call
+            name = None
         if name == "cond":
             if self.rank == 0:
                 output = self.fn_ref.original_forward(*args, **kwargs)

@@ -135,6 +135,11 @@ class RankGroup:
                 "cfg_parallel_size 2 with ulysses_degree or ring_degree is not run yet: the context-parallel mesh "
                 "would have to be one of each CFG branch's ranks"
             )
+        if ring_degree > 1 and not torch.cuda.is_available():
+            raise ValueError(
+                "ring_degree needs an attention backend that returns the log-sum-exp of its blocks, and none of "
+                "diffusers' runs on the CPU (its native one refuses return_lse): use ulysses_degree on the CPU"
+            )
         if vae_patch_parallel_size > 1 and cfg_parallel_size * ulysses_degree * ring_degree > 1:
             raise ValueError("vae_patch_parallel_size with another parallel degree is not run yet")
         self.world = math.prod((cfg_parallel_size, ulysses_degree, ring_degree, vae_patch_parallel_size))
