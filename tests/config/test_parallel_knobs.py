@@ -166,15 +166,31 @@ def test_cfg_parallel_on_a_pipeline_without_classifier_free_guidance_is_refused(
     assert _resolve(knobs={"ulysses_degree": 2}, model=model).ulysses_degree == 2
 
 
-def test_a_replica_of_several_ranks_is_refused_when_it_starts_until_the_engine_runs_one():
-    stage = _resolve(knobs={"ulysses_degree": 2}, source="cli")
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        (
+            {"execution_mode": "step"},
+            "stage 0: --ulysses-degree 2 (cli) run one request on several ranks, and --execution-mode 'step' (cli) "
+            "is not run there yet (the ranks run whole pipeline calls (request mode), not one step at a time): set "
+            "execution_mode to 'request' or the degrees to 1",
+        ),
+        ({"distributed_executor_backend": "ray"}, "does not start them as Ray actors yet"),
+        ({"enable_lora": True}, "(the ranks load no adapters)"),
+        ({"cache_backend": "first_block"}, "(the ranks run no step cache)"),
+        ({"vae_tiling": True}, "set vae_tiling to False or the degrees to 1"),
+        ({"stage_type": "denoise"}, "which a split stage (stage_type 'denoise' (default)) does not do yet"),
+    ],
+)
+def test_a_replica_of_several_ranks_refuses_when_it_starts_what_its_ranks_do_not_run(knobs, message):
+    knobs = dict(knobs)
+    stage_type = knobs.pop("stage_type", "diffusion")  # a stage of a split pipeline (not a knob)
+    stage = _resolve(knobs={"ulysses_degree": 2, **knobs}, source="cli").model_copy(update={"stage_type": stage_type})
     with pytest.raises(ValueError) as excinfo:
         OmniDiffusionConfig.from_stage("/models/flux", stage)
-    assert str(excinfo.value) == (
-        "stage 0: --ulysses-degree 2 (cli) run one request on several ranks, which this release does not serve yet: "
-        "set them to 1"
-    )
-    assert OmniDiffusionConfig.from_stage("/models/flux", _resolve()).stage.ulysses_degree == 1
+    assert message in str(excinfo.value)
+    assert str(excinfo.value).startswith("stage 0: --ulysses-degree 2 (cli) run one request on several ranks")
+    assert OmniDiffusionConfig.from_stage("/models/flux", _resolve(knobs={"ulysses_degree": 2})).stage.ulysses_degree
 
 
 def test_omni_keywords_and_stage_overrides_reach_the_checks_before_anything_loads(tmp_path):
@@ -182,4 +198,4 @@ def test_omni_keywords_and_stage_overrides_reach_the_checks_before_anything_load
     with pytest.raises(ValueError, match=r"^stage 0: ulysses_degree= 2 \(python\) gives each rank a share of the"):
         Omni(model, ulysses_degree=2)
     with pytest.raises(ValueError, match=r"^stage 0: cfg_parallel_size 2 \(stage_override\) run one request on"):
-        Omni(model, stage_overrides={0: {"cfg_parallel_size": 2}})
+        Omni(model, stage_overrides={0: {"cfg_parallel_size": 2, "execution_mode": "step"}})

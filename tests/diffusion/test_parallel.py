@@ -34,9 +34,9 @@ def test_ulysses_2_on_two_gloo_ranks_gives_the_single_process_image(request, fam
     group = RankGroup(model, ulysses_degree=2)
     try:
         assert group.split == ["transformer"]
-        pixels = _pixels(group.call(7, **_call(family)), family)
-        again = _pixels(group.call(8, **_call(family)), family)
-        batched = _pixels(group.call(7, **_call(family, PROMPTS)), family)
+        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_call(family)), family)
+        again = _pixels(group.call(generator=torch.Generator().manual_seed(8), **_call(family)), family)
+        batched = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_call(family, PROMPTS)), family)
     finally:
         group.close()
     assert pixels.shape == reference.shape and batched.shape == batch.shape == (4, *reference.shape[1:])
@@ -49,8 +49,20 @@ def test_a_failed_call_is_reported_and_the_group_serves_the_next(tiny_flux):
     group = RankGroup(tiny_flux, ulysses_degree=2)
     try:
         with pytest.raises(RuntimeError, match=r"the group failed \(call\): ValueError\(.*prompt_embeds"):
-            group.call(0, prompt=None, num_inference_steps=1, height=64, width=64, output_type="np")
-        assert _pixels(group.call(0, **_call("flux")), "flux").shape == (1, 64, 64, 3)
+            group.call(
+                generator=torch.Generator().manual_seed(0),
+                prompt=None,
+                num_inference_steps=1,
+                height=64,
+                width=64,
+                output_type="np",
+            )
+        assert _pixels(group.call(generator=torch.Generator().manual_seed(0), **_call("flux")), "flux").shape == (
+            1,
+            64,
+            64,
+            3,
+        )
     finally:
         group.close()
 
@@ -79,9 +91,11 @@ def test_cfg_2_on_two_gloo_ranks_gives_the_single_process_image(request, family)
     group = RankGroup(model, cfg_parallel_size=2)
     try:
         assert group.split == ["transformer"]
-        pixels = _pixels(group.call(7, **_guided(family)), family)
-        plain = _pixels(group.call(7, **_call(family)), family)  # Flux and Qwen-Image: no negative prompt, no CFG
-        batched = _pixels(group.call(7, **_guided(family, PROMPTS)), family)
+        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_guided(family)), family)
+        plain = _pixels(
+            group.call(generator=torch.Generator().manual_seed(7), **_call(family)), family
+        )  # Flux and Qwen-Image: no negative prompt, no CFG
+        batched = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_guided(family, PROMPTS)), family)
     finally:
         group.close()
     assert np.abs(pixels - reference).max() <= 2 / 255
@@ -102,7 +116,7 @@ def test_vae_patch_2_on_two_gloo_ranks_gives_one_ranks_tiled_image(tiny_flux):
     group = RankGroup(tiny_flux, vae_patch_parallel_size=2)
     try:
         assert group.split == ["vae"]
-        pixels = _pixels(group.call(7, **call), "flux")
+        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **call), "flux")
     finally:
         group.close()
     assert pixels.shape == (4, 128, 96, 3)

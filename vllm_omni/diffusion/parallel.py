@@ -5,8 +5,9 @@ the group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree`
 (``vae_patch_parallel_size``, `vllm_omni.diffusion.vae_patch_parallel`); one kind at a time for now. The caller hands rank 0 a call; rank 0 broadcasts it,
 every rank runs it, and rank 0 returns the output.
 
-Not yet wired into the engine (issue 43): a replica still runs on one rank, and `OmniDiffusionConfig.from_stage`
-refuses the parallel knobs above 1."""
+A replica whose stage asks for more than one rank holds one (`DiffusionRunner.group`, `RankGroup.of_stage`): its
+runner builds each batch's call as for one process and hands it to the group (request mode, inline replicas;
+`OmniDiffusionConfig.from_stage` refuses what the group does not run)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vllm_omni.config.parallel import PARALLEL_KNOBS
 from vllm_omni.diffusion.cfg_parallel import enable_cfg_parallel
-from vllm_omni.diffusion.runner import loaded_denoisers
+from vllm_omni.diffusion.components import loaded_denoisers
 from vllm_omni.diffusion.vae_patch_parallel import enable_vae_patch_parallel
 
 
@@ -58,6 +60,24 @@ def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int) -> 
     return names
 
 
+def check_on_ranks(batch: list, variant: bool, config: dict, overrides: dict, samplers: list) -> None:
+    """Refuse a batch that asks what the ranks do not run yet: they run the loaded pipeline's own call, with its
+    config and noise scheduler as loaded, and no callback (hence no previews and no SDE sampling)."""
+    asked = {
+        "partial_images (previews)": any(r.params.partial_images for r in batch),
+        "an image variant of the pipeline": variant,
+        f"pipeline config {sorted(config)}": bool(config),
+        f"scheduler settings {sorted(overrides)}": bool(overrides),
+        "SDE sampling": any(sampler is not None for sampler in samplers),
+    }
+    refused = [what for what, wanted in asked.items() if wanted]
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)}: not run on a replica of several ranks yet (the stage's parallel degrees); "
+            "serve such requests from a stage whose degrees are 1"
+        )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -68,7 +88,8 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
     """One rank: join the group, load the pipeline, then run every call rank 0 broadcasts until it sends ``None``."""
     from diffusers import DiffusionPipeline
 
-    torch.set_num_threads(setup["torch_threads"])
+    if setup["torch_threads"] is not None:
+        torch.set_num_threads(setup["torch_threads"])
     cuda = torch.cuda.is_available()
     dist.init_process_group(
         "nccl" if cuda else "gloo",
@@ -77,11 +98,13 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
         world_size=world,
         timeout=timedelta(seconds=setup["timeout_s"]),
     )
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    devices = setup["devices"].split(",") if setup["devices"] else range(world)
+    device = torch.device("cuda", int(devices[rank])) if cuda else torch.device("cpu")
     try:
         pipeline = DiffusionPipeline.from_pretrained(setup["model"], dtype=setup["dtype"], local_files_only=True).to(
             device
         )
+        pipeline.set_progress_bar_config(disable=True)
         if setup["vae_patch_parallel_size"] > 1:
             split = ["vae"]
             enable_vae_patch_parallel(pipeline.vae, rank, world)
@@ -97,9 +120,8 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
             dist.broadcast_object_list(job, src=0)
             if job[0] is None:
                 return
-            kwargs, seed = job[0]
             try:
-                output = pipeline(**kwargs, generator=torch.Generator(device).manual_seed(seed))
+                output = pipeline(**job[0])
             except Exception as exc:  # every rank fails alike on a bad call; rank 0 reports it
                 output = exc
             if rank == 0:
@@ -127,8 +149,9 @@ class RankGroup:
         ring_degree: int = 1,
         vae_patch_parallel_size: int = 1,
         dtype: torch.dtype = torch.float32,
-        torch_threads: int = 1,
+        torch_threads: int | None = 1,
         timeout_s: float = 300.0,
+        devices: str | None = None,
     ):
         if cfg_parallel_size > 1 and ulysses_degree * ring_degree > 1:
             raise ValueError(
@@ -153,6 +176,7 @@ class RankGroup:
             ring_degree=ring_degree,
             torch_threads=torch_threads,
             timeout_s=timeout_s,
+            devices=devices,
         )
         context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: no torch state is forked
         self._inbox, self._outbox = context.Queue(), context.Queue()
@@ -165,35 +189,61 @@ class RankGroup:
         ]
         for process in self._ranks:
             process.start()
-        self.split: list[str] = self._receive("ready")
-        """The denoisers split over the group."""
+        try:
+            self.split: list[str] = self._receive("ready")
+            """The denoisers split over the group."""
+        except BaseException:
+            self.close(wait=False)
+            raise
+
+    @classmethod
+    def of_stage(cls, od_config, dtype: torch.dtype) -> RankGroup | None:
+        """The ranks of one replica of ``od_config``'s stage (its degrees, devices and torch threads); ``None`` when
+        its degrees make one rank."""
+        stage = od_config.stage
+        if math.prod(getattr(stage, knob) for knob in PARALLEL_KNOBS) == 1:
+            return None
+        return cls(
+            od_config.model,
+            cfg_parallel_size=stage.cfg_parallel_size,
+            ulysses_degree=stage.ulysses_degree,
+            ring_degree=stage.ring_degree,
+            vae_patch_parallel_size=stage.vae_patch_parallel_size,
+            dtype=dtype,
+            torch_threads=od_config.torch_threads,
+            devices=stage.devices,
+        )
 
     def _receive(self, what: str) -> Any:
-        """Rank 0's next answer; RuntimeError when a rank died or failed first."""
+        """Rank 0's next answer; RuntimeError when a rank died (the group then ends: the others may wait for it in
+        a collective) or the call failed."""
         while True:
             try:
                 status, value = self._outbox.get(timeout=1.0)
             except queue.Empty:
-                dead = [rank for rank, p in enumerate(self._ranks) if p.exitcode is not None]
-                if dead:
-                    self.close()
-                    raise RuntimeError(f"rank(s) {dead} of the group ended before it answered ({what})") from None
-                continue
+                status, value = None, "no answer"
+            dead = [rank for rank, p in enumerate(self._ranks) if p.exitcode is not None]
+            if dead and status in (None, "error"):
+                self.close(wait=False)
+                raise RuntimeError(f"rank(s) {dead} of the group ended before it answered ({what}): {value}")
             if status == "error":
                 raise RuntimeError(f"the group failed ({what}): {value}")
-            return value
+            if status is not None:
+                return value
 
-    def call(self, seed: int, **kwargs: Any) -> Any:
-        """Run ``pipeline(**kwargs, generator=Generator().manual_seed(seed))`` on every rank; rank 0's output."""
-        self._inbox.put((kwargs, seed))
+    def call(self, **kwargs: Any) -> Any:
+        """Run ``pipeline(**kwargs)`` on every rank (its generators are pickled, each rank draws the same noise);
+        rank 0's output. RuntimeError when a rank died, or once the group has ended."""
+        self._inbox.put(kwargs)
         return self._receive("call")
 
-    def close(self) -> None:
-        """Tell the ranks to stop, and wait for them (a rank still running after ``timeout_s`` is killed)."""
-        if all(p.exitcode is None for p in self._ranks):
+    def close(self, wait: bool = True) -> None:
+        """Tell the ranks to stop, and wait for them (``wait=False``, or a rank still running after ``timeout_s``:
+        killed)."""
+        if wait and all(p.exitcode is None for p in self._ranks):
             self._inbox.put(None)
         for process in self._ranks:
-            process.join(self.timeout_s)
+            process.join(self.timeout_s if wait else 0)
             if process.exitcode is None:
                 process.kill()
                 process.join()

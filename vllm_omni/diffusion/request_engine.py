@@ -78,4 +78,6 @@ class RequestEngine(EngineCore):
         ]
 
     def shutdown(self) -> None:
-        """Release what the engine holds once its loop has stopped: request mode has no workers to stop."""
+        """Release what the engine holds once its loop has stopped: its ranks, if it has several."""
+        if self.runner.group is not None:
+            self.runner.group.close()
