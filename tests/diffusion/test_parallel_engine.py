@@ -1,6 +1,6 @@
 """A replica of several ranks through `Omni` (issue 43): ``cfg_parallel_size=2`` and ``ulysses_degree=2`` on the tiny
 Flux, two gloo ranks, give the one-process images within 2/255, a request alone and a batch of four; a rank that
-dies fails the request with an error instead of hanging."""
+dies marks the replica down and fails its request with an error instead of hanging."""
 
 import re
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vllm_omni import Omni
+from vllm_omni.errors import StageUnavailableError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 pytestmark = pytest.mark.slow
@@ -55,12 +56,15 @@ def test_two_ranks_give_the_one_process_images_alone_and_in_a_batch(tiny_flux, o
         assert np.abs(_pixels(output) - reference).max() <= 2
 
 
-def test_a_rank_that_dies_fails_the_request_with_an_error(tiny_flux):
+def test_a_rank_that_dies_marks_the_replica_down_and_fails_its_request(tiny_flux):
     with Omni(model=tiny_flux, ulysses_degree=2) as omni:
-        ranks = omni.engine.stages[0].replicas[0].engine.runner.group._ranks
+        replica = omni.engine.stages[0].replicas[0]
+        ranks = replica.engine.runner.group._ranks
         ranks[1].kill()
         ranks[1].join()
         failed = omni.generate(PROMPTS[0], _params(SEEDS[0]))[0]
         assert failed.error is not None and re.search(r"rank\(s\) \[(0, )?1\] of the group ended", failed.error)
-        again = omni.generate(PROMPTS[0], _params(SEEDS[0]))[0]  # the group has ended: fails at once, no hang
-        assert again.error is not None and "of the group ended" in again.error
+        replica.stopped.result()  # its engine loop ended: the replica is down, its ranks too
+        assert not replica.is_alive and all(rank.exitcode is not None for rank in ranks)
+        with pytest.raises(StageUnavailableError, match="no replica is alive"):
+            omni.generate(PROMPTS[0], _params(SEEDS[0]))

@@ -167,6 +167,8 @@ class RankGroup:
             raise ValueError("vae_patch_parallel_size with another parallel degree is not run yet")
         self.world = math.prod((cfg_parallel_size, ulysses_degree, ring_degree, vae_patch_parallel_size))
         self.timeout_s = timeout_s
+        self.lost: str | None = None
+        """Why the group ended when a rank died (every later call fails); ``None`` while it serves."""
         setup = dict(
             model=model,
             dtype=dtype,
@@ -225,7 +227,8 @@ class RankGroup:
             dead = [rank for rank, p in enumerate(self._ranks) if p.exitcode is not None]
             if dead and status in (None, "error"):
                 self.close(wait=False)
-                raise RuntimeError(f"rank(s) {dead} of the group ended before it answered ({what}): {value}")
+                self.lost = f"rank(s) {dead} of the group ended before it answered ({what}): {value}"
+                raise RuntimeError(self.lost)
             if status == "error":
                 raise RuntimeError(f"the group failed ({what}): {value}")
             if status is not None:
