@@ -6,7 +6,8 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusionPipeline
 
-from vllm_omni.diffusion.runner import check_batchable, select_device, select_dtype
+from vllm_omni.diffusion.pipeline_facts import check_batchable
+from vllm_omni.diffusion.runner import select_device, select_dtype
 
 
 class SinglePromptPipeline(DiffusionPipeline):

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni.config.lora import LoRAModulePath
-from vllm_omni.config.stage import KNOBS, STAGE_TYPES_OF_SCOPE, YAML_STAGE_KEYS, KnobScope, StageDeployConfig
+from vllm_omni.config.knob import STAGE_TYPES_OF_SCOPE, KnobScope
+from vllm_omni.config.stage import KNOBS, YAML_STAGE_KEYS, StageDeployConfig
 from vllm_omni.doc_tables import default, field_type, meaning, regenerate, replace_between
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

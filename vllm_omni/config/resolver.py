@@ -24,16 +24,17 @@ from vllm_omni.config.cache import (
     cache_hook_config,
     parse_cache_config,
 )
+from vllm_omni.config.knob import STAGE_TYPES_OF_SCOPE
 from vllm_omni.config.llm import check_llm_stage
 from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.model_source import ModelSource
+from vllm_omni.config.parallel import check_parallel
 from vllm_omni.config.quantization import GGUF_SOURCE, check_quantization, is_gguf
 from vllm_omni.config.stage import (
     KNOBS,
     LORA_KNOBS,
     RAY_ONLY_KNOBS,
     STAGE_KNOBS,
-    STAGE_TYPES_OF_SCOPE,
     DeployConfig,
     Source,
     StageDeployConfig,
@@ -160,6 +161,7 @@ def resolve_stage_configs(
         if stage.stage_type in STAGE_TYPES_OF_KNOB["quantization"]:
             _resolve_quantization(stage.stage_id, values, provenance, model)
         _check_combination(stage.stage_id, values, provenance)
+        check_parallel(stage.stage_id, values, _writer(values, provenance), _local_folder(model))
         if stage.stage_type in LLM_STAGE_TYPES:
             check_llm_stage(stage.stage_id, values, _writer(values, provenance))
         resolved.append(
@@ -223,6 +225,15 @@ def check_model(stage_configs: list[StageDeployConfig], model: ModelSource) -> N
             except ValueError as exc:
                 hint = " (resolve_stage_configs(..., model=...) sets it)" if model.is_gguf else ""
                 raise ValueError(f"{exc}{hint}") from None
+
+
+def _local_folder(model: ModelSource | None) -> str | None:
+    """The local diffusers folder whose configs ``model`` loads with, if there is one before anything downloads."""
+    if model is None:
+        return None
+    if model.kind == "folder":
+        return model.model
+    return model.model_config if model.model_config_kind == "folder" else None
 
 
 def _resolve_quantization(

@@ -7,14 +7,15 @@ change a knob (in particular ``max_num_seqs``) behind the user's back.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vllm_omni.config.cache import CacheBackendName, parse_cache_config
+from vllm_omni.config.knob import STAGE_TYPES_OF_SCOPE, Knob, KnobScope
 from vllm_omni.config.llm import LlmMode, check_engine_args, check_sampling
 from vllm_omni.config.lora import LoRAModulePath
+from vllm_omni.config.parallel import check_tensor_parallel_size
 from vllm_omni.config.quantization import Quantization, parse_components
 from vllm_omni.config.stage_types import STAGE_TYPES, check_stage_graph
 
@@ -40,38 +41,6 @@ CompileMode = Literal["none", "regional", "full"]
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 """Ray placement-group strategies: how replicas spread over the cluster's nodes."""
-
-KnobScope = Literal["every", "pipeline", "denoising", "lora", "ray", "llm"]
-"""Which stages a knob applies to (`knob_applies`): every stage; those that run a diffusers pipeline (``runs:
-diffusers``); those that hold the denoiser (`StageTypeSpec.denoises`); those that serve LoRA adapters
-(`StageTypeSpec.adapts`); Ray replicas (``distributed_executor_backend: ray``); ``llm`` stages."""
-
-
-@dataclass(frozen=True)
-class Knob:
-    """What makes a `StageDeployConfig` field a stage knob, beside its type, default and docstring: which stages it
-    applies to and its command-line flag. Declared once, as the field's metadata (``Annotated[T, Knob(...)]``);
-    the YAML key, the ``Omni`` keyword and ``stage_overrides`` are the field's name, and every list of knobs (the
-    groups below, the CLI's omni flags, the resolver's checks, the start-up line, ``stage_knob_info``) reads it."""
-
-    scope: KnobScope = "every"
-    """The stages it applies to; set for another it is refused (a global flag or keyword skips that stage)."""
-
-    flag: Literal["omni", "vllm", "none"] = "omni"
-    """Its flag: ``omni`` one of the Omni group's, ``--name-with-dashes``; ``vllm`` vLLM's own flag of that name;
-    ``none`` no flag (deploy YAML, ``Omni`` keyword and ``stage_overrides`` only)."""
-
-    metavar: str | None = None
-    """The omni flag's value in ``--help`` (``N`` unless given; a choice lists its values)."""
-
-
-STAGE_TYPES_OF_SCOPE: dict[KnobScope, tuple[str, ...]] = {
-    "pipeline": tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "diffusers"),
-    "denoising": tuple(t for t, spec in STAGE_TYPES.items() if spec.denoises),
-    "lora": tuple(t for t, spec in STAGE_TYPES.items() if spec.adapts),
-    "llm": tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "vllm"),
-}
-"""The stage types of each scope that a stage's type decides (``every`` and ``ray`` are not among them)."""
 
 
 class StageDeployConfig(BaseModel):
@@ -138,6 +107,28 @@ class StageDeployConfig(BaseModel):
     """Comma-separated CUDA device indices such as ``"0"`` or ``"0,1"``. Unset: the first visible CUDA device, or
     the CPU when CUDA is not available. Setting it without CUDA is an error. ``inline`` only (Ray gives each replica
     its own ``num_gpus`` devices). Not on ``llm`` stages."""
+
+    cfg_parallel_size: Annotated[int, Knob("denoising")] = Field(default=1, ge=1, le=2)
+    """1 or 2: with 2, the conditional and unconditional branches of classifier-free guidance run on two ranks, and
+    the guided prediction is combined as the pipeline combines it. Refused for a pipeline without classifier-free
+    guidance. The parallel degrees multiply into the replica's ranks ([scaling](scaling.md))."""
+
+    ulysses_degree: Annotated[int, Knob("denoising")] = Field(default=1, ge=1)
+    """Ranks that split the denoiser's sequence with diffusers' context parallelism, Ulysses style (an all-to-all
+    gives each rank a share of the attention heads). Refused for a denoiser without a ``_cp_plan`` and for a head
+    count it does not divide."""
+
+    ring_degree: Annotated[int, Knob("denoising")] = Field(default=1, ge=1)
+    """Ranks that split the denoiser's sequence with diffusers' context parallelism, ring style (each rank's keys
+    and values pass around the ring). Refused for a denoiser without a ``_cp_plan``. CUDA only: diffusers' ring
+    attention needs the log-sum-exp of each block, which none of its CPU attention backends returns."""
+
+    vae_patch_parallel_size: Annotated[int, Knob("decoding")] = Field(default=1, ge=1)
+    """Ranks that decode spatial patches of each image with the VAE, stitched as the same tiling on one rank."""
+
+    tensor_parallel_size: Annotated[int, Knob("pipeline", flag="vllm")] = 1
+    """vLLM's ``--tensor-parallel-size``: accepted as 1 only, as diffusion stages do not shard weights (an ``llm``
+    stage sets vLLM's in ``engine_args``)."""
 
     dtype: Annotated[DType, Knob("pipeline", flag="vllm")] = "auto"
     """Weights and activations dtype. ``auto`` is bfloat16 on CUDA (float16 where bf16 is not supported) and float32
@@ -292,6 +283,7 @@ class StageDeployConfig(BaseModel):
     _parse_components = field_validator("quantize_components", mode="before")(parse_components)
     _check_engine_args = field_validator("engine_args", mode="before")(check_engine_args)
     _check_sampling = field_validator("sampling", mode="before")(check_sampling)
+    _check_tensor_parallel_size = field_validator("tensor_parallel_size")(check_tensor_parallel_size)
 
     @field_validator("devices")
     @classmethod

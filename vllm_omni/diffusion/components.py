@@ -7,5 +7,11 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 DENOISERS = ("transformer", "transformer_2", "unet")
 """The denoiser components of the pipelines we serve."""
 
+
+def loaded_denoisers(pipeline) -> list[str]:
+    """The names of the denoisers the pipeline holds (a stage that skips them holds none)."""
+    return [name for name in DENOISERS if getattr(pipeline, name, None) is not None]
+
+
 OUTPUT_PROCESSORS = (("image_processor", "postprocess"), ("video_processor", "postprocess_video"))
 """Where a pipeline turns decoded pixels into its output type, in every mode and stage: (attribute, method)."""

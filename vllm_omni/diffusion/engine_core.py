@@ -145,6 +145,10 @@ class EngineCore:
         return self.scheduler.call(receive, drain=True)
 
     def _apply_weights(self, weights: dict, component: str) -> WeightsApplied:
+        if self.runner.group is not None:
+            raise WeightUpdateError(
+                None, "a replica of several ranks (the stage's parallel degrees) cannot update weights yet"
+            )
         if self.od_config.stage.cpu_offload == "sequential":
             raise WeightUpdateError(
                 None, "cpu_offload='sequential' keeps the weights in accelerate's hooks: serve with 'model' or 'none'"
@@ -162,6 +166,8 @@ class EngineCore:
         """Sleep at ``level`` (`PipelineSleep`) once the requests in progress have finished: from then on no request
         starts (those that arrive wait) until `wake_up`; calls still run. The future is done once it sleeps."""
         check_level(level, self.od_config.stage.cpu_offload, self.od_config.stage.quantization)
+        if self.runner.group is not None:
+            raise ValueError("sleep: a replica of several ranks (the stage's parallel degrees) cannot sleep yet")
         self.runner.quantization.check_sleep(level)
         return self.scheduler.call(lambda: self._sleep(level), drain=True)
 

@@ -1,12 +1,13 @@
 """What a pipeline's class, call signature and scheduler say about the requests it takes, read by `ModelCard` when
 a pipeline loads: the call arguments vllm-omni sets itself, the pipelines that need or take several input images,
 the scheduler's shift key, the text encoder's sequence limit, the default size and the image-conditioned variants
-of a text-to-image pipeline."""
+of a text-to-image pipeline; and whether it batches requests (`check_batchable`)."""
 
 from __future__ import annotations
 
 import inspect
 import re
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -199,3 +200,33 @@ def schedule_index(scheduler, timestep) -> int:
     if hasattr(scheduler, "index_for_timestep"):
         return int(scheduler.index_for_timestep(timestep))
     return 0
+
+
+def _accepts_list(parameter: inspect.Parameter | None) -> bool:
+    """Whether a ``__call__`` parameter is annotated to take a list (``List[str]``, ``list[Generator]``...)."""
+    if parameter is None:
+        return False
+    pending = [parameter.annotation]
+    while pending:
+        annotation = pending.pop()
+        if isinstance(annotation, str):
+            if "list" in annotation.lower():
+                return True
+            continue
+        if typing.get_origin(annotation) is list or annotation is list:
+            return True
+        pending.extend(typing.get_args(annotation))
+    return False
+
+
+def check_batchable(pipeline_cls: type, max_num_seqs: int) -> None:
+    """Fail at start-up when ``max_num_seqs > 1`` but the pipeline cannot take one list of prompts and generators."""
+    if max_num_seqs <= 1:
+        return
+    params = inspect.signature(pipeline_cls.__call__).parameters
+    missing = [name for name in ("prompt", "generator") if not _accepts_list(params.get(name))]
+    if missing:
+        raise ValueError(
+            f"{pipeline_cls.__name__} cannot batch requests: its __call__ does not take a list for "
+            f"{' and '.join(missing)}. Set max_num_seqs=1 (--max-num-seqs 1) to serve it one request at a time."
+        )

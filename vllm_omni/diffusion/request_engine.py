@@ -47,6 +47,9 @@ class RequestEngine(EngineCore):
         outputs = run_isolated(
             self._run, batch, what="request", name=lambda r: r.request_id, on_oom_split=self._on_oom_split
         )
+        group = self.runner.group
+        if group is not None and group.lost is not None:  # the replica is down: its loop ends, failing the batch
+            raise RuntimeError(group.lost)
         self.scheduler.finish(batch, outputs)
         return len(batch)
 
@@ -78,4 +81,6 @@ class RequestEngine(EngineCore):
         ]
 
     def shutdown(self) -> None:
-        """Release what the engine holds once its loop has stopped: request mode has no workers to stop."""
+        """Release what the engine holds once its loop has stopped: its ranks, if it has several."""
+        if self.runner.group is not None:
+            self.runner.group.close()

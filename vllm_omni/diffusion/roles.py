@@ -21,7 +21,8 @@ from vllm_omni.diffusion.denoise import denoise_step
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
-from vllm_omni.diffusion.runner import DiffusionRunner, check_batchable, read_model_index
+from vllm_omni.diffusion.pipeline_facts import check_batchable
+from vllm_omni.diffusion.runner import DiffusionRunner, read_model_index
 from vllm_omni.diffusion.sde import SdeSampler, check_sde
 from vllm_omni.diffusion.steppers import (
     SPLIT,

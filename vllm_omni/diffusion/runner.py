@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import time
-import typing
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -15,12 +13,13 @@ import torch
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.config.cache import WHOLE_CALL_BACKENDS
-from vllm_omni.diffusion.components import DENOISERS
+from vllm_omni.diffusion.components import loaded_denoisers
 from vllm_omni.diffusion.finite import watch_outputs
 from vllm_omni.diffusion.gguf import gguf_components, load_gguf_component
 from vllm_omni.diffusion.image_inputs import fitted_inputs
 from vllm_omni.diffusion.lora import LoraAdapters
 from vllm_omni.diffusion.model_card import ENGINE_ARGS, ModelCard
+from vllm_omni.diffusion.parallel import RankGroup, check_on_ranks
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.quantization import QuantizationPlan
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -48,36 +47,6 @@ def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
-
-
-def _accepts_list(parameter: inspect.Parameter | None) -> bool:
-    """Whether a ``__call__`` parameter is annotated to take a list (``List[str]``, ``list[Generator]``...)."""
-    if parameter is None:
-        return False
-    pending = [parameter.annotation]
-    while pending:
-        annotation = pending.pop()
-        if isinstance(annotation, str):
-            if "list" in annotation.lower():
-                return True
-            continue
-        if typing.get_origin(annotation) is list or annotation is list:
-            return True
-        pending.extend(typing.get_args(annotation))
-    return False
-
-
-def check_batchable(pipeline_cls: type, max_num_seqs: int) -> None:
-    """Fail at start-up when ``max_num_seqs > 1`` but the pipeline cannot take one list of prompts and generators."""
-    if max_num_seqs <= 1:
-        return
-    params = inspect.signature(pipeline_cls.__call__).parameters
-    missing = [name for name in ("prompt", "generator") if not _accepts_list(params.get(name))]
-    if missing:
-        raise ValueError(
-            f"{pipeline_cls.__name__} cannot batch requests: its __call__ does not take a list for "
-            f"{' and '.join(missing)}. Set max_num_seqs=1 (--max-num-seqs 1) to serve it one request at a time."
-        )
 
 
 def read_model_index(model: str) -> dict[str, Any]:
@@ -155,11 +124,6 @@ def parse_size(size: str) -> tuple[int, int, int | None]:
     return width, height, frames[0] if frames else None
 
 
-def loaded_denoisers(pipeline) -> list[str]:
-    """The names of the denoisers the pipeline holds (a stage that skips them holds none)."""
-    return [name for name in DENOISERS if getattr(pipeline, name, None) is not None]
-
-
 def compile_denoisers(pipeline, mode: str) -> list[str]:
     """torch.compile the pipeline's denoisers in place (``regional``: diffusers' ``compile_repeated_blocks``);
     returns their names. Compilation itself happens on the first forward of each shape."""
@@ -186,10 +150,18 @@ class DiffusionRunner:
         self.device = select_device(od_config.stage.devices)
         self.dtype = select_dtype(od_config.stage.dtype, self.device)
         started = time.perf_counter()
+        self.group = RankGroup.of_stage(od_config, self.dtype)
+        """The replica's ranks when the stage's parallel degrees ask for several: each batch's call runs on them,
+        and the pipeline here (in CPU memory) only answers for the model; ``None``: the call runs here."""
         self.quantization = QuantizationPlan.of(od_config.model, od_config.stage, self.device, self.dtype, skips)
         """What the stage holds quantized (``quantization``, or a folder saved quantized)."""
         self.pipeline = load_pipeline(
-            od_config.model, self.dtype, self.device, skips, od_config.stage.cpu_offload, self.quantization
+            od_config.model,
+            self.dtype,
+            self.device if self.group is None else torch.device("cpu"),
+            skips,
+            od_config.stage.cpu_offload,
+            self.quantization,
         )
         set_vae_memory(self.pipeline, od_config.stage.vae_tiling, od_config.stage.vae_slicing)
         watch_outputs(self.pipeline)  # a request whose pixels are not finite fails (`EngineCore.output`)
@@ -308,12 +280,14 @@ class DiffusionRunner:
         for arg in ENGINE_ARGS:  # the batch's scheduler has its flow_shift; the SDE keys are `sde_sampling`'s
             kwargs.pop(arg, None)
         with _configured(pipeline, config, card.scheduler_overrides(params)), sde_sampling(pipeline, batch) as sde:
+            if self.group is not None:
+                check_on_ranks(batch, pipeline is not self.pipeline, config, card.scheduler_overrides(params), sde)
             watching = contextlib.nullcontext() if previews is None else previews.watching(pipeline.scheduler, batch)
             with adapters, cached, watching as make_previews:
-                if "callback_on_step_end" in card.call_args:
+                if "callback_on_step_end" in card.call_args and self.group is None:  # the ranks call no callback
                     kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
                 with pipeline_call():
-                    result = pipeline(**kwargs)
+                    result = pipeline(**kwargs) if self.group is None else self.group.call(**kwargs)
         for request, sampler in zip(batch, sde, strict=True):
             request.trajectory = None if sampler is None else sampler.trajectory()
         # Image pipelines return .images; video pipelines .frames, one frame sequence per video.

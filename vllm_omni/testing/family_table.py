@@ -91,7 +91,8 @@ def family_row(build: Callable[[], object]) -> tuple[str, dict[str, str | None],
     from vllm_omni.diffusion.model_card import ModelCard
     from vllm_omni.diffusion.pipeline_facts import ALONE_WITH_IMAGES
     from vllm_omni.diffusion.roles import DiffusionRole
-    from vllm_omni.diffusion.runner import check_batchable, loaded_denoisers
+    from vllm_omni.diffusion.components import loaded_denoisers
+    from vllm_omni.diffusion.pipeline_facts import check_batchable
     from vllm_omni.diffusion.step_cache import CallCache
     from vllm_omni.diffusion.steppers import SPLIT, STEP_MODE, make_stepper
 

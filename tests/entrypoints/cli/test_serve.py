@@ -127,7 +127,7 @@ def test_execution_mode_flag_resolves_with_cli_provenance(parser, tiny_flux):
         (["--request-batch-max-wait-ms", "-1"], r"--request-batch-max-wait-ms -1.0: Input should be greater"),
         (
             ["--tensor-parallel-size", "2"],
-            r"--tensor-parallel-size: vLLM flag\(s\) that a diffusion server does not use",
+            r"--tensor-parallel-size 2: Value error, tensor_parallel_size is accepted as 1 only",
         ),
         (["--stage-overrides", "{"], r"argument --stage-overrides: not valid JSON"),
         (["--stage-overrides", "[1]"], r"argument --stage-overrides: must be a JSON object"),

@@ -47,6 +47,7 @@ _USED_VLLM_FLAGS = frozenset(
         *("revision", "download_dir", "hf_token"),
         *("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
         "quantization",
+        "tensor_parallel_size",
         "profiler_config",
         "otlp_traces_endpoint",
     }
@@ -249,7 +250,11 @@ def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
         given["quantization"] = args.quantization
     # vLLM's LoRA flags, parsed by vLLM (--lora-modules as name=path or JSON); its defaults are not ours.
     given.update(
-        {name: getattr(args, name) for name in ("enable_lora", "max_loras", "max_lora_rank") if name in explicit}
+        {
+            name: getattr(args, name)
+            for name in ("enable_lora", "max_loras", "max_lora_rank", "tensor_parallel_size")
+            if name in explicit
+        }
     )
     if "lora_modules" in explicit:
         given["lora_modules"] = [

@@ -1,0 +1,98 @@
+"""CFG-parallel (``cfg_parallel_size`` 2): the conditional and unconditional denoiser calls of classifier-free
+guidance run at once on two ranks, each rank running the whole pipeline.
+
+The pipelines that guide with two denoiser calls per step (Flux's and Qwen-Image's true CFG, Wan) name them with
+diffusers' ``cache_context("cond")`` and ``cache_context("uncond")``, the cond call first. A `CfgParallelHook` on
+each denoiser reads that name: rank 0 computes the cond call and answers the uncond one with rank 1's; rank 1
+answers the cond call with a zero tensor that it fills in place with rank 0's prediction when the two exchange, at
+the uncond call, which it computes. The pipeline then combines the two as it always does, the same on both ranks, so
+their latents stay equal. A call outside those contexts runs on both ranks alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks.hooks import BaseState, StateManager
+
+HOOK = "vllm_omni_cfg_parallel"
+
+
+class _NoState(BaseState):
+    """The hook keeps no state per context; its `StateManager` only learns which call runs."""
+
+    def reset(self, *args, **kwargs) -> None:
+        pass
+
+
+class CfgParallelHook(ModelHook):
+    """The cond / uncond split of one denoiser over a group of two ranks (this process is ``rank``)."""
+
+    _is_stateful = True  # so that ``cache_context`` tells its StateManager the call's name
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+        self.calls = StateManager(_NoState)
+        self._cond: torch.Tensor | None = None
+        """Rank 0: the cond prediction it computed; rank 1: the zeros it answered the cond call with."""
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.calls.reset()
+        self._cond = None
+        return module
+
+    def new_forward(self, module: torch.nn.Module, *args, **kwargs):
+        try:
+            name = self.calls.context.name
+        except ValueError:  # no cache_context around this call
+            name = None
+        if name == "cond":
+            if self.rank == 0:
+                output = self.fn_ref.original_forward(*args, **kwargs)
+                self._cond = _sample(output)
+                return output
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            self._cond = torch.zeros_like(hidden)  # the denoisers here predict in their input's shape
+            return _with_sample(self._cond, kwargs.get("return_dict", True))
+        if name != "uncond":
+            return self.fn_ref.original_forward(*args, **kwargs)
+        if self._cond is None:
+            raise RuntimeError("cfg_parallel_size 2: an uncond denoiser call came before its cond call")
+        output = self.fn_ref.original_forward(*args, **kwargs) if self.rank == 1 else None
+        mine = self._cond if self.rank == 0 else _sample(output)
+        if mine.shape != self._cond.shape:
+            raise RuntimeError(
+                f"cfg_parallel_size 2: the denoiser's prediction {tuple(mine.shape)} is not of its input's shape "
+                f"{tuple(self._cond.shape)}, which rank 1 answers the cond call with"
+            )
+        both = [torch.empty_like(mine), torch.empty_like(mine)]
+        dist.all_gather(both, mine.contiguous())
+        cond, uncond = both
+        if self.rank == 0:
+            self._cond = None
+            return _with_sample(uncond, kwargs.get("return_dict", True))
+        self._cond.copy_(cond)  # the tensor the pipeline holds as its cond prediction
+        self._cond = None
+        return output
+
+
+def _sample(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output.sample
+
+
+def _with_sample(sample: torch.Tensor, return_dict: bool):
+    if not return_dict:
+        return (sample,)
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput(sample=sample)
+
+
+def enable_cfg_parallel(denoisers: list[torch.nn.Module], rank: int) -> None:
+    """Split the cond and uncond calls of each denoiser over the two ranks of the initialized process group."""
+    if dist.get_world_size() != 2:
+        raise ValueError(f"cfg_parallel_size 2 runs on a group of 2 ranks, not {dist.get_world_size()}")
+    for denoiser in denoisers:
+        HookRegistry.check_if_exists_or_initialize(denoiser).register_hook(CfgParallelHook(rank), HOOK)

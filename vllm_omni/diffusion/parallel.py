@@ -1,0 +1,252 @@
+"""One pipeline call on several ranks: a `RankGroup` is one replica's ``torch.distributed`` process group (gloo on
+the CPU, NCCL on CUDA), one spawned process per rank, each holding the whole pipeline with its denoisers split over
+the group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree``), by CFG-parallel
+(``cfg_parallel_size``, `vllm_omni.diffusion.cfg_parallel`), or its VAE decode by patches
+(``vae_patch_parallel_size``, `vllm_omni.diffusion.vae_patch_parallel`); one kind at a time for now. The caller hands rank 0 a call; rank 0 broadcasts it,
+every rank runs it, and rank 0 returns the output.
+
+A replica whose stage asks for more than one rank holds one (`DiffusionRunner.group`, `RankGroup.of_stage`): its
+runner builds each batch's call as for one process and hands it to the group (request mode, inline replicas;
+`OmniDiffusionConfig.from_stage` refuses what the group does not run)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import queue
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vllm_omni.config.parallel import PARALLEL_KNOBS
+from vllm_omni.diffusion.cfg_parallel import enable_cfg_parallel
+from vllm_omni.diffusion.components import loaded_denoisers
+from vllm_omni.diffusion.vae_patch_parallel import enable_vae_patch_parallel
+
+
+@contextlib.contextmanager
+def _one_device_per_cpu_rank() -> Iterator[None]:
+    """diffusers 0.42 places a rank on ``rank % torch.accelerator.device_count()``, which is 0 on a host without an
+    accelerator (ZeroDivisionError); on the CPU every rank's device is the CPU, so count one while it places them."""
+    if torch.accelerator.device_count() > 0:
+        yield
+        return
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count
+
+
+def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int) -> list[str]:
+    """Split each denoiser of ``pipeline`` over the ranks of the initialized process group with diffusers' context
+    parallelism (``ContextParallelConfig``, the denoiser's ``_cp_plan``); returns the denoisers' names."""
+    from diffusers import ContextParallelConfig
+
+    names = loaded_denoisers(pipeline)
+    for name in names:
+        config = ContextParallelConfig(
+            ulysses_degree=ulysses_degree if ulysses_degree > 1 else None,
+            ring_degree=ring_degree if ring_degree > 1 else None,
+        )
+        with _one_device_per_cpu_rank():
+            getattr(pipeline, name).enable_parallelism(config=config)
+    return names
+
+
+def check_on_ranks(batch: list, variant: bool, config: dict, overrides: dict, samplers: list) -> None:
+    """Refuse a batch that asks what the ranks do not run yet: they run the loaded pipeline's own call, with its
+    config and noise scheduler as loaded, and no callback (hence no previews and no SDE sampling)."""
+    asked = {
+        "partial_images (previews)": any(r.params.partial_images for r in batch),
+        "an image variant of the pipeline": variant,
+        f"pipeline config {sorted(config)}": bool(config),
+        f"scheduler settings {sorted(overrides)}": bool(overrides),
+        "SDE sampling": any(sampler is not None for sampler in samplers),
+    }
+    refused = [what for what, wanted in asked.items() if wanted]
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)}: not run on a replica of several ranks yet (the stage's parallel degrees); "
+            "serve such requests from a stage whose degrees are 1"
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, outbox) -> None:
+    """One rank: join the group, load the pipeline, then run every call rank 0 broadcasts until it sends ``None``."""
+    from diffusers import DiffusionPipeline
+
+    if setup["torch_threads"] is not None:
+        torch.set_num_threads(setup["torch_threads"])
+    cuda = torch.cuda.is_available()
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=setup["timeout_s"]),
+    )
+    devices = setup["devices"].split(",") if setup["devices"] else range(world)
+    device = torch.device("cuda", int(devices[rank])) if cuda else torch.device("cpu")
+    try:
+        pipeline = DiffusionPipeline.from_pretrained(setup["model"], dtype=setup["dtype"], local_files_only=True).to(
+            device
+        )
+        pipeline.set_progress_bar_config(disable=True)
+        if setup["vae_patch_parallel_size"] > 1:
+            split = ["vae"]
+            enable_vae_patch_parallel(pipeline.vae, rank, world)
+        elif setup["cfg_parallel_size"] > 1:
+            split = loaded_denoisers(pipeline)
+            enable_cfg_parallel([getattr(pipeline, name) for name in split], rank)
+        else:
+            split = enable_context_parallel(pipeline, setup["ulysses_degree"], setup["ring_degree"])
+        if rank == 0:
+            outbox.put(("ready", split))
+        while True:
+            job = [inbox.get() if rank == 0 else None]
+            dist.broadcast_object_list(job, src=0)
+            if job[0] is None:
+                return
+            try:
+                output = pipeline(**job[0])
+            except Exception as exc:  # every rank fails alike on a bad call; rank 0 reports it
+                output = exc
+            if rank == 0:
+                outbox.put(("error", repr(output)) if isinstance(output, Exception) else ("ok", output))
+    except Exception as exc:
+        if rank == 0:
+            outbox.put(("error", repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+class RankGroup:
+    """One replica's ranks: the product of the degrees, one spawned process each, each with the pipeline of
+    ``model`` loaded at ``dtype`` and its denoisers (or its VAE decode) split over the group; one kind of split at a
+    time for now. `call` runs one pipeline call on all of them and
+    returns rank 0's output; `close` ends them. A collective that waits past ``timeout_s`` ends the group."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        cfg_parallel_size: int = 1,
+        ulysses_degree: int = 1,
+        ring_degree: int = 1,
+        vae_patch_parallel_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        torch_threads: int | None = 1,
+        timeout_s: float = 300.0,
+        devices: str | None = None,
+    ):
+        if cfg_parallel_size > 1 and ulysses_degree * ring_degree > 1:
+            raise ValueError(
+                "cfg_parallel_size 2 with ulysses_degree or ring_degree is not run yet: the context-parallel mesh "
+                "would have to be one of each CFG branch's ranks"
+            )
+        if ring_degree > 1 and not torch.cuda.is_available():
+            raise ValueError(
+                "ring_degree needs an attention backend that returns the log-sum-exp of its blocks, and none of "
+                "diffusers' runs on the CPU (its native one refuses return_lse): use ulysses_degree on the CPU"
+            )
+        if vae_patch_parallel_size > 1 and cfg_parallel_size * ulysses_degree * ring_degree > 1:
+            raise ValueError("vae_patch_parallel_size with another parallel degree is not run yet")
+        self.world = math.prod((cfg_parallel_size, ulysses_degree, ring_degree, vae_patch_parallel_size))
+        self.timeout_s = timeout_s
+        self.lost: str | None = None
+        """Why the group ended when a rank died (every later call fails); ``None`` while it serves."""
+        setup = dict(
+            model=model,
+            dtype=dtype,
+            cfg_parallel_size=cfg_parallel_size,
+            vae_patch_parallel_size=vae_patch_parallel_size,
+            ulysses_degree=ulysses_degree,
+            ring_degree=ring_degree,
+            torch_threads=torch_threads,
+            timeout_s=timeout_s,
+            devices=devices,
+        )
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: no torch state is forked
+        self._inbox, self._outbox = context.Queue(), context.Queue()
+        port = _free_port()
+        self._ranks = [
+            context.Process(
+                target=_rank_main, args=(rank, self.world, port, setup, self._inbox, self._outbox), daemon=True
+            )
+            for rank in range(self.world)
+        ]
+        for process in self._ranks:
+            process.start()
+        try:
+            self.split: list[str] = self._receive("ready")
+            """The denoisers split over the group."""
+        except BaseException:
+            self.close(wait=False)
+            raise
+
+    @classmethod
+    def of_stage(cls, od_config, dtype: torch.dtype) -> RankGroup | None:
+        """The ranks of one replica of ``od_config``'s stage (its degrees, devices and torch threads); ``None`` when
+        its degrees make one rank."""
+        stage = od_config.stage
+        if math.prod(getattr(stage, knob) for knob in PARALLEL_KNOBS) == 1:
+            return None
+        return cls(
+            od_config.model,
+            cfg_parallel_size=stage.cfg_parallel_size,
+            ulysses_degree=stage.ulysses_degree,
+            ring_degree=stage.ring_degree,
+            vae_patch_parallel_size=stage.vae_patch_parallel_size,
+            dtype=dtype,
+            torch_threads=od_config.torch_threads,
+            devices=stage.devices,
+        )
+
+    def _receive(self, what: str) -> Any:
+        """Rank 0's next answer; RuntimeError when a rank died (the group then ends: the others may wait for it in
+        a collective) or the call failed."""
+        while True:
+            try:
+                status, value = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                status, value = None, "no answer"
+            dead = [rank for rank, p in enumerate(self._ranks) if p.exitcode is not None]
+            if dead and status in (None, "error"):
+                self.close(wait=False)
+                self.lost = f"rank(s) {dead} of the group ended before it answered ({what}): {value}"
+                raise RuntimeError(self.lost)
+            if status == "error":
+                raise RuntimeError(f"the group failed ({what}): {value}")
+            if status is not None:
+                return value
+
+    def call(self, **kwargs: Any) -> Any:
+        """Run ``pipeline(**kwargs)`` on every rank (its generators are pickled, each rank draws the same noise);
+        rank 0's output. RuntimeError when a rank died, or once the group has ended."""
+        self._inbox.put(kwargs)
+        return self._receive("call")
+
+    def close(self, wait: bool = True) -> None:
+        """Tell the ranks to stop, and wait for them (``wait=False``, or a rank still running after ``timeout_s``:
+        killed)."""
+        if wait and all(p.exitcode is None for p in self._ranks):
+            self._inbox.put(None)
+        for process in self._ranks:
+            process.join(self.timeout_s if wait else 0)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
