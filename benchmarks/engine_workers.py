@@ -110,11 +110,14 @@ class Worker:
         report: Hook | None = None,
         describe: Hook | None = None,
         setup: Callable | None = None,
+        daemon: bool = True,
     ):
+        """``daemon=False`` for an engine that starts processes of its own (a stage of several ranks): a daemonic
+        process may not; such a worker still exits with the benchmark, when its pipe closes."""
         self.name = name
         self.conn, theirs = WORKERS.Pipe()
         args = (theirs, prepare, report, describe, setup)
-        self.process = WORKERS.Process(target=serve, args=args, name=f"bench-{name}", daemon=True)
+        self.process = WORKERS.Process(target=serve, args=args, name=f"bench-{name}", daemon=daemon)
         self.process.start()
         theirs.close()
 

@@ -3,7 +3,7 @@ answers, with the two ranks' exchange (``all_gather``) played by the test."""
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 from diffusers.hooks import HookRegistry
 
 from vllm_omni.diffusion import cfg_parallel
@@ -65,3 +65,33 @@ def test_each_rank_computes_one_branch_and_answers_the_other_with_the_exchange(t
     with torch.no_grad():  # a call outside the cond / uncond contexts runs as it would without the hook
         alone = transformer(**cond_inputs)[0]
     torch.testing.assert_close(alone, expected[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_call_over_both_branches_is_split_by_rows(tiny_sd3, monkeypatch, rank):
+    """SD3 batches the unconditional rows, then the conditional ones, into one call outside any cache context: each
+    rank computes its half of the rows and returns the whole prediction from the exchange."""
+    model = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer", dtype=torch.float32)
+    config, generator = model.config, torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(2, config.in_channels, 8, 8, generator=generator),
+        encoder_hidden_states=torch.randn(2, 6, config.joint_attention_dim, generator=generator),
+        pooled_projections=torch.randn(2, config.pooled_projection_dim, generator=generator),
+        timestep=torch.tensor([500.0, 500.0]),
+        return_dict=False,
+    )
+    with torch.no_grad():
+        expected = model(**inputs)[0]
+    rows = []
+    model.proj_out.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
+
+    def all_gather(both, mine):  # the other rank computed the other half of the rows
+        both[rank].copy_(mine)
+        both[1 - rank].copy_(expected[1 - rank : 2 - rank])
+
+    monkeypatch.setattr(cfg_parallel.dist, "all_gather", all_gather)
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(CfgParallelHook(rank), HOOK)
+    with torch.no_grad():
+        got = model(**inputs)[0]
+    assert rows == [1]  # its own half only
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

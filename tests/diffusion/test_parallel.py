@@ -6,7 +6,11 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.parallel import RankGroup, enable_context_parallel
+from vllm_omni.diffusion.roles import DiffusionRole
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -75,12 +79,12 @@ def test_enable_context_parallel_needs_the_process_group(tiny_flux):
 
 def _guided(family: str, prompt: str | list[str] = "a red fox") -> dict:
     negative = "blurry" if isinstance(prompt, str) else ["blurry"] * len(prompt)
-    if family == "wan":
+    if family in ("wan", "sd3"):
         return {**_call(family, prompt), "negative_prompt": negative, "guidance_scale": 5.0}
     return {**_call(family, prompt), "negative_prompt": negative, "true_cfg_scale": 4.0}
 
 
-@pytest.mark.parametrize("family", ["flux", "wan", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "wan", "qwen_image", "sd3"])  # sd3: one call over both, split by rows
 def test_cfg_2_on_two_gloo_ranks_gives_the_single_process_image(request, family):
     model = request.getfixturevalue(f"tiny_{family}")
     family = family.replace("_", "-")
@@ -127,3 +131,28 @@ def test_vae_patch_2_on_two_gloo_ranks_gives_one_ranks_tiled_image(tiny_flux):
 def test_ring_on_the_cpu_is_refused_before_any_rank_starts(tiny_flux):
     with pytest.raises(ValueError, match="ring_degree needs an attention backend that returns the log-sum-exp"):
         RankGroup(tiny_flux, ring_degree=2)
+
+
+CASES = {  # the tiny Flux's 4x4-pixel tokens always divide by 2; by 3 they may not
+    "flux": (3, dict(height=40, width=40), dict(height=48, width=40), r"100 tokens \(10x10, one per 4x4 pixels"),
+    "wan": (
+        2,
+        dict(height=48, width=80, num_frames=9),
+        dict(height=48, width=64, num_frames=9),
+        r"45 tokens \(3x5 x 3",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_a_size_whose_tokens_the_sequence_ranks_do_not_divide_is_refused_at_admission(request, family):
+    """diffusers shards the denoiser's sequence in equal parts and would fail the whole batch's call."""
+    ranks, size, fits, tokens = CASES[family]
+    card = ModelCard.of(DiffusionPipeline.from_pretrained(request.getfixturevalue(f"tiny_{family}")))
+    split = DiffusionRole.admission("request", card, sequence_ranks=ranks)
+    assert split.admit(OmniDiffusionSamplingParams(num_inference_steps=2, **fits)).params.width == fits["width"]
+    expected = f"{tokens}.*ulysses_degree x ring_degree = {ranks} ranks.*multiple of {card.latent_pixels * ranks}"
+    with pytest.raises(SamplingParamsError, match=expected) as refused:
+        split.admit(OmniDiffusionSamplingParams(num_inference_steps=2, **size))
+    assert refused.value.param == "height"
+    assert DiffusionRole.admission("request", card).admit(OmniDiffusionSamplingParams(num_inference_steps=2, **size))

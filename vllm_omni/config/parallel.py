@@ -40,6 +40,12 @@ def world_size(values: Mapping[str, Any]) -> int:
     return math.prod(values[k] for k in PARALLEL_KNOBS)
 
 
+def sequence_ranks(stage: Any) -> int:
+    """The ranks of a resolved stage that split its denoiser's sequence (``ulysses_degree × ring_degree``): a
+    request's tokens must divide by them (`vllm_omni.diffusion.parallel.check_sequence_split`)."""
+    return math.prod(getattr(stage, k) for k in SEQUENCE_KNOBS)
+
+
 def check_parallel(stage_id: int, values: Mapping[str, Any], written: Callable[..., str], folder: str | None) -> None:
     """The parallel knobs together, against the devices given and, when ``folder`` (the model's diffusers folder)
     is known, against the model; ValueError naming each knob as it was written."""

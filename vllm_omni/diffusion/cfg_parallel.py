@@ -6,7 +6,13 @@ diffusers' ``cache_context("cond")`` and ``cache_context("uncond")``, the cond c
 each denoiser reads that name: rank 0 computes the cond call and answers the uncond one with rank 1's; rank 1
 answers the cond call with a zero tensor that it fills in place with rank 0's prediction when the two exchange, at
 the uncond call, which it computes. The pipeline then combines the two as it always does, the same on both ranks, so
-their latents stay equal. A call outside those contexts runs on both ranks alike.
+their latents stay equal.
+
+The pipelines that guide with one denoiser call over both branches (SD3, SD, SDXL: the unconditional rows, then the
+conditional ones, outside any ``cache_context``; LTX: in ``cache_context("cond_uncond")``) are split by rows instead: each rank computes half the call's rows
+(rank 0 the first half: the unconditional branch) and the two ``all_gather`` the halves, so both return the whole
+prediction. The rows of a denoiser call are independent, so this holds for any call of an even batch; a call of an
+odd batch runs whole on both ranks.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class CfgParallelHook(ModelHook):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             self._cond = torch.zeros_like(hidden)  # the denoisers here predict in their input's shape
             return _with_sample(self._cond, kwargs.get("return_dict", True))
+        if name in (None, "cond_uncond"):  # one call over both branches (LTX names it)
+            return self._by_rows(args, kwargs)
         if name != "uncond":
             return self.fn_ref.original_forward(*args, **kwargs)
         if self._cond is None:
@@ -76,6 +84,31 @@ class CfgParallelHook(ModelHook):
         self._cond.copy_(cond)  # the tensor the pipeline holds as its cond prediction
         self._cond = None
         return output
+
+    def _by_rows(self, args: tuple, kwargs: dict):
+        """One call over both branches: this rank's half of the rows, then both halves from the exchange."""
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0 or hidden.shape[0] % 2:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        rows, half = hidden.shape[0], hidden.shape[0] // 2
+        mine = slice(self.rank * half, (self.rank + 1) * half)
+        output = self.fn_ref.original_forward(*_rows(args, rows, mine), **_rows(kwargs, rows, mine))
+        sample = _sample(output).contiguous()
+        both = [torch.empty_like(sample), torch.empty_like(sample)]
+        dist.all_gather(both, sample)
+        return _with_sample(torch.cat(both), kwargs.get("return_dict", True))
+
+
+def _rows(value, rows: int, mine: slice):
+    """``value`` with each tensor of ``rows`` rows (in tuples, lists and dicts too: SDXL's ``added_cond_kwargs``)
+    cut to the rows ``mine``; anything else (a scalar timestep, token ids without a batch) as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[mine] if value.dim() > 0 and value.shape[0] == rows else value
+    if isinstance(value, dict):
+        return {key: _rows(item, rows, mine) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(item, rows, mine) for item in value)
+    return value
 
 
 def _sample(output) -> torch.Tensor:

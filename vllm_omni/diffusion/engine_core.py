@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.config.parallel import sequence_ranks
 from vllm_omni.diffusion.batching import BatchScheduler
 from vllm_omni.diffusion.finite import is_finite, non_finite_error
 from vllm_omni.diffusion.lora_tensors import LoraTensors
@@ -47,7 +48,9 @@ class EngineCore:
         self.od_config = od_config
         self.runner = DiffusionRunner(od_config, skips=role.skips)
         self.role = role(od_config, self.runner, self._on_oom_split)
-        self.admission = role.admission(od_config.stage.execution_mode, self.runner.card)
+        self.admission = role.admission(
+            od_config.stage.execution_mode, self.runner.card, sequence_ranks(od_config.stage)
+        )
         self.scheduler = scheduler
         task = "video" if self.runner.card.is_video else "image"
         self.metrics = EngineMetrics(od_config.stage.stage_id, od_config.replica, task)

@@ -26,7 +26,10 @@ import torch.distributed as dist
 from vllm_omni.config.parallel import PARALLEL_KNOBS
 from vllm_omni.diffusion.cfg_parallel import enable_cfg_parallel
 from vllm_omni.diffusion.components import loaded_denoisers
+from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.vae_patch_parallel import enable_vae_patch_parallel
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
 @contextlib.contextmanager
@@ -75,6 +78,24 @@ def check_on_ranks(batch: list, variant: bool, config: dict, overrides: dict, sa
         raise ValueError(
             f"{', '.join(refused)}: not run on a replica of several ranks yet (the stage's parallel degrees); "
             "serve such requests from a stage whose degrees are 1"
+        )
+
+
+def check_sequence_split(card: ModelCard, params: OmniDiffusionSamplingParams, ranks: int) -> None:
+    """Refuse, naming the size, a request whose latent tokens ``ranks`` sequence-parallel ranks cannot split
+    evenly: diffusers' context parallelism shards the denoiser's sequence in equal parts, and fails the whole batch's
+    call on a remainder. ``params`` are complete (their size is known)."""
+    side = card.latent_pixels
+    rows, columns = params.height // side, params.width // side
+    frames = (params.num_frames - 1) // card.frame_multiple + 1 if card.is_video else 1
+    tokens = rows * columns * frames
+    if tokens % ranks:
+        shape = f"{rows}x{columns}" + (f" x {frames} latent frames" if card.is_video else "")
+        raise SamplingParamsError(
+            "height",
+            f"height={params.height} and width={params.width} make {tokens} tokens ({shape}, one per {side}x{side} "
+            f"pixels) for {card.pipeline_name}'s denoiser, which the stage's ulysses_degree x ring_degree = {ranks} "
+            f"ranks split in equal parts: choose a height or width that is a multiple of {side * ranks}",
         )
 
 
@@ -201,10 +222,13 @@ class RankGroup:
     @classmethod
     def of_stage(cls, od_config, dtype: torch.dtype) -> RankGroup | None:
         """The ranks of one replica of ``od_config``'s stage (its degrees, devices and torch threads); ``None`` when
-        its degrees make one rank."""
+        its degrees make one rank. The engine's torch threads are shared out over the ranks (at least one each), so
+        that the group holds no more OpenMP threads than the one process would."""
         stage = od_config.stage
-        if math.prod(getattr(stage, knob) for knob in PARALLEL_KNOBS) == 1:
+        world = math.prod(getattr(stage, knob) for knob in PARALLEL_KNOBS)
+        if world == 1:
             return None
+        threads = od_config.torch_threads
         return cls(
             od_config.model,
             cfg_parallel_size=stage.cfg_parallel_size,
@@ -212,7 +236,7 @@ class RankGroup:
             ring_degree=stage.ring_degree,
             vae_patch_parallel_size=stage.vae_patch_parallel_size,
             dtype=dtype,
-            torch_threads=od_config.torch_threads,
+            torch_threads=None if threads is None else max(1, threads // world),
             devices=stage.devices,
         )
 

@@ -19,6 +19,7 @@ from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.denoise import denoise_step
 from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.parallel import check_sequence_split
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
 from vllm_omni.diffusion.pipeline_facts import check_batchable
@@ -88,11 +89,11 @@ class StageRole:
         return cls.split or execution_mode == "step"
 
     @classmethod
-    def admission(cls, execution_mode: str, card: ModelCard) -> StageAdmission:
-        """How a stage of this type admits requests for the model of ``card``."""
-        return StageAdmission(
-            cls, card, stepper_class(card.pipeline_name) if cls.uses_stepper(execution_mode) else None
-        )
+    def admission(cls, execution_mode: str, card: ModelCard, sequence_ranks: int = 1) -> StageAdmission:
+        """How a stage of this type admits requests for the model of ``card`` (``sequence_ranks``: its
+        `vllm_omni.config.parallel.sequence_ranks`)."""
+        stepper = stepper_class(card.pipeline_name) if cls.uses_stepper(execution_mode) else None
+        return StageAdmission(cls, card, stepper, sequence_ranks)
 
     @property
     def final(self) -> bool:
@@ -250,6 +251,9 @@ class StageAdmission:
     card: ModelCard
     stepper: type[Stepper] | None
     """The model's stepper class when the stage steps or is split, else ``None``."""
+    sequence_ranks: int = 1
+    """The ranks that split the denoiser's sequence (``ulysses_degree × ring_degree``), which must divide a
+    request's tokens."""
 
     def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
         """``params`` completed and checked, without the fields the model would not use, with their batch key
@@ -264,6 +268,8 @@ class StageAdmission:
                     f"{self.card.min_steps} steps: give num_inference_steps >= {self.card.min_steps}",
                 )
             check_sde(self.card, params)
+            if self.sequence_ranks > 1:
+                check_sequence_split(self.card, params, self.sequence_ranks)
             if params.partial_images:
                 self._check_previews()
         if self.stepper is not None:

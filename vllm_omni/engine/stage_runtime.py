@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
+from vllm_omni.config.parallel import sequence_ranks
 from vllm_omni.diffusion.roles import ROLES, Admission
 from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo, ReplicaLostError
 from vllm_omni.errors import StageUnavailableError
@@ -83,7 +84,7 @@ class StageRuntime:
             self.replicas = [EngineReplica(OmniDiffusionConfig.from_stage(model, stage_config, 0, torch_threads))]
         self.info: ReplicaInfo = self.replicas[0].info
         self.admission = admission or ROLES[stage_config.stage_type].admission(
-            stage_config.execution_mode, self.info.card
+            stage_config.execution_mode, self.info.card, sequence_ranks(stage_config)
         )
         """How the stage admits requests: here, from its replicas' model card, without asking a replica."""
         self._lock = threading.Lock()
