@@ -3,7 +3,7 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
 
     python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
         [--families flux,sd3,wan,sd,sdxl,qwen-image,z-image,flux2,ltx,hunyuan-video-1.5]
-        [--engine-families flux,wan] [--skip-engine] [--skip-poisson] [--skip-speed-knobs] [--speed-knobs-args '...'] [--skip-quantization] [--quantization-args '...'] [--quick]
+        [--engine-families flux,wan] [--skip-engine] [--skip-poisson] [--skip-speed-knobs] [--speed-knobs-args '...'] [--skip-quantization] [--quantization-args '...'] [--skip-parallel] [--parallel-args '...'] [--quick]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
    (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it
@@ -32,6 +32,10 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
    int8, fp8, fp8_storage, nf4 and GGUF Q8_0 / Q4_0 on a transformer of FLUX.1's width (3072), the denoiser's
    bytes, peak memory, latency alone and images/s at 4 in flight against none; its results go to
    ``results/<name>-quantization.{json,md}`` and its table is copied here (reported, never an exit code).
+6. **Parallel degrees** (on 2 or more CUDA devices only, unless ``--skip-parallel``): ``benchmarks/parallel.py`` on
+   the ``flux-bench`` family in bfloat16 (CFG-2, Ulysses-2, ring-2 and VAE-patch-2, each a replica of two ranks over
+   NCCL, against one process; ``PARALLEL_FULL``): latency alone and images/s at 4 in flight; its results go to
+   ``results/<name>-parallel.{json,md}`` and its table is copied here (reported, never an exit code).
 
 Pass bars (worst pixel difference against the stock pipeline alone):
 
@@ -283,6 +287,8 @@ POISSON_FULL = [  # sized for an H200: the whole check (correctness + this) in a
     "--max-num-seqs",
     "4",
 ]
+PARALLEL_FULL = ["--size", "1024x1024", "--steps", "20", "--latency-requests", "4", "--requests", "16", "--reps", "2"]
+"""parallel.py on two GPUs: five engines' start-ups and two closed loops each."""
 SPEED_KNOBS_FULL = ["--size", "512x512", "--steps", "20", "--requests", "16", "--reps", "2"]
 """speed_knobs.py on an H200: about 5 minutes (the knob variants of one closed loop, start-ups included)."""
 
@@ -631,6 +637,12 @@ def run_speed_knobs(args) -> dict[str, Any]:
     return run_script("speed_knobs.py", script_args, name, args.speed_knobs_timeout, ("rows",), args)
 
 
+def run_parallel(args) -> dict[str, Any]:
+    """parallel.py on flux-bench: each parallel degree on two GPUs against one process."""
+    script_args = ["--family", "flux-bench", "--dtype", "bfloat16", *PARALLEL_FULL, *args.parallel_args]
+    return run_script("parallel.py", script_args, f"{args.name}-parallel", args.parallel_timeout, ("rows",), args)
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -706,6 +718,12 @@ def markdown(summary: dict[str, Any]) -> str:
             f"`{quantization['command']}` ({quantization['wall_s']} s); full results in `{quantization['json']}`."
         ]
         lines += ["", quantization["table_md"].strip()]
+    parallel = summary.get("parallel")
+    if _part(
+        lines, parallel, "Parallel degrees against one process (flux-bench)", "fewer than 2 GPUs, or --skip-parallel"
+    ):
+        lines += [f"`{parallel['command']}` ({parallel['wall_s']} s); full results in `{parallel['json']}`.", ""]
+        lines.append(parallel["table_md"].strip())
     return "\n".join(lines) + "\n"
 
 
@@ -769,6 +787,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quantization-args", default="", help="further quantization.py arguments, e.g. '--modes none,fp8'"
     )
+    parser.add_argument("--skip-parallel", action="store_true", help="no parallel-degree comparison (2+ GPUs only)")
+    parser.add_argument(
+        "--parallel-timeout", type=float, default=600.0, help="seconds before the parallel run is stopped"
+    )
+    parser.add_argument("--parallel-args", default="", help="further parallel.py arguments, e.g. '--variants ...'")
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     args.dtypes, args.families, args.engine_families = (
@@ -777,7 +800,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         [] if args.skip_engine else _csv(args.engine_families),
     )
     args.poisson_args, args.speed_knobs_args = args.poisson_args.split(), args.speed_knobs_args.split()
-    args.quantization_args = args.quantization_args.split()
+    args.quantization_args, args.parallel_args = args.quantization_args.split(), args.parallel_args.split()
     if unknown := [d for d in args.dtypes if d not in DTYPES]:
         parser.error(f"unknown dtypes {unknown}; choose from {', '.join(DTYPES)}")
     for option, chosen in (("--families", args.families), ("--engine-families", args.engine_families)):
@@ -826,6 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         "poisson": None,
         "speed_knobs": None,
         "quantization": None,
+        "parallel": None,
         "pass": True,
         "wall_s": None,
     }
@@ -884,6 +908,7 @@ def main(argv: list[str] | None = None) -> int:
         ("poisson", args.skip_poisson, run_poisson),
         ("speed_knobs", args.skip_speed_knobs, run_speed_knobs),
         ("quantization", args.skip_quantization or device.type != "cuda", run_quantization),
+        ("parallel", args.skip_parallel or device.type != "cuda" or torch.cuda.device_count() < 2, run_parallel),
     ):
         if skip:
             continue

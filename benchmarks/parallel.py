@@ -4,7 +4,7 @@ parallel combination of a stage (``cfg_parallel_size``, ``ulysses_degree``, ``ri
 
     python benchmarks/parallel.py                     # the published run: results/cpu-tiny-parallel.{json,md}
     python benchmarks/parallel.py [--model DIR | --family flux] [--variants one_process,cfg_2,...]
-        [--latency-requests 4] [--requests 16] [--reps 3] [--steps 8] [--size 128x128] [--quick]
+        [--latency-requests 4] [--requests 16] [--reps 3] [--steps 8] [--size 128x128] [--dtype bfloat16] [--quick]
         [--out-dir DIR] [--name cpu-tiny-parallel]
 
 Every variant is one engine (`AsyncOmni`, request mode, ``max_num_seqs 4``, inline) on the same model (``--model``,
@@ -61,6 +61,8 @@ def variant_knobs(variant: str, args) -> dict:
         request_batch_max_wait_ms=args.request_wait_ms,
         distributed_executor_backend="inline",
     )
+    if args.dtype is not None:
+        base["dtype"] = args.dtype
     return base | VARIANTS[variant]
 
 
@@ -190,6 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="request_batch_max_wait_ms (0: a request alone never waits for others, so latency is the call's)",
     )
+    parser.add_argument("--dtype", help="the stage's dtype (default: the engine's; ring_2 needs bfloat16 or float16)")
     parser.add_argument("--seed", type=int, default=0, help="request j has seed SEED + j")
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"), help="write NAME.json and NAME.md here")
     parser.add_argument("--name", default="cpu-tiny-parallel")
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             "variants": args.variants,
             "size": args.size,
             "steps": args.steps,
+            "dtype": args.dtype,
             "latency_requests": args.latency_requests,
             "requests": args.requests,
             "reps": args.reps,

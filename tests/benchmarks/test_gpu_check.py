@@ -56,3 +56,5 @@ def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(ben
     assert "| steppers | flux | float32 |" in markdown
     assert "## Speed and memory knobs against none (flux-bench)" in markdown and "| request | none |" in markdown
     assert "| steppers | hunyuan-video-1.5 | float32 |" in markdown
+    assert result["parallel"] is None  # two ranks need two GPUs: parallel.py's own smoke test is test_scripts.py's
+    assert "## Parallel degrees against one process (flux-bench)\n\nSkipped (fewer than 2 GPUs" in markdown

@@ -330,3 +330,28 @@ def test_component_timings_quick_breaks_flux_down_and_compares_timings_on_and_of
     overhead = result["overhead"]
     assert len(overhead["reps"]) == 2 and overhead["on_over_off"] > 0 and overhead["target"] == 0.99
     assert "| flux | denoise_step (mean step) |" in (tmp_path / "cpu-tiny-component-timings.md").read_text()
+
+
+def test_parallel_benchmark_reports_each_combination_against_one_process(bench, tiny_flux, tmp_path):
+    """Latency alone and images/s at N = 4 of a group of two ranks against one process; ring refused on the CPU."""
+    variants = "one_process,cfg_2,ring_2"
+    bench(
+        "parallel",
+        "--quick",
+        "--model",
+        tiny_flux,
+        "--variants",
+        variants,
+        "--size",
+        "64x64",
+        "--out-dir",
+        str(tmp_path),
+    )
+    result = json.loads((tmp_path / "cpu-tiny-parallel.json").read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == variants.split(",") and rows["cfg_2"]["degrees"] == {"cfg_parallel_size": 2}
+    for name in ("one_process", "cfg_2"):
+        assert rows[name]["latency_p50_ms"] > 0 and rows[name]["images_per_s"] > 0
+    assert rows["cfg_2"]["latency_over_one"] > 0 and rows["cfg_2"]["images_per_s_over_one"] > 0
+    assert "log-sum-exp" in rows["ring_2"]["refused"]  # this machine has no CUDA: refused, named, not measured
+    assert "| cfg_2 | cfg_parallel_size 2 |" in (tmp_path / "cpu-tiny-parallel.md").read_text()

@@ -1,5 +1,5 @@
 """One pipeline call on several ranks: a `RankGroup` is one replica's ``torch.distributed`` process group (gloo on
-the CPU, NCCL on CUDA), one spawned process per rank, each holding the whole pipeline with its denoisers split over
+the CPU, NCCL on CUDA), one process per rank, each holding the whole pipeline with its denoisers split over
 the group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree``), by CFG-parallel
 (``cfg_parallel_size``, `vllm_omni.diffusion.cfg_parallel`), or its VAE decode by patches
 (``vae_patch_parallel_size``, `vllm_omni.diffusion.vae_patch_parallel`); one kind at a time for now. The caller hands rank 0 a call; rank 0 broadcasts it,
@@ -47,6 +47,11 @@ def _one_device_per_cpu_rank() -> Iterator[None]:
         torch.accelerator.device_count = count
 
 
+RING_BACKEND = "_native_cudnn"
+"""diffusers' attention backend for ring attention: torch's cuDNN attention, which returns the log-sum-exp of each
+block (CUDA, bfloat16 or float16)."""
+
+
 def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int) -> list[str]:
     """Split each denoiser of ``pipeline`` over the ranks of the initialized process group with diffusers' context
     parallelism (``ContextParallelConfig``, the denoiser's ``_cp_plan``); returns the denoisers' names."""
@@ -58,6 +63,8 @@ def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int) -> 
             ulysses_degree=ulysses_degree if ulysses_degree > 1 else None,
             ring_degree=ring_degree if ring_degree > 1 else None,
         )
+        if ring_degree > 1:  # the native backend returns no log-sum-exp, which ring attention merges blocks with
+            getattr(pipeline, name).set_attention_backend(RING_BACKEND)
         with _one_device_per_cpu_rank():
             getattr(pipeline, name).enable_parallelism(config=config)
     return names
@@ -156,7 +163,7 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
 
 
 class RankGroup:
-    """One replica's ranks: the product of the degrees, one spawned process each, each with the pipeline of
+    """One replica's ranks: the product of the degrees, one process each, each with the pipeline of
     ``model`` loaded at ``dtype`` and its denoisers (or its VAE decode) split over the group; one kind of split at a
     time for now. `call` runs one pipeline call on all of them and
     returns rank 0's output; `close` ends them. A collective that waits past ``timeout_s`` ends the group."""
@@ -184,6 +191,11 @@ class RankGroup:
                 "ring_degree needs an attention backend that returns the log-sum-exp of its blocks, and none of "
                 "diffusers' runs on the CPU (its native one refuses return_lse): use ulysses_degree on the CPU"
             )
+        if ring_degree > 1 and dtype == torch.float32:
+            raise ValueError(
+                f"ring_degree runs on diffusers' {RING_BACKEND} attention, which takes bfloat16 or float16: set "
+                "dtype to one of them, or use ulysses_degree"
+            )
         if vae_patch_parallel_size > 1 and cfg_parallel_size * ulysses_degree * ring_degree > 1:
             raise ValueError("vae_patch_parallel_size with another parallel degree is not run yet")
         self.world = math.prod((cfg_parallel_size, ulysses_degree, ring_degree, vae_patch_parallel_size))
@@ -201,7 +213,10 @@ class RankGroup:
             timeout_s=timeout_s,
             devices=devices,
         )
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: no torch state is forked
+        # Forked from this process's forkserver, a process that has run no torch op (no OpenMP team and no CUDA
+        # context is forked). Its preload, where the process set one (the tests' forkserver
+        # imports the serving stack), spares each rank the imports; otherwise each rank imports what it needs.
+        context = multiprocessing.get_context("forkserver")
         self._inbox, self._outbox = context.Queue(), context.Queue()
         port = _free_port()
         self._ranks = [
