@@ -199,3 +199,11 @@ def test_omni_keywords_and_stage_overrides_reach_the_checks_before_anything_load
         Omni(model, ulysses_degree=2)
     with pytest.raises(ValueError, match=r"^stage 0: cfg_parallel_size 2 \(stage_override\) run one request on"):
         Omni(model, stage_overrides={0: {"cfg_parallel_size": 2, "execution_mode": "step"}})
+
+
+def test_configs_resolved_without_the_folder_are_checked_against_it_before_any_weights_load(tmp_path):
+    """A repo id or a single file has no folder while the knobs resolve; `Omni` checks the folder it loads."""
+    folder = _folder(tmp_path, "StableDiffusion3Pipeline", (("transformer", "SD3Transformer2DModel", 2),)).model
+    stage = _resolve(knobs={"ulysses_degree": 2}, source="cli")  # no model: nothing to check yet
+    with pytest.raises(ValueError, match=r"^stage 0: --ulysses-degree 2 \(cli\) split .* SD3Transformer2DModel"):
+        Omni.from_stage_configs(folder, [stage])  # the folder has no weights: refused before diffusers loads

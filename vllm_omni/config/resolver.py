@@ -227,6 +227,16 @@ def check_model(stage_configs: list[StageDeployConfig], model: ModelSource) -> N
                 raise ValueError(f"{exc}{hint}") from None
 
 
+def check_model_folder(stage_configs: list[StageDeployConfig], folder: str) -> None:
+    """Stage configs checked against the diffusers folder every stage loads, once it exists: a repo id or a single
+    file has none while the knobs resolve (`_local_folder`), so what the parallel knobs ask of the model (a
+    ``_cp_plan``, heads the degree divides, guidance) is checked here, before any weights load."""
+    for stage in stage_configs:
+        values = {k: getattr(stage, k) for k in STAGE_KNOBS}
+        provenance = {k: stage.provenance.get(k, "default") for k in STAGE_KNOBS}
+        check_parallel(stage.stage_id, values, _writer(values, provenance), folder)
+
+
 def _local_folder(model: ModelSource | None) -> str | None:
     """The local diffusers folder whose configs ``model`` loads with, if there is one before anything downloads."""
     if model is None:

@@ -120,11 +120,13 @@ class StageDeployConfig(BaseModel):
 
     ring_degree: Annotated[int, Knob("denoising")] = Field(default=1, ge=1)
     """Ranks that split the denoiser's sequence with diffusers' context parallelism, ring style (each rank's keys
-    and values pass around the ring). Refused for a denoiser without a ``_cp_plan``. CUDA only: diffusers' ring
-    attention needs the log-sum-exp of each block, which none of its CPU attention backends returns."""
+    and values pass around the ring). Refused for a denoiser without a ``_cp_plan``. CUDA in bfloat16 or float16
+    only: diffusers' ring attention needs the log-sum-exp of each block, which its cuDNN backend returns and none of
+    its CPU backends does."""
 
     vae_patch_parallel_size: Annotated[int, Knob("decoding")] = Field(default=1, ge=1)
-    """Ranks that decode spatial patches of each image with the VAE, stitched as the same tiling on one rank."""
+    """Ranks that decode spatial patches of each image with the VAE, stitched as the same tiling on one rank
+    (AutoencoderKL: Flux, SD3, SD, SDXL)."""
 
     tensor_parallel_size: Annotated[int, Knob("pipeline", flag="vllm")] = 1
     """vLLM's ``--tensor-parallel-size``: accepted as 1 only, as diffusion stages do not shard weights (an ``llm``

@@ -18,7 +18,7 @@ from vllm_omni.config import (
 )
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.profiler import profiler_config as checked_profiler_config
-from vllm_omni.config.resolver import check_model
+from vllm_omni.config.resolver import check_model, check_model_folder
 from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.model_files import local_model_folder
 from vllm_omni.engine.engine_profiler import EngineProfiler
@@ -126,6 +126,7 @@ class OmniBase:
         self.model_source = source
         self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs])
         """The diffusers folder every stage loads (the snapshot or converted folder for a repo id or a file)."""
+        check_model_folder(stage_configs, self.model)
         self.stage_configs = stage_configs
         self.engine = OmniEngine(self.model, stage_configs, strict_fields)
         self.profiler = EngineProfiler(self.engine.stages, profiler_config)
