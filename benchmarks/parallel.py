@@ -144,7 +144,7 @@ def _row(variant: str, reps: dict[str, list[dict]], refused: dict[str, str], rea
         ratios = {"latency_over_one": ("latency", "p50_ms"), "images_per_s_over_one": ("throughput", "images_per_s")}
         for name, (phase, field) in ratios.items():
             pairs = zip(mine, reps["one_process"], strict=True)
-            row[name] = statistics.median(_ratio(m[phase][field], o[phase][field]) for m, o in pairs)
+            row[name] = round(statistics.median(_ratio(m[phase][field], o[phase][field]) for m, o in pairs), 3)
     row["reps"] = mine
     return row
 

@@ -175,7 +175,6 @@ def test_cfg_parallel_on_a_pipeline_without_classifier_free_guidance_is_refused(
             "is not run there yet (the ranks run whole pipeline calls (request mode), not one step at a time): set "
             "execution_mode to 'request' or the degrees to 1",
         ),
-        ({"distributed_executor_backend": "ray"}, "does not start them as Ray actors yet"),
         ({"enable_lora": True}, "(the ranks load no adapters)"),
         ({"cache_backend": "first_block"}, "(the ranks run no step cache)"),
         ({"vae_tiling": True}, "set vae_tiling to False or the degrees to 1"),
@@ -191,6 +190,8 @@ def test_a_replica_of_several_ranks_refuses_when_it_starts_what_its_ranks_do_not
     assert message in str(excinfo.value)
     assert str(excinfo.value).startswith("stage 0: --ulysses-degree 2 (cli) run one request on several ranks")
     assert OmniDiffusionConfig.from_stage("/models/flux", _resolve(knobs={"ulysses_degree": 2})).stage.ulysses_degree
+    ray = {"ulysses_degree": 2, "distributed_executor_backend": "ray"}  # a Ray replica's ranks are its actor's
+    assert OmniDiffusionConfig.from_stage("/models/flux", _resolve(knobs=ray)).stage.distributed_executor_backend
 
 
 def test_omni_keywords_and_stage_overrides_reach_the_checks_before_anything_loads(tmp_path):

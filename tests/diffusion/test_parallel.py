@@ -1,13 +1,17 @@
 """`RankGroup`: one pipeline call on two gloo ranks (one torch thread each), alone or a batch of 4 prompts, gives the
 single-process images, with the denoiser split by diffusers' context parallelism (Ulysses) or by CFG-parallel."""
 
+import multiprocessing
+import os
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
 
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.parallel import RankGroup, enable_context_parallel
+from vllm_omni.diffusion.parallel import RankGroup, _next_call, enable_context_parallel
 from vllm_omni.diffusion.roles import DiffusionRole
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -28,18 +32,21 @@ def _pixels(output, family: str) -> np.ndarray:
     return np.asarray(output.frames if family == "wan" else output.images)
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
+@pytest.mark.parametrize("family", ["flux", "wan", "qwen_image"])
 def test_ulysses_2_on_two_gloo_ranks_gives_the_single_process_image(request, family):
     model = request.getfixturevalue(f"tiny_{family}")
+    # Qwen-Image's text is as long as the prompt (no padding): its token count must divide by the degree too.
+    prompt = "a red fox on snow" if family == "qwen_image" else "a red fox"
+    family = family.replace("_", "-")
     torch.manual_seed(0)
     alone = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
-    reference = _pixels(alone(**_call(family), generator=torch.Generator().manual_seed(7)), family)
+    reference = _pixels(alone(**_call(family, prompt), generator=torch.Generator().manual_seed(7)), family)
     batch = _pixels(alone(**_call(family, PROMPTS), generator=torch.Generator().manual_seed(7)), family)
     group = RankGroup(model, ulysses_degree=2)
     try:
         assert group.split == ["transformer"]
-        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_call(family)), family)
-        again = _pixels(group.call(generator=torch.Generator().manual_seed(8), **_call(family)), family)
+        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_call(family, prompt)), family)
+        again = _pixels(group.call(generator=torch.Generator().manual_seed(8), **_call(family, prompt)), family)
         batched = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_call(family, PROMPTS)), family)
     finally:
         group.close()
@@ -112,15 +119,17 @@ def test_cfg_parallel_with_context_parallel_is_refused_until_it_runs(tiny_flux):
         RankGroup(tiny_flux, cfg_parallel_size=2, ulysses_degree=2)
 
 
-def test_vae_patch_2_on_two_gloo_ranks_gives_one_ranks_tiled_image(tiny_flux):
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_vae_patch_2_on_two_gloo_ranks_gives_one_ranks_tiled_image(request, family):
+    model = request.getfixturevalue(f"tiny_{family}")
     call = dict(prompt=PROMPTS, num_inference_steps=2, height=128, width=96, output_type="np")  # above one tile
-    alone = DiffusionPipeline.from_pretrained(tiny_flux, dtype=torch.float32)
+    alone = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     alone.vae.enable_tiling()
-    reference = _pixels(alone(**call, generator=torch.Generator().manual_seed(7)), "flux")
-    group = RankGroup(tiny_flux, vae_patch_parallel_size=2)
+    reference = _pixels(alone(**call, generator=torch.Generator().manual_seed(7)), family)
+    group = RankGroup(model, vae_patch_parallel_size=2)
     try:
         assert group.split == ["vae"]
-        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **call), "flux")
+        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **call), family)
     finally:
         group.close()
     assert pixels.shape == (4, 128, 96, 3)
@@ -156,3 +165,14 @@ def test_a_size_whose_tokens_the_sequence_ranks_do_not_divide_is_refused_at_admi
         split.admit(OmniDiffusionSamplingParams(num_inference_steps=2, **size))
     assert refused.value.param == "height"
     assert DiffusionRole.admission("request", card).admit(OmniDiffusionSamplingParams(num_inference_steps=2, **size))
+
+
+def test_an_idle_rank_waits_on_its_inbox_and_ends_once_the_groups_owner_is_gone():
+    """A rank waits for calls outside any collective (whose timeout would end an idle group), and ends when the
+    process that owns the group has gone without closing it (a replica's process killed)."""
+    inbox = multiprocessing.get_context("spawn").Queue()
+    inbox.put({"prompt": "a red fox"})
+    assert _next_call(inbox, os.getpid()) == {"prompt": "a red fox"}
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert _next_call(inbox, gone.pid) is None

@@ -68,12 +68,6 @@ def _check_rank_group(stage: StageDeployConfig) -> None:
             f"stage {stage.stage_id}: {given} run one request on several ranks, which a split stage "
             f"({knob_as_written(stage, 'stage_type')}) does not do yet: use stage_type 'diffusion' or set them to 1"
         )
-    if stage.distributed_executor_backend == "ray":
-        raise ValueError(
-            f"stage {stage.stage_id}: {given} run one request on several ranks, which are local processes: "
-            f"{knob_as_written(stage, 'distributed_executor_backend')} does not start them as Ray actors yet; use "
-            "'inline' or set the degrees to 1"
-        )
     if stage.lora_modules:
         raise ValueError(
             f"stage {stage.stage_id}: {given} run one request on several ranks, and the ranks load no adapters: "

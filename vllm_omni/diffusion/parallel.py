@@ -1,19 +1,21 @@
 """One pipeline call on several ranks: a `RankGroup` is one replica's ``torch.distributed`` process group (gloo on
-the CPU, NCCL on CUDA), one process per rank, each holding the whole pipeline with its denoisers split over
-the group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree``), by CFG-parallel
+the CPU, NCCL on CUDA), one process per rank, each holding the whole pipeline with its denoisers split over the
+group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree``), by CFG-parallel
 (``cfg_parallel_size``, `vllm_omni.diffusion.cfg_parallel`), or its VAE decode by patches
-(``vae_patch_parallel_size``, `vllm_omni.diffusion.vae_patch_parallel`); one kind at a time for now. The caller hands rank 0 a call; rank 0 broadcasts it,
-every rank runs it, and rank 0 returns the output.
+(``vae_patch_parallel_size``, `vllm_omni.diffusion.vae_patch_parallel`); one kind at a time for now. The caller
+puts each call in every rank's inbox, every rank runs it, and rank 0 returns the output.
 
 A replica whose stage asks for more than one rank holds one (`DiffusionRunner.group`, `RankGroup.of_stage`): its
-runner builds each batch's call as for one process and hands it to the group (request mode, inline replicas;
-`OmniDiffusionConfig.from_stage` refuses what the group does not run)."""
+runner builds each batch's call as for one process and hands it to the group (request mode; inline replicas, or a
+Ray replica's actor, whose ranks are its own processes; `OmniDiffusionConfig.from_stage` refuses what the group
+does not run)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import multiprocessing
+import os
 import queue
 import socket
 from collections.abc import Iterator
@@ -112,8 +114,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _next_call(inbox, owner: int) -> dict[str, Any] | None:
+    """The next call put in this rank's inbox; ``None`` to end (asked, or the process that owns the group is gone:
+    a replica's process killed leaves no rank behind). An idle rank waits here, never in a collective, whose
+    timeout would end an idle group."""
+    while True:
+        try:
+            return inbox.get(timeout=1.0)
+        except queue.Empty:
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                return None
+
+
 def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, outbox) -> None:
-    """One rank: join the group, load the pipeline, then run every call rank 0 broadcasts until it sends ``None``."""
+    """One rank: join the group, load the pipeline, then run every call put in its inbox until ``None``."""
     from diffusers import DiffusionPipeline
 
     if setup["torch_threads"] is not None:
@@ -141,22 +157,16 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
             enable_cfg_parallel([getattr(pipeline, name) for name in split], rank)
         else:
             split = enable_context_parallel(pipeline, setup["ulysses_degree"], setup["ring_degree"])
-        if rank == 0:
-            outbox.put(("ready", split))
-        while True:
-            job = [inbox.get() if rank == 0 else None]
-            dist.broadcast_object_list(job, src=0)
-            if job[0] is None:
-                return
+        outbox.put((rank, "ready", split))
+        while (job := _next_call(inbox, setup["owner"])) is not None:
             try:
-                output = pipeline(**job[0])
-            except Exception as exc:  # every rank fails alike on a bad call; rank 0 reports it
-                output = exc
-            if rank == 0:
-                outbox.put(("error", repr(output)) if isinstance(output, Exception) else ("ok", output))
+                output = pipeline(**job)
+            except Exception as exc:  # noqa: BLE001 - every rank answers; a bad call fails on all of them alike
+                outbox.put((rank, "error", repr(exc)))
+            else:
+                outbox.put((rank, "ok", output if rank == 0 else None))  # rank 0's images are the group's
     except Exception as exc:
-        if rank == 0:
-            outbox.put(("error", repr(exc)))
+        outbox.put((rank, "error", repr(exc)))
         raise
     finally:
         dist.destroy_process_group()
@@ -203,6 +213,7 @@ class RankGroup:
         self.lost: str | None = None
         """Why the group ended when a rank died (every later call fails); ``None`` while it serves."""
         setup = dict(
+            owner=os.getpid(),
             model=model,
             dtype=dtype,
             cfg_parallel_size=cfg_parallel_size,
@@ -217,13 +228,12 @@ class RankGroup:
         # context is forked). Its preload, where the process set one (the tests' forkserver
         # imports the serving stack), spares each rank the imports; otherwise each rank imports what it needs.
         context = multiprocessing.get_context("forkserver")
-        self._inbox, self._outbox = context.Queue(), context.Queue()
+        self._inboxes = [context.Queue() for _ in range(self.world)]  # every rank gets each call itself
+        self._outbox = context.Queue()
         port = _free_port()
         self._ranks = [
-            context.Process(
-                target=_rank_main, args=(rank, self.world, port, setup, self._inbox, self._outbox), daemon=True
-            )
-            for rank in range(self.world)
+            context.Process(target=_rank_main, args=(rank, self.world, port, setup, inbox, self._outbox), daemon=True)
+            for rank, inbox in enumerate(self._inboxes)
         ]
         for process in self._ranks:
             process.start()
@@ -256,34 +266,41 @@ class RankGroup:
         )
 
     def _receive(self, what: str) -> Any:
-        """Rank 0's next answer; RuntimeError when a rank died (the group then ends: the others may wait for it in
-        a collective) or the call failed."""
-        while True:
+        """Every rank's answer, then rank 0's value; RuntimeError when the call failed, or when a rank ended
+        without answering (the group then ends: the others may wait for it in a collective). Every rank answers
+        each call, so a dead rank is told from a failed call whichever is noticed first."""
+        answers: dict[int, tuple[str, Any]] = {}
+        while len(answers) < self.world:
             try:
-                status, value = self._outbox.get(timeout=1.0)
+                rank, status, value = self._outbox.get(timeout=1.0)
+                answers[rank] = (status, value)
             except queue.Empty:
-                status, value = None, "no answer"
-            dead = [rank for rank, p in enumerate(self._ranks) if p.exitcode is not None]
-            if dead and status in (None, "error"):
+                pass
+            dead = [rank for rank, p in enumerate(self._ranks) if p.exitcode is not None and rank not in answers]
+            if dead:
                 self.close(wait=False)
-                self.lost = f"rank(s) {dead} of the group ended before it answered ({what}): {value}"
+                errors = [value for status, value in answers.values() if status == "error"]
+                self.lost = f"rank(s) {dead} of the group ended before it answered ({what})" + (
+                    f": {errors[0]}" if errors else ""
+                )
                 raise RuntimeError(self.lost)
-            if status == "error":
-                raise RuntimeError(f"the group failed ({what}): {value}")
-            if status is not None:
-                return value
+        if errors := [value for status, value in answers.values() if status == "error"]:
+            raise RuntimeError(f"the group failed ({what}): {answers[0][1] if answers[0][0] == 'error' else errors[0]}")
+        return answers[0][1]
 
     def call(self, **kwargs: Any) -> Any:
         """Run ``pipeline(**kwargs)`` on every rank (its generators are pickled, each rank draws the same noise);
         rank 0's output. RuntimeError when a rank died, or once the group has ended."""
-        self._inbox.put(kwargs)
+        for inbox in self._inboxes:
+            inbox.put(kwargs)
         return self._receive("call")
 
     def close(self, wait: bool = True) -> None:
         """Tell the ranks to stop, and wait for them (``wait=False``, or a rank still running after ``timeout_s``:
         killed)."""
         if wait and all(p.exitcode is None for p in self._ranks):
-            self._inbox.put(None)
+            for inbox in self._inboxes:
+                inbox.put(None)
         for process in self._ranks:
             process.join(self.timeout_s if wait else 0)
             if process.exitcode is None:

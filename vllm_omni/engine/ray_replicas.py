@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,9 @@ class _ReplicaActor:
     failure is returned, not raised, so the driver can tell it from the actor dying."""
 
     def __init__(self, model: str, stage_config: StageDeployConfig, replica: int, torch_threads: int):
+        # This process is ours alone: the forkserver its ranks fork from (a stage of several ranks) imports their
+        # stack once, instead of each rank importing it.
+        multiprocessing.set_forkserver_preload(["vllm_omni.diffusion.parallel"])
         od_config = OmniDiffusionConfig.from_stage(model, stage_config, replica, torch_threads)
         self.replica = EngineReplica(od_config, node_id=ray.get_runtime_context().get_node_id())
         self.shutting_down = False
