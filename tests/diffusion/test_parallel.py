@@ -126,14 +126,18 @@ def test_vae_patch_2_on_two_gloo_ranks_gives_one_ranks_tiled_image(request, fami
     alone = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     alone.vae.enable_tiling()
     reference = _pixels(alone(**call, generator=torch.Generator().manual_seed(7)), family)
+    one = {**call, "prompt": PROMPTS[1]}
+    reference_alone = _pixels(alone(**one, generator=torch.Generator().manual_seed(8)), family)
     group = RankGroup(model, vae_patch_parallel_size=2)
     try:
         assert group.split == ["vae"]
         pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **call), family)
+        pixels_alone = _pixels(group.call(generator=torch.Generator().manual_seed(8), **one), family)
     finally:
         group.close()
-    assert pixels.shape == (4, 128, 96, 3)
+    assert pixels.shape == (4, 128, 96, 3) and pixels_alone.shape == (1, 128, 96, 3)
     assert np.abs(pixels - reference).max() <= 2 / 255
+    assert np.abs(pixels_alone - reference_alone).max() <= 2 / 255
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
