@@ -49,6 +49,7 @@ VARIANTS: dict[str, dict] = {
     "ulysses_2": {"ulysses_degree": 2},
     "ring_2": {"ring_degree": 2},
     "vae_patch_2": {"vae_patch_parallel_size": 2},
+    "cfg_2_ulysses_2": {"cfg_parallel_size": 2, "ulysses_degree": 2},  # four ranks
 }
 """Each variant's parallel degrees on top of the base knobs."""
 PHASES = ("latency", "throughput")

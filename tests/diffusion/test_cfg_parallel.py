@@ -50,7 +50,7 @@ def test_each_rank_computes_one_branch_and_answers_the_other_with_the_exchange(t
         transformer.forwards = 0
         exchanged = []
 
-        def all_gather(both, mine):  # the other rank's prediction is the one computed above
+        def all_gather(both, mine, group=None):  # the other rank's prediction is the one computed above
             exchanged.append(mine.clone())
             both[0].copy_(mine if rank == 0 else expected[0])
             both[1].copy_(expected[1] if rank == 0 else mine)
@@ -85,7 +85,7 @@ def test_one_call_over_both_branches_is_split_by_rows(tiny_sd3, monkeypatch, ran
     rows = []
     model.proj_out.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
 
-    def all_gather(both, mine):  # the other rank computed the other half of the rows
+    def all_gather(both, mine, group=None):  # the other rank computed the other half of the rows
         both[rank].copy_(mine)
         both[1 - rank].copy_(expected[1 - rank : 2 - rank])
 

@@ -114,9 +114,22 @@ def test_cfg_2_on_two_gloo_ranks_gives_the_single_process_image(request, family)
     assert batched.shape[0] == 4 and np.abs(batched - batch).max() <= 2 / 255
 
 
-def test_cfg_parallel_with_context_parallel_is_refused_until_it_runs(tiny_flux):
-    with pytest.raises(ValueError, match="cfg_parallel_size 2 with ulysses_degree or ring_degree is not run yet"):
-        RankGroup(tiny_flux, cfg_parallel_size=2, ulysses_degree=2)
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_cfg_2_times_ulysses_2_on_four_gloo_ranks_gives_the_single_process_image(request, family):
+    """Each CFG branch on a Ulysses group of its own (a cfg x ring x ulysses device mesh): four ranks."""
+    model = request.getfixturevalue(f"tiny_{family}")
+    alone = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    reference = _pixels(alone(**_guided(family), generator=torch.Generator().manual_seed(7)), family)
+    batch = _pixels(alone(**_guided(family, PROMPTS), generator=torch.Generator().manual_seed(7)), family)
+    group = RankGroup(model, cfg_parallel_size=2, ulysses_degree=2)
+    try:
+        assert group.world == 4 and group.split == ["transformer"]
+        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_guided(family)), family)
+        batched = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_guided(family, PROMPTS)), family)
+    finally:
+        group.close()
+    assert np.abs(pixels - reference).max() <= 2 / 255
+    assert batched.shape[0] == 4 and np.abs(batched - batch).max() <= 2 / 255
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3"])

@@ -37,9 +37,11 @@ class CfgParallelHook(ModelHook):
 
     _is_stateful = True  # so that ``cache_context`` tells its StateManager the call's name
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, group: dist.ProcessGroup | None = None):
         super().__init__()
         self.rank = rank
+        self.group = group
+        """The two ranks' process group (``None``: the default one, of two ranks)."""
         self.calls = StateManager(_NoState)
         self._cond: torch.Tensor | None = None
         """Rank 0: the cond prediction it computed; rank 1: the zeros it answered the cond call with."""
@@ -76,7 +78,7 @@ class CfgParallelHook(ModelHook):
                 f"{tuple(self._cond.shape)}, which rank 1 answers the cond call with"
             )
         both = [torch.empty_like(mine), torch.empty_like(mine)]
-        dist.all_gather(both, mine.contiguous())
+        dist.all_gather(both, mine.contiguous(), group=self.group)
         cond, uncond = both
         if self.rank == 0:
             self._cond = None
@@ -95,7 +97,7 @@ class CfgParallelHook(ModelHook):
         output = self.fn_ref.original_forward(*_rows(args, rows, mine), **_rows(kwargs, rows, mine))
         sample = _sample(output).contiguous()
         both = [torch.empty_like(sample), torch.empty_like(sample)]
-        dist.all_gather(both, sample)
+        dist.all_gather(both, sample, group=self.group)
         return _with_sample(torch.cat(both), kwargs.get("return_dict", True))
 
 
@@ -123,9 +125,11 @@ def _with_sample(sample: torch.Tensor, return_dict: bool):
     return Transformer2DModelOutput(sample=sample)
 
 
-def enable_cfg_parallel(denoisers: list[torch.nn.Module], rank: int) -> None:
-    """Split the cond and uncond calls of each denoiser over the two ranks of the initialized process group."""
-    if dist.get_world_size() != 2:
-        raise ValueError(f"cfg_parallel_size 2 runs on a group of 2 ranks, not {dist.get_world_size()}")
+def enable_cfg_parallel(denoisers: list[torch.nn.Module], rank: int, group: dist.ProcessGroup | None = None) -> None:
+    """Split the cond and uncond calls of each denoiser over two ranks: those of ``group`` (the initialized process
+    group by default), this process being ``rank`` of them. Registered after diffusers' context parallelism, whose
+    hooks then run inside this one: each branch's call is split over its own context-parallel ranks."""
+    if dist.get_world_size(group) != 2:
+        raise ValueError(f"cfg_parallel_size 2 runs on a group of 2 ranks, not {dist.get_world_size(group)}")
     for denoiser in denoisers:
-        HookRegistry.check_if_exists_or_initialize(denoiser).register_hook(CfgParallelHook(rank), HOOK)
+        HookRegistry.check_if_exists_or_initialize(denoiser).register_hook(CfgParallelHook(rank, group), HOOK)

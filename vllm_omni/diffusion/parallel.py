@@ -2,8 +2,9 @@
 the CPU, NCCL on CUDA), one process per rank, each holding the whole pipeline with its denoisers split over the
 group: by diffusers' context parallelism (``ulysses_degree``, ``ring_degree``), by CFG-parallel
 (``cfg_parallel_size``, `vllm_omni.diffusion.cfg_parallel`), or its VAE decode by patches
-(``vae_patch_parallel_size``, `vllm_omni.diffusion.vae_patch_parallel`); one kind at a time for now. The caller
-puts each call in every rank's inbox, every rank runs it, and rank 0 returns the output.
+(``vae_patch_parallel_size``, `vllm_omni.diffusion.vae_patch_parallel`); CFG-parallel with a context-parallel
+degree on a ``cfg x ring x ulysses`` device mesh, the VAE split alone for now. The caller puts each call in every
+rank's inbox, every rank runs it, and rank 0 returns the output.
 
 A replica whose stage asks for more than one rank holds one (`DiffusionRunner.group`, `RankGroup.of_stage`): its
 runner builds each batch's call as for one process and hands it to the group (request mode; inline replicas, or a
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from vllm_omni.config.parallel import PARALLEL_KNOBS
 from vllm_omni.diffusion.cfg_parallel import enable_cfg_parallel
@@ -54,9 +56,10 @@ RING_BACKEND = "_native_cudnn"
 block (CUDA, bfloat16 or float16)."""
 
 
-def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int) -> list[str]:
+def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int, mesh=None) -> list[str]:
     """Split each denoiser of ``pipeline`` over the ranks of the initialized process group with diffusers' context
-    parallelism (``ContextParallelConfig``, the denoiser's ``_cp_plan``); returns the denoisers' names."""
+    parallelism (``ContextParallelConfig``, the denoiser's ``_cp_plan``); returns the denoisers' names. ``mesh``: a
+    device mesh with ``ring`` and ``ulysses`` dimensions when the group has others too (CFG-parallel's ``cfg``)."""
     from diffusers import ContextParallelConfig
 
     names = loaded_denoisers(pipeline)
@@ -64,6 +67,7 @@ def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int) -> 
         config = ContextParallelConfig(
             ulysses_degree=ulysses_degree if ulysses_degree > 1 else None,
             ring_degree=ring_degree if ring_degree > 1 else None,
+            mesh=mesh,
         )
         if ring_degree > 1:  # the native backend returns no log-sum-exp, which ring attention merges blocks with
             getattr(pipeline, name).set_attention_backend(RING_BACKEND)
@@ -149,14 +153,20 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
             device
         )
         pipeline.set_progress_bar_config(disable=True)
+        ulysses, ring, cfg = setup["ulysses_degree"], setup["ring_degree"], setup["cfg_parallel_size"]
         if setup["vae_patch_parallel_size"] > 1:
             split = ["vae"]
             enable_vae_patch_parallel(pipeline.vae, rank, world)
-        elif setup["cfg_parallel_size"] > 1:
+        elif cfg > 1 and ulysses * ring > 1:  # each CFG branch on a context-parallel group of its own
+            mesh = init_device_mesh(device.type, (cfg, ring, ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+            split = enable_context_parallel(pipeline, ulysses, ring, mesh)
+            branch = mesh["cfg"]
+            enable_cfg_parallel([getattr(pipeline, n) for n in split], branch.get_local_rank(), branch.get_group())
+        elif cfg > 1:
             split = loaded_denoisers(pipeline)
             enable_cfg_parallel([getattr(pipeline, name) for name in split], rank)
         else:
-            split = enable_context_parallel(pipeline, setup["ulysses_degree"], setup["ring_degree"])
+            split = enable_context_parallel(pipeline, ulysses, ring)
         outbox.put((rank, "ready", split))
         while (job := _next_call(inbox, setup["owner"])) is not None:
             try:
@@ -173,10 +183,10 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
 
 
 class RankGroup:
-    """One replica's ranks: the product of the degrees, one process each, each with the pipeline of
-    ``model`` loaded at ``dtype`` and its denoisers (or its VAE decode) split over the group; one kind of split at a
-    time for now. `call` runs one pipeline call on all of them and
-    returns rank 0's output; `close` ends them. A collective that waits past ``timeout_s`` ends the group."""
+    """One replica's ranks: the product of the degrees, one process each, each with the pipeline of ``model`` loaded
+    at ``dtype`` and its denoisers (or its VAE decode) split over the group. `call` runs one pipeline call on all of
+    them and returns rank 0's output; `close` ends them. A collective that waits past ``timeout_s`` ends the
+    group."""
 
     def __init__(
         self,
@@ -191,11 +201,6 @@ class RankGroup:
         timeout_s: float = 300.0,
         devices: str | None = None,
     ):
-        if cfg_parallel_size > 1 and ulysses_degree * ring_degree > 1:
-            raise ValueError(
-                "cfg_parallel_size 2 with ulysses_degree or ring_degree is not run yet: the context-parallel mesh "
-                "would have to be one of each CFG branch's ranks"
-            )
         if ring_degree > 1 and not torch.cuda.is_available():
             raise ValueError(
                 "ring_degree needs an attention backend that returns the log-sum-exp of its blocks, and none of "
