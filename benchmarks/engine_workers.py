@@ -147,3 +147,23 @@ class Worker:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(10)
+
+
+def start_all(
+    workers: dict[str, Worker], engines: dict[str, tuple[str, dict]]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Start each worker with its ``(model, engine knobs)`` from ``engines``, all at once, then wait for each: its
+    answer (``ready``), or, when this host refused it, the last line of the error (``refused``: reported, not
+    measured), that worker closed and removed from ``workers``."""
+    for name, worker in workers.items():
+        worker.start(*engines[name])
+    ready: dict[str, Any] = {}
+    refused: dict[str, str] = {}
+    for name, worker in list(workers.items()):
+        try:
+            ready[name] = worker.answer()
+        except RuntimeError as exc:
+            refused[name] = str(exc).strip().splitlines()[-1]
+            worker.close()
+            del workers[name]
+    return ready, refused

@@ -37,7 +37,7 @@ import statistics
 import time
 
 from common import PROMPTS, add_model_arguments, publish
-from engine_workers import Clients, Worker
+from engine_workers import Clients, Worker, start_all
 from step_batching import HERE, _device, _ratio, cached_model
 
 MAX_NUM_SEQS = 4
@@ -87,20 +87,10 @@ def workload(count: int, clients: int, args, seed: int) -> Clients:
 def measure(model: str, args) -> list[dict]:
     """Every variant: one row each."""
     workers = {v: Worker(f"parallel-{v}", daemon=False) for v in args.variants}  # a worker's ranks are its children
-    refused: dict[str, str] = {}
-    ready: dict[str, float] = {}
     reps: dict[str, list[dict]] = {v: [] for v in args.variants}
     try:
-        for variant, worker in workers.items():
-            worker.start(model, variant_knobs(variant, args))
-        for variant, worker in list(workers.items()):
-            try:
-                ready[variant] = worker.answer()
-            except RuntimeError as exc:  # refused on this host: reported, not measured
-                refused[variant] = str(exc).strip().splitlines()[-1]
-                worker.close()
-                del workers[variant]
-                continue
+        ready, refused = start_all(workers, {v: (model, variant_knobs(v, args)) for v in workers})
+        for variant in workers:
             print(f"{variant}: up and warm in {ready[variant]:.1f} s", flush=True)
         loads = {
             "latency": workload(args.latency_requests, 1, args, args.seed),

@@ -31,7 +31,7 @@ import statistics
 import time
 
 from common import PROMPTS, add_model_arguments, publish
-from engine_workers import Worker
+from engine_workers import Worker, start_all
 from step_batching import HERE, _device, _ratio, cached_model
 
 MAX_NUM_SEQS = 4
@@ -164,21 +164,11 @@ def workload(count: int, clients: int, args, seed: int) -> list[list[tuple[str, 
 
 def measure(model: str, args) -> list[dict]:
     workers = {m: Worker(f"quant-{m}", report=cuda_peak, describe=denoiser_memory, setup=any_width) for m in args.modes}
-    refused: dict[str, str] = {}
-    ready: dict[str, tuple[float, dict]] = {}
     runs: dict[str, list[tuple[dict, dict]]] = {m: [] for m in args.modes}
     rss: dict[str, int | None] = {}
     try:
-        for mode, worker in workers.items():
-            worker.start(*engine_for(mode, model, args))
-        for mode, worker in list(workers.items()):
-            try:
-                ready[mode] = worker.answer()
-            except RuntimeError as exc:  # refused on this host: reported, not measured
-                refused[mode] = str(exc).strip().splitlines()[-1]
-                worker.close()
-                del workers[mode]
-                continue
+        ready, refused = start_all(workers, {m: engine_for(m, model, args) for m in workers})
+        for mode in workers:
             seconds, memory = ready[mode]
             print(f"{mode}: up in {seconds:.1f} s; denoiser {memory['denoiser_bytes'] / 2**20:.2f} MiB", flush=True)
         for worker in workers.values():  # the batch shapes of the loop, once

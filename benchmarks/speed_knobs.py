@@ -36,7 +36,7 @@ import statistics
 import time
 
 from common import PROMPTS, add_model_arguments, publish
-from engine_workers import Worker
+from engine_workers import Worker, start_all
 from step_batching import HERE, _device, _ratio, cached_model
 
 from vllm_omni import AsyncOmni
@@ -115,20 +115,10 @@ def workload(count: int, args, seed: int) -> list[list[tuple[str, dict]]]:
 def measure_mode(mode: str, model: str, args) -> list[dict]:
     """Every variant in one execution mode: one row each."""
     workers = {v: Worker(f"knobs-{mode}-{v}", report=skipped_computations) for v in args.variants}
-    refused: dict[str, str] = {}
-    ready: dict[str, float] = {}
     reps: dict[str, list[dict]] = {v: [] for v in args.variants}
     try:
-        for variant, worker in workers.items():
-            worker.start(model, variant_knobs(variant, mode, args))
-        for variant, worker in list(workers.items()):
-            try:
-                ready[variant] = worker.answer()
-            except RuntimeError as exc:  # refused on this host: reported, not measured
-                refused[variant] = str(exc).strip().splitlines()[-1]
-                worker.close()
-                del workers[variant]
-                continue
+        ready, refused = start_all(workers, {v: (model, variant_knobs(v, mode, args)) for v in workers})
+        for variant in workers:
             print(f"[{mode}] {variant}: up and warm in {ready[variant]:.1f} s", flush=True)
         warm = workload(2 * CLIENTS, args, args.seed + 10_000)
         for worker in workers.values():  # the batch shapes of the loop, once
