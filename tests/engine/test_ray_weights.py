@@ -64,6 +64,14 @@ def _until(predicate, what: str, timeout_s: float = 600.0):
     return value
 
 
+def _version(omni) -> int:
+    """The weights version both replicas have reached (the updates of the tests before, in whatever order they ran);
+    each test counts its own from there."""
+    versions = {replica._catch_up._version for replica in omni.engine.stages[0].replicas}
+    assert len(versions) == 1, f"the replicas disagree: {versions}"
+    return versions.pop()
+
+
 def _on_both_replicas(omni, params: list[OmniDiffusionSamplingParams], tag: str) -> list:
     """Run ``params`` as placed while no replica finishes a batch (`hold_batches` in each actor), so that routing
     alternates them between the two replicas; their outputs in order."""
@@ -86,12 +94,13 @@ def test_an_update_reaches_every_replica_from_one_object_in_the_store(omni, tiny
     puts = []
     put = ray.put
     monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or put(value, **kw))
+    before = _version(omni)
     omni.update_weights(new_weights)
     monkeypatch.undo()
     assert len(puts) == 1 and set(puts[0]) == set(new_weights)  # one copy for both replicas
     outputs = _on_both_replicas(omni, [PARAMS, PARAMS], "update")
     assert sorted(o.metrics.replica for o in outputs) == [0, 1]
-    assert [o.metrics.weights_version for o in outputs] == [1, 1]
+    assert [o.metrics.weights_version for o in outputs] == [before + 1] * 2
     pipeline = stock_pipeline(tiny_flux)
     kept = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()}
     pipeline.transformer.load_state_dict(new_weights)
@@ -113,9 +122,12 @@ def test_a_restarted_replica_catches_up_on_the_updates_and_adapters_before_it_se
     survivor, victim = stage.replicas
     _, tensors, config = write_lora_with_config(tiny_flux, str(tmp_path / "adapter"), seed=5)
     omni.add_lora("mem", tensors, config)
+    before = _version(omni)
+    omni.update_weights(new_weights)  # complete: what the replica kept of earlier updates is no longer needed
     partial = {"x_embedder.weight": new_weights["x_embedder.weight"] * 1.5}
     omni.update_weights(partial)
-    assert len(victim._catch_up._updates) == 2  # the complete update of the test before, and this one
+    kept = victim._catch_up  # this complete update, then the partial one; nothing over torch.distributed since
+    _until(lambda: len(kept._updates) == 2 and not kept._received, "the earlier updates dropped once applied")
     old_pid = victim.info.pid
     os.kill(old_pid, signal.SIGKILL)
     _until(lambda: not victim.is_alive, "replica 1 marked down")
@@ -125,7 +137,7 @@ def test_a_restarted_replica_catches_up_on_the_updates_and_adapters_before_it_se
     with_adapter = OmniDiffusionSamplingParams(**PARAMS.model_dump(exclude={"lora"}), lora={"name": "mem"})
     outputs = _on_both_replicas(omni, [PARAMS, PARAMS, with_adapter, with_adapter], "catch-up")
     assert sorted(o.metrics.replica for o in outputs) == [0, 0, 1, 1]
-    assert [o.metrics.weights_version for o in outputs] == [3, 3, 3, 3]
+    assert [o.metrics.weights_version for o in outputs] == [before + 3] * 4
     plain, lora = [o for o in outputs[:2]], [o for o in outputs[2:]]
     assert np.abs(_pixels(plain[0]) - _pixels(plain[1])).max() <= 1e-4
     assert np.abs(_pixels(lora[0]) - _pixels(lora[1])).max() <= 1e-4
@@ -135,7 +147,8 @@ def test_a_restarted_replica_catches_up_on_the_updates_and_adapters_before_it_se
 
 
 def test_replica_actors_join_a_trainers_group_and_receive_its_broadcasts(omni, new_weights, tmp_path):
-    """Last: a component updated over torch.distributed is not kept for a restart."""
+    """A component updated over torch.distributed is not kept for a restart."""
+    before = _version(omni)
     path = str(tmp_path / "update.safetensors")
     save_file({"proj_out.bias": new_weights["proj_out.bias"] * -1}, path)
     with socket.socket() as s:
@@ -151,6 +164,6 @@ def test_replica_actors_join_a_trainers_group_and_receive_its_broadcasts(omni, n
     assert trainer.exitcode == 0
     outputs = _on_both_replicas(omni, [PARAMS, PARAMS], "distributed")
     assert sorted(o.metrics.replica for o in outputs) == [0, 1]
-    assert [o.metrics.weights_version for o in outputs] == [4, 4]
+    assert [o.metrics.weights_version for o in outputs] == [before + 1] * 2
     assert np.abs(_pixels(outputs[0]) - _pixels(outputs[1])).max() <= 1e-4
     assert all(replica._catch_up._received == {"transformer"} for replica in omni.engine.stages[0].replicas)

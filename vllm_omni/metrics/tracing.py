@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm_omni.config.vllm_device import set_device_hint
+
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
@@ -43,6 +45,7 @@ class RequestTracer:
     """The server's tracer: an OTLP exporter to ``endpoint`` behind a batch span processor."""
 
     def __init__(self, endpoint: str, model: str, stage_ids: list[int]):
+        set_device_hint()
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -57,12 +60,14 @@ class RequestTracer:
 
     def start(self, headers: Mapping[str, str]) -> RequestTrace:
         """A request's trace, under the caller's span when ``headers`` carry a ``traceparent``."""
+        set_device_hint()
         from vllm.tracing import extract_trace_context
 
         return RequestTrace(self, extract_trace_context(headers))
 
     def export(self, trace: RequestTrace, api: str, start_ns: int, phases: list[tuple[str, int, int]]) -> None:
         """One request's span from ``start_ns`` until now, with its ``phases`` (name, start, end in ns)."""
+        set_device_hint()
         from opentelemetry.trace import SpanKind, set_span_in_context
         from vllm.tracing import SpanAttributes
 

@@ -40,6 +40,11 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default
 
 
+_PORTS = random.SystemRandom()
+"""Not the module's generator: the tests may seed that (pytest-randomly seeds it alike in every worker before each
+test), and two workers would then try the same ports in the same order."""
+
+
 def free_port() -> int:
     """A port that is free now and that nothing else takes before the server binds it: between Ray's worker ports
     and the kernel's ephemeral ones, where every bind to port 0 and every outgoing connection lands (the tests'
@@ -47,7 +52,7 @@ def free_port() -> int:
     1 before it is ready."""
     lo, hi = RAY_WORKER_PORTS_END, _ephemeral_start()
     for _ in range(200 if hi - lo > 100 else 0):
-        port = random.randrange(lo, hi)
+        port = _PORTS.randrange(lo, hi)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
