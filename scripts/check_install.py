@@ -1,4 +1,5 @@
-"""Exit 0 when this checkout is installed (editable) with its dependencies, and those of each ``--extra``, satisfied.
+"""Exit 0 when this checkout is installed (editable) with its dependencies, and those of each ``--extra``, satisfied
+(and scripts/constraints.txt).
 
     python scripts/check_install.py [--extra test]
 
@@ -25,7 +26,12 @@ def problems(extras_wanted: list[str]) -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     wanted = project["dependencies"] + [line for extra in extras_wanted for line in extras[extra]]
-    pending, found = [Requirement(line) for line in wanted], []
+    constraints = [
+        line.strip()
+        for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    pending, found = [Requirement(line) for line in wanted + constraints], []
     while pending:
         requirement = pending.pop(0)
         if requirement.name == project["name"]:  # an extra that pulls in other extras of this project
