@@ -60,8 +60,9 @@ def wait_for(predicate, timeout=60.0):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_flux, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
+def live_server(tiny_flux, tmp_path_factory):
+    """The module's server, as a function that returns it running: the SIGTERM test stops it, and a test that runs
+    after that one (in a random order) gets a new one."""
     args = [
         *("--max-num-seqs", "4", "--request-batch-max-wait-ms", "300", "--api-key", API_KEY),
         *("--served-model-name", "tiny-flux", "tiny-alias", "--max-waiting-requests", "4"),
@@ -70,9 +71,22 @@ def server(tiny_flux, tmp_path_factory):
         # executable's signal handling); a busy machine may need minutes for it.
         *("--shutdown-timeout-s", "600"),
     ]
-    with RemoteOmniServer(tiny_flux, args, log_path=str(log), cli=True) as server:
-        server.log = log
-        yield server
+    with contextlib.ExitStack() as servers:
+        running: list[RemoteOmniServer] = []
+
+        def live() -> RemoteOmniServer:
+            if not running or running[-1].process.poll() is not None:
+                log = tmp_path_factory.mktemp("server") / "server.log"
+                running.append(servers.enter_context(RemoteOmniServer(tiny_flux, args, log_path=str(log), cli=True)))
+                running[-1].log = log
+            return running[-1]
+
+        yield live
+
+
+@pytest.fixture
+def server(live_server) -> RemoteOmniServer:
+    return live_server()
 
 
 @pytest.fixture
@@ -353,7 +367,7 @@ def test_a_client_that_disconnects_frees_its_slot(server):
 
 
 def test_sigterm_lets_the_running_request_finish_and_exits_0(server):
-    """Runs last in this module: it stops the shared server."""
+    """Stops the module's server: a test after it gets a new one (`live_server`)."""
     result = {}
     running = threading.Thread(
         target=lambda: result.update(response=_slow_request(server, timeout=600, num_inference_steps=100))
