@@ -46,15 +46,17 @@ def _writes_of_max_num_seqs(tree: ast.AST) -> list[int]:
     return sorted(lines)
 
 
+def _offenders(detector, exempt: set[pathlib.Path]) -> dict[str, list[int]]:
+    """``{module: lines}`` that ``detector`` (a parsed module -> lines) finds in the package's modules."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path not in exempt and (lines := detector(ast.parse(path.read_text(), filename=str(path)))):
+            found[str(path.relative_to(PACKAGE))] = lines
+    return found
+
+
 def test_only_the_resolver_writes_max_num_seqs():
-    offenders = {}
-    for path in PACKAGE.rglob("*.py"):
-        if path == RESOLVER:
-            continue
-        lines = _writes_of_max_num_seqs(ast.parse(path.read_text(), filename=str(path)))
-        if lines:
-            offenders[str(path.relative_to(PACKAGE))] = lines
-    assert offenders == {}
+    assert _offenders(_writes_of_max_num_seqs, exempt={RESOLVER}) == {}
 
 
 def test_the_write_detector_catches_writes():
@@ -138,14 +140,7 @@ def test_every_import_of_vllm_follows_the_device_hint():
     """vLLM resolves its platform once per process, at its first import that needs it: without the hint first, a
     CPU host keeps an unspecified platform, and vLLM's argument parser fails later in that process
     (config/vllm_device.py)."""
-    offenders = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path in OTHER_INTERPRETER:
-            continue
-        lines = _unhinted_vllm_imports(ast.parse(path.read_text(), filename=str(path)))
-        if lines:
-            offenders[str(path.relative_to(PACKAGE))] = lines
-    assert offenders == {}
+    assert _offenders(_unhinted_vllm_imports, exempt=OTHER_INTERPRETER) == {}
 
 
 def test_the_hint_detector_catches_unhinted_imports():
