@@ -21,7 +21,10 @@ def problems(extras_wanted: list[str]) -> list[str]:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10: no TOML reader in the standard library
         return ["cannot read pyproject.toml on this Python"]
-    from packaging.requirements import Requirement
+    try:
+        from packaging.requirements import Requirement
+    except ModuleNotFoundError:  # a new venv: nothing installed yet
+        return ["packaging is not installed"]
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
