@@ -88,6 +88,18 @@ def _vllms_platform_unresolvable() -> bool:
     return resolved is not None and not resolved.device_type
 
 
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup``, each worker's test ids carry their group (``id@group``), which is how
+    pytest-xdist keeps a group on one worker; a pytest that xdist cannot mark would silently spread them, and both
+    workers would start the run's Ray cluster, servers and deploys."""
+    if node.config.getoption("dist") == "loadgroup" and ids and not all("@" in nodeid for nodeid in ids):
+        pytest.exit(
+            f"pytest-xdist's loadgroup did not mark {node.gateway.id}'s tests with their groups: use the pytest and "
+            "pytest-xdist versions of pyproject.toml's test extra",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
 def _tiny_model(tmp_path_factory, family: str) -> str:
     from vllm_omni.testing.tiny_models import make_tiny_model
 
