@@ -51,7 +51,7 @@ from bench_serving import run_benchmark
 from common import REPO, Shape, check_tree, cpu_seconds, imported_from, imports_ok, in_tree
 
 from vllm_omni.testing.server import RemoteOmniServer
-from vllm_omni.testing.tiny_models import FAMILIES
+from vllm_omni.testing.tiny import FAMILIES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 THREADS = ("main", "dedicated")

@@ -833,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from vllm_omni.testing.tiny_models import make_tiny_model
+    from vllm_omni.testing.tiny import make_tiny_model
 
     started = time.perf_counter()
     os.makedirs(args.out_dir, exist_ok=True)

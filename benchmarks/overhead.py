@@ -47,7 +47,7 @@ from common import publish
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.testing.server import RemoteOmniServer, free_port
-from vllm_omni.testing.tiny_models import FAMILIES, make_tiny_model
+from vllm_omni.testing.tiny import FAMILIES, make_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PHASES = ("parse", "validation", "completion", "handoff", "queue", "execution", "encoding", "response")

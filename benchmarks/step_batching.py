@@ -42,7 +42,7 @@ from bench_serving import run_benchmark
 from common import Shape
 
 from vllm_omni.testing.server import RemoteOmniServer
-from vllm_omni.testing.tiny_models import make_tiny_model
+from vllm_omni.testing.tiny import make_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = {

@@ -16,7 +16,7 @@ import httpx
 import openai
 
 from vllm_omni.testing.server import RemoteOmniServer
-from vllm_omni.testing.tiny_models import make_tiny_model
+from vllm_omni.testing.tiny import make_tiny_model
 
 
 def main() -> None:

@@ -101,7 +101,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 
 def _tiny_model(tmp_path_factory, family: str) -> str:
-    from vllm_omni.testing.tiny_models import make_tiny_model
+    from vllm_omni.testing.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family)
 

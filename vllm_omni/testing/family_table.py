@@ -1,4 +1,4 @@
-"""The family table of docs/models.md: for each pipeline class of the tiny families (`tiny_models.FAMILIES`), which
+"""The family table of docs/models.md: for each pipeline class of the tiny families (`tiny.FAMILIES`), which
 features it is served with, each decided by the code path the server runs (or refuses) it with, on the family's
 pipeline built in memory: ``python -m vllm_omni.testing.family_table`` rewrites it, ``--check`` exits 1 when it is
 stale (tests/testing/test_family_table.py runs that check).
@@ -120,7 +120,7 @@ def family_row(build: Callable[[], object]) -> tuple[str, dict[str, str | None],
 def family_rows() -> list[tuple[str, list[str], dict[str, str | None], str]]:
     """One row per pipeline class and what it is refused: its class, the families that build it and are refused
     the same, the refusals, its inputs. In the order of `FAMILIES`."""
-    from vllm_omni.testing.tiny_models import FAMILIES
+    from vllm_omni.testing.tiny import FAMILIES
 
     rows: list[tuple[str, list[str], dict[str, str | None], str]] = []
     for family, build in FAMILIES.items():

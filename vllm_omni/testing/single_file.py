@@ -1,7 +1,7 @@
 """A tiny pipeline folder as a single-file checkpoint in the original (non-diffusers) key layout.
 
 Community checkpoints are traded as one ``.safetensors`` in the layout of the code that trained them, not as a
-diffusers folder. :func:`write_single_file` turns a folder from :func:`vllm_omni.testing.tiny_models.make_tiny_model`
+diffusers folder. :func:`write_single_file` turns a folder from :func:`vllm_omni.testing.tiny.make_tiny_model`
 into such a file by inverting diffusers' own single-file converters (``diffusers/loaders/single_file_utils.py``), so
 that ``from_single_file`` gives back the folder's weights bit for bit:
 

@@ -1,18 +1,12 @@
-"""Tiny random-weight diffusers pipelines, built offline: the embedded demo model and the test models.
+"""Tiny random-weight diffusers pipelines of the first families (SD, SDXL, SD3, Flux, Wan), built offline; `tiny` has
+the table of every family that ``make-tiny-model`` writes.
 
 Every component, tokenizers included, is built from an in-memory config and
 vocabulary, then saved with ``save_pretrained`` so that it loads through the
 real ``DiffusionPipeline.from_pretrained`` path. Nothing is downloaded.
-
-    vllm-omni make-tiny-model DIR --family sd|sdxl|sd3|flux|flux-bench|flux-schnell|wan|wan2.2
-                                           |kontext|qwen-image-edit|qwen-image-edit-plus|wan-i2v  (tiny_edit_models)
-                                           |qwen-image|z-image|flux2|ltx|hunyuan-video-1.5  (tiny_families)
 """
 
 from __future__ import annotations
-
-import os
-from importlib import import_module
 
 import torch
 
@@ -304,40 +298,3 @@ def build_tiny_wan(two_experts: bool = False):
         transformer=transformer,
         **experts,
     )
-
-
-FAMILIES = {
-    "sd": build_tiny_sd,
-    "sdxl": build_tiny_sdxl,
-    "sd3": build_tiny_sd3,
-    "flux": build_tiny_flux,
-    "flux-bench": lambda: build_tiny_flux(bench=True),
-    "flux-schnell": lambda: build_tiny_flux(guidance_embeds=False),
-    "wan": build_tiny_wan,
-    "wan2.2": lambda: build_tiny_wan(two_experts=True),
-    # The image-conditioned families live in tiny_edit_models, imported on use: it imports this module.
-    "kontext": lambda: import_module(".tiny_edit_models", __package__).build_tiny_kontext(),
-    "qwen-image-edit": lambda: import_module(".tiny_edit_models", __package__).build_tiny_qwen_image_edit(),
-    "qwen-image-edit-plus": lambda: import_module(".tiny_edit_models", __package__).build_tiny_qwen_image_edit_plus(),
-    "wan-i2v": lambda: import_module(".tiny_edit_models", __package__).build_tiny_wan_i2v(),
-    # The families people serve now live in tiny_families, imported on use as well.
-    "qwen-image": lambda: import_module(".tiny_families", __package__).build_tiny_qwen_image(),
-    "z-image": lambda: import_module(".tiny_families", __package__).build_tiny_z_image(),
-    "flux2": lambda: import_module(".tiny_families", __package__).build_tiny_flux2(),
-    "ltx": lambda: import_module(".tiny_families", __package__).build_tiny_ltx(),
-    "hunyuan-video-1.5": lambda: import_module(".tiny_families", __package__).build_tiny_hunyuan_video_15(),
-}
-"""The tiny diffusers pipelines, by family."""
-
-MODEL_FAMILIES = FAMILIES | {"llm": lambda: import_module(".tiny_llm", __package__).TinyLlm()}
-"""What ``make-tiny-model`` writes: the pipelines, and the LLM of an ``llm`` stage (a transformers folder)."""
-
-
-def make_tiny_model(path: str | os.PathLike[str], family: str = "flux") -> str:
-    """Write a tiny ``family`` model to ``path`` (a diffusers folder, or a transformers one for ``llm``) and return
-    the path."""
-    if family not in MODEL_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(MODEL_FAMILIES)}")
-    path = os.fspath(path)
-    MODEL_FAMILIES[family]().save_pretrained(path)
-    return path

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(serve(argv[1:], prog="vllm serve" if via_vllm else "vllm-omni serve"))
 
     from vllm_omni.testing.gguf_files import GGUF_TYPES
-    from vllm_omni.testing.tiny_models import MODEL_FAMILIES
+    from vllm_omni.testing.tiny import MODEL_FAMILIES
 
     parser = argparse.ArgumentParser(prog="vllm-omni", description="Serve diffusion models with vLLM.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             f"no such layout here (families with one: {', '.join(DENOISER_ONLY_FAMILIES)})"
         )
 
-    from vllm_omni.testing.tiny_models import make_tiny_model
+    from vllm_omni.testing.tiny import make_tiny_model
 
     print(make_tiny_model(args.dir, args.family), flush=True)
     if args.single_file:

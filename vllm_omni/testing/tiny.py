@@ -1,0 +1,57 @@
+"""The tiny random-weight models by family: what ``vllm-omni make-tiny-model DIR --family F`` writes, and what the
+tests, the benchmarks and the demo build (`make_tiny_model`).
+
+    vllm-omni make-tiny-model DIR --family sd|sdxl|sd3|flux|flux-bench|flux-schnell|wan|wan2.2  (tiny_models)
+                                           |kontext|qwen-image-edit|qwen-image-edit-plus|wan-i2v  (tiny_edit_models)
+                                           |qwen-image|z-image|flux2|ltx|hunyuan-video-1.5  (tiny_families)
+                                           |llm  (tiny_llm: the LLM of an ``llm`` stage)
+
+The table lives apart from the builders, so that the builder modules import one another in one direction only.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_omni.testing import tiny_edit_models, tiny_families, tiny_llm
+from vllm_omni.testing.tiny_models import (
+    build_tiny_flux,
+    build_tiny_sd,
+    build_tiny_sd3,
+    build_tiny_sdxl,
+    build_tiny_wan,
+)
+
+FAMILIES = {
+    "sd": build_tiny_sd,
+    "sdxl": build_tiny_sdxl,
+    "sd3": build_tiny_sd3,
+    "flux": build_tiny_flux,
+    "flux-bench": lambda: build_tiny_flux(bench=True),
+    "flux-schnell": lambda: build_tiny_flux(guidance_embeds=False),
+    "wan": build_tiny_wan,
+    "wan2.2": lambda: build_tiny_wan(two_experts=True),
+    "kontext": tiny_edit_models.build_tiny_kontext,
+    "qwen-image-edit": tiny_edit_models.build_tiny_qwen_image_edit,
+    "qwen-image-edit-plus": tiny_edit_models.build_tiny_qwen_image_edit_plus,
+    "wan-i2v": tiny_edit_models.build_tiny_wan_i2v,
+    "qwen-image": tiny_families.build_tiny_qwen_image,
+    "z-image": tiny_families.build_tiny_z_image,
+    "flux2": tiny_families.build_tiny_flux2,
+    "ltx": tiny_families.build_tiny_ltx,
+    "hunyuan-video-1.5": tiny_families.build_tiny_hunyuan_video_15,
+}
+"""The tiny diffusers pipelines, by family."""
+
+MODEL_FAMILIES = FAMILIES | {"llm": tiny_llm.TinyLlm}
+"""What ``make-tiny-model`` writes: the pipelines, and the LLM of an ``llm`` stage (a transformers folder)."""
+
+
+def make_tiny_model(path: str | os.PathLike[str], family: str = "flux") -> str:
+    """Write a tiny ``family`` model to ``path`` (a diffusers folder, or a transformers one for ``llm``) and return
+    the path."""
+    if family not in MODEL_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(MODEL_FAMILIES)}")
+    path = os.fspath(path)
+    MODEL_FAMILIES[family]().save_pretrained(path)
+    return path
