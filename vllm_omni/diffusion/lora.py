@@ -11,6 +11,8 @@ Which row belongs to which request is set around each call (`LoraAdapters.rows`)
 (one entry per prompt row) and one for the denoiser (one per latent row). A call whose batch is a multiple of the
 list is the list repeated (classifier-free guidance concatenates negative and positive rows); anything else is an
 error, never a guess.
+
+The control verbs ``load_lora`` and ``unload_lora`` (`EngineCore.call`) are at the end of this module.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import os
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
+from vllm_omni.diffusion.control import handler
 from vllm_omni.diffusion.lora_tensors import TENSOR_SOURCE, LoraTensors, adapter_metadata
 from vllm_omni.logger import init_logger
 from vllm_omni.sampling_params import LoraSelection
@@ -333,3 +337,32 @@ class _RowPlan:
             )
             for name, rows in picks.items()
         ]
+
+
+@handler("load_lora")
+def load_lora(core, name: str, path: str, tensors: LoraTensors | None = None) -> Future:
+    """Load adapter ``name`` from ``path`` on the engine's thread at the next boundary (it checks the file, and
+    evicts only adapters no request in flight uses); the future fails with `LoraLoadError` naming the file.
+    ``tensors``: an adapter given as tensors, ``path`` its source tag (`LoraAdapters.load`)."""
+    lora = _adapters(core)
+
+    def load() -> None:
+        if core.sleeper.dropped:  # PEFT would make the adapter's layers on the meta device, and lose it
+            raise ValueError(f"this replica sleeps at level 2 (its weights dropped): wake it up to load {name!r}")
+        lora.load(name, path, keep=core.scheduler.adapters_in_use(), tensors=tensors)
+
+    return core.scheduler.call(load)
+
+
+@handler("unload_lora")
+def unload_lora(core, name: str) -> Future:
+    """Evict adapter ``name`` at the next boundary, or, while a request in flight uses it, make it the next to
+    evict (`LoraAdapters.retire`); the future holds whether it was evicted now."""
+    lora = _adapters(core)
+    return core.scheduler.call(lambda: lora.retire(name, core.scheduler.adapters_in_use()))
+
+
+def _adapters(core) -> LoraAdapters:
+    if core.runner.lora is None:
+        raise RuntimeError(f"stage {core.od_config.stage.stage_id} serves no LoRA adapters")
+    return core.runner.lora

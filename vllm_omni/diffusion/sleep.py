@@ -1,5 +1,6 @@
 """Sleep and wake of one engine's pipeline (vLLM's levels and tags): `PipelineSleep` moves its weights off the
-accelerator or drops them, and brings them back; `EngineCore.sleep` pauses the batch scheduler around it.
+accelerator or drops them, and brings them back; the control verbs ``sleep``, ``wake_up`` and ``is_sleeping``
+(`EngineCore.call`, at the end of this module) pause the batch scheduler around it.
 
 - Level 0: nothing moves; the engine only stops starting requests.
 - Level 1: every tensor of the pipeline's torch modules (transformer or UNet, text encoders, VAE) moves to CPU
@@ -20,9 +21,11 @@ import ctypes
 import gc
 import os
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 
 import torch
 
+from vllm_omni.diffusion.control import done, handler
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -241,3 +244,40 @@ def _read_safetensors(folder: str, keys: list[str]) -> Iterator[tuple[str, torch
             for key in remaining.intersection(f.keys()):
                 remaining.discard(key)
                 yield key, f.get_tensor(key)
+
+
+@handler("sleep")
+def sleep(core, level: int = 1) -> Future:
+    """Sleep at ``level`` (`PipelineSleep`) once the requests in progress have finished: from then on no request
+    starts (those that arrive wait) until `wake_up`; calls still run. The future is done once it sleeps."""
+    check_level(level, core.od_config.stage.cpu_offload, core.od_config.stage.quantization)
+    if core.runner.group is not None:
+        raise ValueError("sleep: a replica of several ranks (the stage's parallel degrees) cannot sleep yet")
+    core.runner.quantization.check_sleep(level)
+    return core.scheduler.call(lambda: _sleep(core, level), drain=True)
+
+
+def _sleep(core, level: int) -> None:
+    core.scheduler.pause(True)
+    core.sleeper.sleep(level)
+
+
+@handler("wake_up")
+def wake_up(core, tags: list[str] | None = None) -> Future:
+    """Wake the memory of ``tags`` (``None``: all; `WAKE_TAGS`) on the engine's thread, after a sleep that is
+    still to run; requests start again once no memory sleeps. The future holds whether it serves again."""
+    tags = check_tags(tags)
+    return core.scheduler.call(lambda: _wake_up(core, tags), drain=True)
+
+
+def _wake_up(core, tags: list[str] | None) -> bool:
+    awake = core.sleeper.wake_up(tags)
+    if awake and core.scheduler.paused:
+        core.scheduler.pause(False)
+    return awake
+
+
+@handler("is_sleeping")
+def is_sleeping(core) -> Future:
+    """Whether it sleeps (takes requests, starts none), answered at once."""
+    return done(core.scheduler.paused)

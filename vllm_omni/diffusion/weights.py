@@ -1,5 +1,7 @@
-"""New weights for a loaded pipeline's component, applied on the engine's thread (`EngineCore.update_weights`), and
-`WeightUpdateGroup`, the torch.distributed group a trainer broadcasts them over (docs/rl.md, "Weight updates").
+"""New weights for a loaded pipeline's component, applied on the engine's thread (the control verb
+``update_weights``, `EngineCore.call`), and `WeightUpdateGroup`, the torch.distributed group a trainer broadcasts
+them over (``init_weight_update_group``, ``update_weights_from_distributed``; docs/rl.md, "Weight updates"). The
+verbs' handlers are at the end of this module.
 
 An update names its tensors as the component's ``state_dict()`` does. Every tensor is checked against the parameter
 or buffer it replaces (its name, its shape) before the first is copied, so an update is applied whole or not at
@@ -12,13 +14,19 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import torch
 
+from vllm_omni.diffusion.control import handler
 from vllm_omni.diffusion.gguf import is_gguf_module
 from vllm_omni.errors import WeightUpdateError
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """What ``update_weights`` takes: a mapping, or an iterable of (name as in the component's ``state_dict()``,
@@ -204,3 +212,68 @@ class WeightUpdateGroup:
             name: self.broadcast(torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=self.device), src)
             for name, dtype, shape in names_dtypes_shapes
         }
+
+
+@handler("update_weights")
+def update_weights(core, weights: dict, component: str) -> Future:
+    """Apply ``weights`` to ``component`` on the engine's thread once the requests in progress have finished,
+    before any other starts (a batch finishes on the weights it started with); the future holds
+    `WeightsApplied`, or fails with `WeightUpdateError` and nothing applied."""
+    return core.scheduler.call(lambda: _apply(core, weights, component), drain=True)
+
+
+@handler("init_weight_update_group")
+def init_weight_update_group(
+    core, master_address: str, master_port: int, rank: int, world_size: int, backend: str | None = None
+) -> Future:
+    """Join a trainer's `WeightUpdateGroup` as ``rank`` (gloo, or NCCL on CUDA), replacing any earlier group. It
+    joins on a thread of its own: joining blocks until every member has joined, and it runs no tensor op, so the
+    engine keeps serving meanwhile; the future resolves once it has joined."""
+    future: Future = Future()
+    device = "cpu" if backend == "gloo" else core.runner.device
+
+    def join() -> None:
+        try:
+            core.weight_group = WeightUpdateGroup(
+                master_address, master_port, rank, world_size, device=device, backend=backend
+            )
+        except BaseException as exc:  # noqa: BLE001 - the caller's future says why
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+
+    threading.Thread(target=join, name=f"vllm-omni-weight-group-{core.od_config.replica}", daemon=True).start()
+    return future
+
+
+@handler("update_weights_from_distributed")
+def update_weights_from_distributed(core, names_dtypes_shapes: list, component: str, src: int) -> Future:
+    """`update_weights` with tensors received from rank ``src`` of the weight group, one broadcast each, on the
+    engine's thread once it has drained. Every broadcast is received before anything is checked, so the
+    trainer's broadcasts complete even when the update is refused."""
+
+    def receive() -> WeightsApplied:
+        if core.weight_group is None:
+            raise WeightUpdateError(None, "this replica has not joined a group: call init_weight_update_group")
+        return _apply(core, core.weight_group.receive(names_dtypes_shapes, src), component)
+
+    return core.scheduler.call(receive, drain=True)
+
+
+def _apply(core, weights: dict, component: str) -> WeightsApplied:
+    if core.runner.group is not None:
+        raise WeightUpdateError(
+            None, "a replica of several ranks (the stage's parallel degrees) cannot update weights yet"
+        )
+    if core.od_config.stage.cpu_offload == "sequential":
+        raise WeightUpdateError(
+            None, "cpu_offload='sequential' keeps the weights in accelerate's hooks: serve with 'model' or 'none'"
+        )
+    module = component_of(core.runner.pipeline, component)
+    core.runner.quantization.check_update(component)
+    # A dropped weight comes back where its component's weights are now: in CPU memory while they sleep.
+    home = "cpu" if "weights" in core.sleeper.asleep else core.sleeper.home
+    complete = apply_weights(module, weights, component, home)
+    core.weights_version += 1
+    logger.info("Applied %d tensors to %s: weights version %d", len(weights), component, core.weights_version)
+    return WeightsApplied(core.weights_version, complete)

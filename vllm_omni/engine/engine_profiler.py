@@ -67,7 +67,7 @@ class EngineProfiler:
                 PROCESS_PROFILER.start(self.config, trace_name(self._role(), prefix)).result()
             remote = [r for stage in self._stages if stage not in self._inline for r in stage.replicas if r.is_alive]
             self._started, failure = [], None
-            for replica, future in [(r, r.start_profile(self.config, prefix)) for r in remote]:
+            for replica, future in [(r, r.call("start_profile", self.config, prefix)) for r in remote]:
                 try:
                     future.result()
                     self._started.append(replica)
@@ -89,7 +89,7 @@ class EngineProfiler:
 
     def _stop(self) -> list[str]:
         started, self._started = self._started, None
-        futures = [replica.stop_profile() for replica in started]
+        futures = [replica.call("stop_profile") for replica in started]
         written = [PROCESS_PROFILER.stop().result()] if self._here else []
         for replica, future in zip(started, futures, strict=True):
             try:

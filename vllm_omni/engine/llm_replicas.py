@@ -17,6 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.vllm_device import set_device_hint
+from vllm_omni.diffusion.control import failed
 from vllm_omni.diffusion.roles import Admission
 from vllm_omni.engine.ray_replicas import RayReplica, log_started, start_actors  # first: it imports Ray
 from vllm_omni.engine.replica import ReplicaInfo
@@ -79,16 +80,11 @@ class LlmReplica(RayReplica):
             ),
         )
 
-    def load_lora(self, name: str, path: str) -> Future:
-        return self._no_lora()
+    def _no_lora(self, *args) -> Future:
+        return failed(ValueError(f"llm stage {self._stage.stage_id} serves no LoRA adapters"))
 
-    def unload_lora(self, name: str) -> Future:
-        return self._no_lora()
-
-    def _no_lora(self) -> Future:
-        future: Future = Future()
-        future.set_exception(ValueError(f"llm stage {self._stage.stage_id} serves no LoRA adapters"))
-        return future
+    _VERBS = {**RayReplica._VERBS, "load_lora": _no_lora, "unload_lora": _no_lora}
+    """A diffusion replica's, but LoRA verbs are refused."""
 
     def collect_metrics(self) -> list:
         try:

@@ -24,7 +24,7 @@ from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.roles import check_splittable
 from vllm_omni.diffusion.sleep import check_level, check_tags
 from vllm_omni.engine.replica import ReplicaLostError
-from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime
+from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime, wait
 from vllm_omni.engine.weight_updates import WeightUpdates
 from vllm_omni.errors import RequestAbortedError, SamplingParamsError, StageUnavailableError, UnknownLoraError
 from vllm_omni.logger import init_logger
@@ -161,14 +161,13 @@ class OmniEngine:
             self._loading.add(name)
         try:
             # A Ray replica that is down keeps an adapter given as tensors for when it is back (ReplicaLostError).
-            replicas = [r for r in self._lora_stage.replicas if r.is_alive or tensors is not None]
-            futures = [replica.load_lora(name, path, tensors) for replica in replicas]
-            errors = [future.exception() for future in futures]
+            answers = self._lora_stage.call("load_lora", name, path, tensors, down_too=tensors is not None)
+            errors = [answer.future.exception() for answer in answers]
             failed = next((e for e in errors if e is not None and not isinstance(e, ReplicaLostError)), None)
             if failed is not None:
-                for replica, error in zip(replicas, errors, strict=True):
+                for answer, error in zip(answers, errors, strict=True):
                     if error is None or isinstance(error, ReplicaLostError):
-                        replica.unload_lora(name).exception()
+                        self._lora_stage.replicas[answer.replica].call("unload_lora", name).exception()
                 raise failed
             with self._lock:
                 self.loras[name] = LoRAModulePath(name=name, path=path)
@@ -183,8 +182,8 @@ class OmniEngine:
             if name not in self.loras:
                 raise UnknownLoraError(name, list(self.loras))
             del self.loras[name]
-        for future in [r.unload_lora(name) for r in self._lora_stage.replicas if r.is_alive]:
-            error = future.exception()
+        for answer in self._lora_stage.call("unload_lora", name):
+            error = answer.future.exception()
             if error is not None and not isinstance(error, ReplicaLostError):  # a lost replica has nothing to evict
                 logger.warning("evicting LoRA adapter %r failed: %s: %s", name, type(error).__name__, error)
 
@@ -361,21 +360,26 @@ class OmniEngine:
         for stage in self.stages:
             check_level(level, stage.stage_config.cpu_offload, stage.stage_config.quantization)
         with self._sleep_lock:  # one sleep or wake-up at a time, so that every stage ends in the same state
-            for stage in self.stages:
-                stage.sleep(level)
+            for stage in self._sleepers:
+                wait(stage.call("sleep", level))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake the memory of ``tags`` (``None``: all) on every replica; returns once all serve again (or, for a
         partial ``tags``, have woken those)."""
         tags = check_tags(tags)
         with self._sleep_lock:
-            for stage in self.stages:
-                stage.wake_up(tags)
+            for stage in self._sleepers:
+                wait(stage.call("wake_up", tags))
 
     @property
     def is_sleeping(self) -> bool:
         """Whether every live replica of every diffusers stage sleeps."""
-        return all(stage.is_sleeping for stage in self.stages if stage.sleeps)
+        return all(stage.health().status == "sleeping" for stage in self._sleepers)
+
+    @property
+    def _sleepers(self) -> list[StageRuntime]:
+        """The stages whose replicas sleep and wake (`StageRuntime.sleeps`: an llm stage serves on)."""
+        return [stage for stage in self.stages if stage.sleeps]
 
     def _replica_metrics(self) -> list:
         return [families for stage in self.stages for families in stage.collect_metrics()]

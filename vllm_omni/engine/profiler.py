@@ -5,7 +5,9 @@ replica's actor. Started with ``profile_all_threads``, it records every thread o
 included, whichever thread started it (a profiler of one thread would miss the engine's work); on stop it writes
 one trace file with torch's ``tensorboard_trace_handler`` (``NAME.TIMESTAMP.pt.trace.json.gz``), which Perfetto
 (ui.perfetto.dev), ``chrome://tracing`` and TensorBoard's profiler plugin open. `EngineProfiler`
-(engine/engine_profiler.py) starts and stops those of every engine process together.
+(engine/engine_profiler.py) starts and stops those of every engine process together; a Ray replica's through the
+control verbs ``start_profile`` and ``stop_profile`` (`EngineCore.call`), whose handlers are here (registered when
+the replica module imports this one: the diffusion layer imports nothing above it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from vllm_omni.diffusion.control import handler
 from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
@@ -96,3 +99,18 @@ class ProcessProfiler:
 
 PROCESS_PROFILER = ProcessProfiler()
 """The profiler of this process."""
+
+
+@handler("start_profile")
+def start_profile(core, config: ProfilerConfig, prefix: str | None = None) -> Future:
+    """Start the profiler of the engine's process (``config``: vLLM's ``ProfilerConfig``), its trace named after the
+    engine's replica: for a Ray replica, alone in its actor's process (inline replicas share the server's process,
+    whose profile `EngineProfiler` starts). The future resolves once it records."""
+    role = f"stage{core.od_config.stage.stage_id}-replica{core.od_config.replica}"
+    return PROCESS_PROFILER.start(config, trace_name(role, prefix))
+
+
+@handler("stop_profile")
+def stop_profile(core) -> Future:
+    """Stop `start_profile`'s profiler; the future holds the trace file once it is written."""
+    return PROCESS_PROFILER.stop()

@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import Metric
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
+from vllm_omni.diffusion.control import done
 from vllm_omni.diffusion.previews import previews_until
 from vllm_omni.engine.ray_cluster import start_actors  # first: it sets Ray's environment, then imports Ray
 from vllm_omni.engine.ray_updates import CatchUp
@@ -114,15 +115,15 @@ class _ReplicaActor:
         """A restarted replica makes again the calls its driver kept (`CatchUp`), in order, before it serves."""
         for method, *args in calls:
             args = [await arg if isinstance(arg, ray.ObjectRef) else arg for arg in args]
-            await asyncio.wrap_future(getattr(self.replica, method)(*args))
+            await asyncio.wrap_future(self.replica.call(method, *args))
         self.replica.engine.weights_version = version
 
     async def engine_call(self, method: str, *args):
-        """An `EngineReplica` method that answers a future (``load_lora``, ``unload_lora``, ``update_weights``, ...):
-        its result, or its error returned (not raised) as `generate` does. An ``ObjectRef`` argument arrives
-        resolved: tensors come from the object store."""
+        """Control verb ``method`` of the `EngineReplica` (``load_lora``, ``sleep``, ``update_weights``, ...;
+        `EngineCore.call`): its result, or its error returned (not raised) as `generate` does. An ``ObjectRef``
+        argument arrives resolved: tensors come from the object store."""
         try:
-            return await asyncio.wrap_future(getattr(self.replica, method)(*args))
+            return await asyncio.wrap_future(self.replica.call(method, *args))
         except Exception as exc:  # noqa: BLE001 - the driver raises it
             return exc
 
@@ -276,31 +277,6 @@ class RayReplica:
         self._actor.abort.remote(request_id)
         return True
 
-    def load_lora(self, name: str, path: str, tensors: Any = None) -> Future:
-        """``tensors`` come through the object store, and load again when the replica restarts (`CatchUp`)."""
-        return (
-            self._engine_call("load_lora", name, path)
-            if tensors is None
-            else self._catch_up.load_lora(name, path, tensors)
-        )
-
-    def unload_lora(self, name: str) -> Future:
-        self._catch_up.forget_lora(name)
-        return self._engine_call("unload_lora", name)
-
-    def update_weights(self, weights: Any, component: str) -> Future:
-        """Through the object store, kept for a restart (`CatchUp`): a replica that is down applies them when back."""
-        return self._catch_up.update_weights(weights, component)
-
-    def init_weight_update_group(
-        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str | None = None
-    ) -> Future:
-        return self._engine_call("init_weight_update_group", master_address, master_port, rank, world_size, backend)
-
-    def update_weights_from_distributed(self, names_dtypes_shapes: list, component: str, src: int) -> Future:
-        self._catch_up.received(component)  # not kept: a restarted replica has the model folder's component
-        return self._engine_call("update_weights_from_distributed", names_dtypes_shapes, component, src)
-
     def _engine_call(self, method: str, *args) -> Future:
         future: Future = Future()
 
@@ -316,22 +292,23 @@ class RayReplica:
         ref.future().add_done_callback(lambda done, ref=ref: settle(done))
         return future
 
-    def sleep(self, level: int) -> Future:
+    def call(self, method: str, *args) -> Future:
+        """`Replica.call`: the actor's ``engine_call``, through the policy of its verb in `_VERBS` if it has one."""
+        verb = self._VERBS.get(method)
+        return self._engine_call(method, *args) if verb is None else verb(self, *args)
+
+    # What a Ray replica does around a control verb, all of it here (`_VERBS`): what it keeps for a restart
+    # (`CatchUp`), and whether it sleeps, noted from the answers so that ``is_sleeping`` makes no call.
+
+    def _is_sleeping(self) -> Future:
+        """As the actor's last sleep or wake-up answered, without a call (``/health`` reads it)."""
+        return done(self._sleeping)
+
+    def _sleep(self, level: int) -> Future:
         return self._noting_sleep(self._engine_call("sleep", level), lambda _: True)
 
-    def wake_up(self, tags: list[str] | None = None) -> Future:
+    def _wake_up(self, tags: list[str] | None = None) -> Future:
         return self._noting_sleep(self._engine_call("wake_up", tags), lambda awake: not awake)
-
-    @property
-    def is_sleeping(self) -> bool:
-        """As the actor's last sleep or wake-up answered, without a call (``/health`` reads it)."""
-        return self._sleeping
-
-    def start_profile(self, config: Any, prefix: str | None = None) -> Future:
-        return self._engine_call("start_profile", config, prefix)
-
-    def stop_profile(self) -> Future:
-        return self._engine_call("stop_profile")
 
     def _noting_sleep(self, inner: Future, sleeping: Callable[[Any], bool]) -> Future:
         """``inner``'s outcome, settled once `is_sleeping` says what it left."""
@@ -346,6 +323,37 @@ class RayReplica:
 
         inner.add_done_callback(settle)
         return future
+
+    def _load_lora(self, name: str, path: str, tensors: Any = None) -> Future:
+        """``tensors`` come through the object store, and load again when the replica restarts (`CatchUp`)."""
+        return (
+            self._engine_call("load_lora", name, path)
+            if tensors is None
+            else self._catch_up.load_lora(name, path, tensors)
+        )
+
+    def _unload_lora(self, name: str) -> Future:
+        self._catch_up.forget_lora(name)
+        return self._engine_call("unload_lora", name)
+
+    def _update_weights(self, weights: Any, component: str) -> Future:
+        """Through the object store, kept for a restart (`CatchUp`): a replica that is down applies them when back."""
+        return self._catch_up.update_weights(weights, component)
+
+    def _update_weights_from_distributed(self, names_dtypes_shapes: list, component: str, src: int) -> Future:
+        self._catch_up.received(component)  # not kept: a restarted replica has the model folder's component
+        return self._engine_call("update_weights_from_distributed", names_dtypes_shapes, component, src)
+
+    _VERBS: dict[str, Callable[..., Future]] = {
+        "is_sleeping": _is_sleeping,
+        "sleep": _sleep,
+        "wake_up": _wake_up,
+        "load_lora": _load_lora,
+        "unload_lora": _unload_lora,
+        "update_weights": _update_weights,
+        "update_weights_from_distributed": _update_weights_from_distributed,
+    }
+    """The verbs a Ray replica does more for than send them (the others go to the actor as they are)."""
 
     def progress(self, request_id: str) -> tuple[str, float] | None:
         try:

@@ -47,7 +47,7 @@ class CatchUp:
     """
 
     def __init__(self, replica, send: Callable[..., Future]):
-        """``send(method, *args)``: ``method`` of the replica's `EngineReplica`, as a Ray call."""
+        """``send(method, *args)``: control verb ``method`` of the replica's engine, as a Ray call."""
         self._replica, self._send = replica, send
         self._lock = threading.Lock()
         self._loras: dict[str, tuple[str, ray.ObjectRef]] = {}

@@ -20,13 +20,13 @@ from PIL import Image
 from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.control import failed
 from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.engines import make_engine
-from vllm_omni.diffusion.lora_tensors import LoraTensors
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.runner import parse_size
 from vllm_omni.diffusion.weights import pipeline_components
-from vllm_omni.engine.profiler import PROCESS_PROFILER, trace_name
+from vllm_omni.engine import profiler  # noqa: F401 - its handlers of start_profile and stop_profile (EngineCore.call)
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import Preview
@@ -106,27 +106,6 @@ class Replica(Protocol):
     def progress(self, request_id: str) -> tuple[str, float] | None:
         """``(waiting|running, fraction of denoising steps done)``, or ``None`` if it does not hold the request."""
 
-    def load_lora(self, name: str, path: str, tensors: LoraTensors | None = None) -> Future:
-        """Load a LoRA adapter between batches or steps (`EngineCore.load_lora`); the future fails with
-        `LoraLoadError` naming the file. ``tensors``: an adapter given as tensors (``path`` is its source tag), which
-        a Ray replica receives through the object store (as an ``ObjectRef``) and loads again when it restarts."""
-
-    def unload_lora(self, name: str) -> Future:
-        """Evict a LoRA adapter unless a request in flight uses it (`EngineCore.unload_lora`)."""
-
-    def update_weights(self, weights: Any, component: str) -> Future:
-        """Apply new weights (a dict of name → tensor; for a Ray replica also its ``ObjectRef``) to ``component``
-        once the requests in progress have finished, before any other starts (`EngineCore.update_weights`); the
-        future holds `WeightsApplied`, or fails with `WeightUpdateError` (nothing applied) or `ReplicaLostError`."""
-
-    def init_weight_update_group(
-        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str | None = None
-    ) -> Future:
-        """Join a trainer's `WeightUpdateGroup` as ``rank``; the future resolves once every member has joined."""
-
-    def update_weights_from_distributed(self, names_dtypes_shapes: list, component: str, src: int) -> Future:
-        """`update_weights` with the tensors broadcast by rank ``src`` of its weight group."""
-
     @property
     def num_waiting(self) -> int:
         """Requests it holds that its batch scheduler has not started: waiting for a batch (or, in step mode, for a
@@ -140,24 +119,16 @@ class Replica(Protocol):
     def collect_metrics(self) -> list[Metric]:
         """Its engine's metric families."""
 
-    def sleep(self, level: int) -> Future:
-        """Sleep at ``level`` once the requests in progress have finished (`EngineCore.sleep`): requests it is given
-        meanwhile wait; the future resolves once it sleeps."""
-
-    def wake_up(self, tags: list[str] | None = None) -> Future:
-        """Wake the memory of ``tags`` (`EngineCore.wake_up`); the future holds whether it serves again."""
-
-    @property
-    def is_sleeping(self) -> bool:
-        """Whether it sleeps (takes requests, starts none)."""
-
-    def start_profile(self, config: Any, prefix: str | None = None) -> Future:
-        """Start the torch profiler of its process (engine/profiler.py; ``config``: vLLM's ``ProfilerConfig``),
-        its trace named after this replica: for a Ray replica, alone in its actor's process (inline replicas share
-        the server's process, whose profile `EngineProfiler` starts). The future resolves once it records."""
-
-    def stop_profile(self) -> Future:
-        """Stop `start_profile`'s profiler; the future holds the trace file once it is written."""
+    def call(self, method: str, *args) -> Future:
+        """Control verb ``method`` with ``args`` (`EngineCore.call`: ``sleep``, ``wake_up``, ``is_sleeping``,
+        ``load_lora``, ``unload_lora``, ``update_weights``, ``init_weight_update_group``,
+        ``update_weights_from_distributed``, ``start_profile``, ``stop_profile``); the future holds its answer, or
+        fails with its error, or with `ReplicaLostError` when the replica cannot be reached. A Ray replica answers
+        ``is_sleeping`` from what its last ``sleep`` or ``wake_up`` answered, without a call; it sends weights and
+        adapters given as tensors through the object store (as an ``ObjectRef``) and keeps them for a restart
+        (`CatchUp`). ``start_profile`` (``config``: vLLM's ``ProfilerConfig``, ``prefix``) starts the torch
+        profiler of its process, its trace named after this replica: for a Ray replica, alone in its actor's
+        process (inline replicas share the server's process, whose profile `EngineProfiler` starts)."""
 
     def shutdown(self) -> None:
         """Stop taking requests, fail the waiting ones, let the running ones finish."""
@@ -252,38 +223,11 @@ class EngineReplica:
         found = self.engine.scheduler.state(request_id)
         return None if found is None else (found[0], found[1].progress)
 
-    def load_lora(self, name: str, path: str, tensors: LoraTensors | None = None) -> Future:
-        return self.engine.load_lora(name, path, tensors)
-
-    def unload_lora(self, name: str) -> Future:
-        return self.engine.unload_lora(name)
-
-    def update_weights(self, weights: Any, component: str) -> Future:
+    def call(self, method: str, *args) -> Future:
+        """`EngineCore.call`; a replica whose engine stopped serves nothing, and answers `ReplicaLostError`."""
         if self.is_alive:
-            return self.engine.update_weights(weights, component)
-        lost: Future = Future()  # it serves nothing: there is nothing to update
-        lost.set_exception(ReplicaLostError(f"{self._name} is not running (error: {self.error!r})"))
-        return lost
-
-    def init_weight_update_group(
-        self, master_address: str, master_port: int, rank: int, world_size: int, backend: str | None = None
-    ) -> Future:
-        """Joins on a thread of its own: the engine keeps serving, and the caller waits on the future."""
-        future: Future = Future()
-
-        def join() -> None:
-            try:
-                self.engine.init_weight_update_group(master_address, master_port, rank, world_size, backend)
-            except BaseException as exc:  # noqa: BLE001 - the caller's future says why
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-        threading.Thread(target=join, name=f"vllm-omni-weight-group-{self.info.index}", daemon=True).start()
-        return future
-
-    def update_weights_from_distributed(self, names_dtypes_shapes: list, component: str, src: int) -> Future:
-        return self.engine.update_weights_from_distributed(names_dtypes_shapes, component, src)
+            return self.engine.call(method, *args)
+        return failed(ReplicaLostError(f"{self._name} is not running (error: {self.error!r})"))
 
     @property
     def num_waiting(self) -> int:
@@ -291,23 +235,6 @@ class EngineReplica:
 
     def collect_metrics(self) -> list[Metric]:
         return self.engine.metrics.collect()
-
-    def sleep(self, level: int) -> Future:
-        return self.engine.sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None) -> Future:
-        return self.engine.wake_up(tags)
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping
-
-    def start_profile(self, config: Any, prefix: str | None = None) -> Future:
-        role = f"stage{self.engine.od_config.stage.stage_id}-replica{self.info.index}"
-        return PROCESS_PROFILER.start(config, trace_name(role, prefix))
-
-    def stop_profile(self) -> Future:
-        return PROCESS_PROFILER.stop()
 
     def shutdown(self) -> None:
         self._stopping.set()

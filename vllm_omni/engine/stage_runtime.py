@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Hashable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Hashable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.config.parallel import sequence_ranks
@@ -45,6 +45,31 @@ class StageHealth:
         if len(self.alive) == self.num_replicas:
             return "ok"
         return "degraded" if self.alive else "down"
+
+
+class Answer(NamedTuple):
+    """A replica's answer to a control verb (`StageRuntime.call`)."""
+
+    stage_id: int
+    replica: int
+    future: Future
+
+
+def wait(answers: Iterable[Answer]) -> list:
+    """Each answer's result once all have come; a replica lost meanwhile is only logged (a Ray replica comes back
+    awake, and catches up on what it keeps); the first other error is raised."""
+    results, failed = [], None
+    for stage_id, index, future in answers:
+        error = future.exception()
+        if isinstance(error, ReplicaLostError):
+            logger.warning("stage %d replica %d: %s", stage_id, index, error)
+        elif error is not None:
+            failed = failed or error
+        else:
+            results.append(future.result())
+    if failed is not None:
+        raise failed
+    return results
 
 
 class StageRuntime:
@@ -98,40 +123,30 @@ class StageRuntime:
 
     def health(self) -> StageHealth:
         alive = [i for i, replica in enumerate(self.replicas) if replica.is_alive]
-        sleeping = tuple(i for i in alive if self.sleeps and self.replicas[i].is_sleeping)
+        sleeping = tuple(i for i in alive if self.sleeps and self._sleeping(self.replicas[i]))
         return StageHealth(self.stage_id, len(self.replicas), alive, sleeping)
+
+    @staticmethod
+    def _sleeping(replica: Replica) -> bool:
+        """Whether ``replica`` sleeps, answered at once (inline: by its engine; Ray: as it last answered); one that
+        died meanwhile does not."""
+        answer = replica.call("is_sleeping")
+        return answer.exception() is None and answer.result()
 
     @property
     def sleeps(self) -> bool:
         """Whether its replicas sleep and wake: a diffusers stage's do; an llm stage serves on."""
         return STAGE_TYPES[self.stage_config.stage_type].runs != "vllm"
 
-    def sleep(self, level: int) -> None:
-        """Put every live replica to sleep at ``level``; returns once all sleep (their running batches finished)."""
-        self._on_each_replica(lambda replica: replica.sleep(level))
-
-    def wake_up(self, tags: list[str] | None) -> None:
-        """Wake the memory of ``tags`` on every live replica; returns once all have."""
-        self._on_each_replica(lambda replica: replica.wake_up(tags))
-
-    @property
-    def is_sleeping(self) -> bool:
-        """Whether every live replica sleeps."""
-        health = self.health()
-        return bool(health.alive) and health.status == "sleeping"
-
-    def _on_each_replica(self, call) -> None:
-        """``call`` on every live replica at once (its future), then wait for all; a replica lost meanwhile comes back
-        awake (Ray restarts it), so its loss is only logged."""
-        if not self.sleeps:
-            return
-        futures = [(i, call(replica)) for i, replica in enumerate(self.replicas) if replica.is_alive]
-        for index, future in futures:
-            error = future.exception()
-            if isinstance(error, ReplicaLostError):
-                logger.warning("stage %d replica %d: %s", self.stage_id, index, error)
-            elif error is not None:
-                raise error
+    def call(self, method: str, *args, down_too: bool = False) -> list[Answer]:
+        """Control verb ``method`` (`Replica.call`) on every live replica at once, and with ``down_too`` on those
+        that are down as well (a Ray replica keeps weights and tensors for when it is back, `CatchUp`); `wait`
+        waits for the answers."""
+        return [
+            Answer(self.stage_id, i, replica.call(method, *args))
+            for i, replica in enumerate(self.replicas)
+            if down_too or replica.is_alive
+        ]
 
     @property
     def is_alive(self) -> bool:

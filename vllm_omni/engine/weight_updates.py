@@ -2,7 +2,7 @@
 (`OmniEngine.weights`; docs/rl.md, "Weight updates").
 
 Each replica applies an update on its engine's thread once its requests in progress have finished, before it
-starts another (`EngineCore.update_weights`), so a call returns once every replica serves the new weights: a
+starts another (the ``update_weights`` verb, diffusion/weights.py), so a call returns once every replica serves the new weights: a
 request admitted after it runs on them, a batch already running finishes on the old ones. Updates are sent one at
 a time, so every replica applies them in the same order.
 """
@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future
 from typing import Any
 
 from vllm_omni.diffusion.weights import Weights, as_weights, parse_dtype
-from vllm_omni.engine.replica import Replica, ReplicaLostError
-from vllm_omni.engine.stage_runtime import StageRuntime
+from vllm_omni.engine.stage_runtime import Answer, StageRuntime, wait
 from vllm_omni.errors import WeightUpdateError
-from vllm_omni.logger import init_logger
-
-logger = init_logger(__name__)
 
 
 class WeightUpdates:
@@ -30,10 +25,10 @@ class WeightUpdates:
         self.stages = stages
         self._lock = threading.Lock()
 
-    def holders(self, component: str) -> list[tuple[StageRuntime, int, Replica]]:
-        """Every replica of the stages that hold ``component``, as (stage, index, replica), in request order; or
+    def holders(self, component: str) -> list[StageRuntime]:
+        """The stages that hold ``component``, in request order (every replica of each takes the update); or
         `WeightUpdateError` naming the components the stages hold (an llm stage holds none)."""
-        found = [(s, i, r) for s in self.stages if component in s.info.components for i, r in enumerate(s.replicas)]
+        found = [stage for stage in self.stages if component in stage.info.components]
         if not found:
             held = ", ".join(sorted({c for stage in self.stages for c in stage.info.components}))
             raise WeightUpdateError(None, f"no stage holds a component {component!r}; the stages hold: {held}")
@@ -42,13 +37,13 @@ class WeightUpdates:
     def update_weights(self, weights: Weights, component: str = "transformer") -> None:
         """Apply ``weights`` (name as in ``component``'s ``state_dict()`` → tensor) on every replica that holds
         ``component``; returns once all serve them. Raises `WeightUpdateError` (nothing applied) for an unknown name
-        or a wrong shape. A Ray stage's replicas read one copy from the object store."""
+        or a wrong shape. A Ray stage's replicas read one copy from the object store (put once per stage), and one
+        that is down takes them when it is back."""
         weights = as_weights(weights)
         with self._lock:
-            holders = self.holders(component)
-            stages = {stage.stage_id: stage for stage, _, _ in holders}
-            shared = {stage_id: stage.shared(weights) for stage_id, stage in stages.items()}  # once per stage
-            _wait([(s, i, r.update_weights(shared[s.stage_id], component)) for s, i, r in holders])
+            stages = self.holders(component)
+            shared = [stage.shared(weights) for stage in stages]
+            wait([a for s, w in zip(stages, shared) for a in s.call("update_weights", w, component, down_too=True)])
 
     def init_weight_update_group(
         self,
@@ -62,16 +57,16 @@ class WeightUpdates:
         """Every replica that holds ``component`` joins the trainer's `WeightUpdateGroup` as ``rank_offset + i``
         (``i`` counts them in request order, then replica index); returns once all have joined, with how many did.
         The trainer joins at the same time with another rank (usually 0)."""
-        holders = self.holders(component)
+        holders = [(s, i, r) for s in self.holders(component) for i, r in enumerate(s.replicas)]
         if rank_offset < 0 or rank_offset + len(holders) > world_size:
             raise ValueError(
                 f"{len(holders)} replicas hold {component}: ranks {rank_offset}..{rank_offset + len(holders) - 1} do "
                 f"not fit in world_size {world_size}"
             )
         args = (master_address, master_port)
-        _wait(
+        wait(
             [
-                (s, i, r.init_weight_update_group(*args, rank_offset + k, world_size, backend))
+                Answer(s.stage_id, i, r.call("init_weight_update_group", *args, rank_offset + k, world_size, backend))
                 for k, (s, i, r) in enumerate(holders)
             ]
         )
@@ -88,22 +83,5 @@ class WeightUpdates:
         if not specs:
             raise WeightUpdateError(None, "the update holds no weights")
         with self._lock:
-            holders = self.holders(component)
-            _wait([(s, i, r.update_weights_from_distributed(specs, component, src)) for s, i, r in holders])
-
-
-def _wait(calls: list[tuple[StageRuntime, int, Future]]) -> list:
-    """Each call's result once all have answered; a replica lost meanwhile is logged (a Ray replica catches up
-    when it is back); the first other error is raised."""
-    results, failed = [], None
-    for stage, index, future in calls:
-        error = future.exception()
-        if isinstance(error, ReplicaLostError):
-            logger.warning("stage %d replica %d: %s", stage.stage_id, index, error)
-        elif error is not None:
-            failed = failed or error
-        else:
-            results.append(future.result())
-    if failed is not None:
-        raise failed
-    return results
+            verb = "update_weights_from_distributed"
+            wait([a for s in self.holders(component) for a in s.call(verb, specs, component, src, down_too=True)])

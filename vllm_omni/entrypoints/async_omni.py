@@ -99,15 +99,23 @@ class AsyncOmni(OmniBase):
         backend: str | None = None,
     ) -> int:
         """`Omni.init_weight_update_group`: returns how many replicas joined, once every member has."""
-        args = (master_address, master_port, rank_offset, world_size, component, backend)
-        return await asyncio.to_thread(self.engine.weights.init_weight_update_group, *args)
+        return await asyncio.to_thread(
+            self.engine.weights.init_weight_update_group,
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            component,
+            backend,
+        )
 
     async def update_weights_from_distributed(
         self, names_dtypes_shapes: Iterable[tuple[str, Any, Any]], component: str = "transformer", src: int = 0
     ) -> None:
         """`Omni.update_weights_from_distributed`: returns once every replica serves the broadcast tensors."""
-        args = (names_dtypes_shapes, component, src)
-        await asyncio.to_thread(self.engine.weights.update_weights_from_distributed, *args)
+        await asyncio.to_thread(
+            self.engine.weights.update_weights_from_distributed, names_dtypes_shapes, component, src
+        )
 
     async def sleep(self, level: int = 1) -> None:
         """`Omni.sleep`: returns once every replica of every diffusers stage sleeps; requests wait for `wake_up`."""
