@@ -13,11 +13,11 @@ def _members(cls) -> dict[str, object]:
 
 def test_the_protocol_declares_every_method_the_stage_uses():
     declared = {name for name in vars(Replica) if not name.startswith("_")} | set(Replica.__annotations__)
-    assert declared == set(
-        "info is_alive submit abort progress num_waiting warm_up load_lora unload_lora collect_metrics shutdown".split()
-        + "sleep wake_up is_sleeping start_profile stop_profile".split()
-        + "update_weights init_weight_update_group update_weights_from_distributed".split()
-    )
+    assert declared == {
+        *("info", "is_alive", "submit", "abort", "progress", "num_waiting", "warm_up", "load_lora", "unload_lora"),
+        *("collect_metrics", "shutdown", "sleep", "wake_up", "is_sleeping", "start_profile", "stop_profile"),
+        *("update_weights", "init_weight_update_group", "update_weights_from_distributed"),
+    }
 
 
 @pytest.mark.parametrize("backend", ["inline", "ray"])

@@ -5,8 +5,8 @@ check of a deploy's stage graph (`check_stage_graph`). A stage type's behaviour 
 from __future__ import annotations
 
 import graphlib
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
 StageEngine = Literal["diffusers", "vllm"]

@@ -9,10 +9,10 @@ the uncond call, which it computes. The pipeline then combines the two as it alw
 their latents stay equal.
 
 The pipelines that guide with one denoiser call over both branches (SD3, SD, SDXL: the unconditional rows, then the
-conditional ones, outside any ``cache_context``; LTX: in ``cache_context("cond_uncond")``) are split by rows instead: each rank computes half the call's rows
-(rank 0 the first half: the unconditional branch) and the two ``all_gather`` the halves, so both return the whole
-prediction. The rows of a denoiser call are independent, so this holds for any call of an even batch; a call of an
-odd batch runs whole on both ranks.
+conditional ones, outside any ``cache_context``; LTX: in ``cache_context("cond_uncond")``) are split by rows
+instead: each rank computes half the call's rows (rank 0 the first half: the unconditional branch) and the two
+``all_gather`` the halves, so both return the whole prediction. The rows of a denoiser call are independent, so this
+holds for any call of an even batch; a call of an odd batch runs whole on both ranks.
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ class EngineCore:
         payload: Any = None,
         on_preview: Callable[[Preview], None] | None = None,
     ) -> Future:
-        """Queue a request with ``params`` its role has completed (and the previous stage's ``payload`` for it, in a split
-        pipeline); the returned future resolves to its `OmniRequestOutput`, or a `StageOutput` from a stage that
+        """Queue a request with ``params`` its role has completed (and the previous stage's ``payload`` for it, in a
+        split pipeline); the returned future resolves to its `OmniRequestOutput`, or a `StageOutput` from a stage that
         is not the last. ``on_preview`` takes its partial images, on the engine's thread."""
         request = DiffusionRequest.create(
             request_id, prompt, params, key=self.admission.key(params), payload=payload, on_preview=on_preview

@@ -110,7 +110,8 @@ class ModelCard:
 
     @property
     def tasks(self) -> frozenset[ImageTask]:
-        """What requests it serves: ``text`` (no input image), ``image``, ``inpaint`` (`OmniDiffusionSamplingParams.task`)."""
+        """What requests it serves: ``text`` (no input image), ``image``, ``inpaint``
+        (`OmniDiffusionSamplingParams.task`)."""
         return self._own_tasks | frozenset(self.variants)
 
     @property
@@ -370,7 +371,10 @@ class ModelCard:
             return {}
         strength = params.strength if params.strength is not None else DEFAULT_STRENGTH[params.task]
         if self.strength_offset(steps, strength) >= steps:
-            why = f"strength={strength} with num_inference_steps={steps} leaves no denoising step for {self.pipeline_name}"
+            why = (
+                f"strength={strength} with num_inference_steps={steps} leaves no denoising step "
+                f"for {self.pipeline_name}"
+            )
             raise SamplingParamsError("strength", why + ": raise either")
         return {"strength": strength}
 

@@ -16,8 +16,8 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 
-from vllm_omni.config.vllm_device import set_device_hint
 from vllm_omni.config.model_source import ModelSource, ModelSourceError, is_gguf_type, split_hub_file
+from vllm_omni.config.vllm_device import set_device_hint
 from vllm_omni.diffusion.components import DENOISERS
 from vllm_omni.diffusion.gguf import GGUF_SUFFIX, GgufError, check_gguf_file, link_gguf_denoiser
 from vllm_omni.diffusion.roles import ROLES

@@ -110,7 +110,8 @@ class QuantizationPlan:
     quantize: dict[str, str] = field(default_factory=dict)
     """The components this stage quantizes as they load, by name, with the library that made each."""
     saved: dict[str, str] = field(default_factory=dict)
-    """The components this stage loads quantized as the folder saved them, with how (``torchao Int8WeightOnlyConfig``)."""
+    """The components this stage loads quantized as the folder saved them, with how
+    (``torchao Int8WeightOnlyConfig``)."""
 
     @classmethod
     def of(
@@ -153,7 +154,8 @@ class QuantizationPlan:
                 )
             if config.get("quant_method") == "bitsandbytes" and device.type != "cuda":
                 raise ValueError(
-                    f"{name} of {model} is saved in bitsandbytes' {how}, which runs on CUDA; this stage runs on {device}"
+                    f"{name} of {model} is saved in bitsandbytes' {how}, which runs on CUDA; "
+                    f"this stage runs on {device}"
                 )
             plan.saved[name] = how
         if mode in ("int8", "fp8", "nf4"):

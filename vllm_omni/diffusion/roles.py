@@ -1,11 +1,12 @@
 """Stage roles: what a stage of each type does, in one table (`ROLES`; docs/stages.md, docs/architecture.md).
 
 A role owns, for its stage type: the pipeline components the stage skips when it loads, whether it completes
-sampling parameters, its batch key (`StageAdmission`, from the model's card alone), how a request begins (`begin`: encode and start, or start from the previous
-stage's payload) and how requests end (`end`: decode to images or videos, or hand latents on), and `run`, one
-batch in request mode. The engines (`request_engine.py`, `step_engine.py`) run any role; the graph facts of a
-stage type (what it takes as input, whether it is final, whether it denoises) live in
-`vllm_omni.config.stage.STAGE_TYPES`. Adding a stage type is one role here plus one entry in each table.
+sampling parameters, its batch key (`StageAdmission`, from the model's card alone), how a request begins
+(`begin`: encode and start, or start from the previous stage's payload) and how requests end (`end`: decode to
+images or videos, or hand latents on), and `run`, one batch in request mode. The engines (`request_engine.py`,
+`step_engine.py`) run any role; the graph facts of a stage type (what it takes as input, whether it is final,
+whether it denoises) live in `vllm_omni.config.stage.STAGE_TYPES`. Adding a stage type is one role here plus one
+entry in each table.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.denoise import denoise_step
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.parallel import check_sequence_split
+from vllm_omni.diffusion.pipeline_facts import check_batchable
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
-from vllm_omni.diffusion.pipeline_facts import check_batchable
 from vllm_omni.diffusion.runner import DiffusionRunner, read_model_index
 from vllm_omni.diffusion.sde import SdeSampler, check_sde
 from vllm_omni.diffusion.steppers import (

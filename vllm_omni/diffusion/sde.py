@@ -353,7 +353,8 @@ def check_sde(card, params: OmniDiffusionSamplingParams) -> None:
         key = next(k for k in params.extra_args if k in SDE_ARGS)
         raise _error(
             key,
-            f"stochastic sampling ({', '.join(sorted(SDE_ARGS))}) replaces the steps of FlowMatchEulerDiscreteScheduler "
+            f"stochastic sampling ({', '.join(sorted(SDE_ARGS))}) replaces the steps of "
+            "FlowMatchEulerDiscreteScheduler "
             "(Flux, SD3, Wan, Qwen-Image, Z-Image, FLUX.2, LTX, HunyuanVideo 1.5); "
             f"{card.pipeline_name}'s scheduler is another",
         )

@@ -292,7 +292,7 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
     """The rows of the call: those of its latents (``hidden_states``, or its first tensor)."""
-    latents = kwargs.get("hidden_states", None)
+    latents = kwargs.get("hidden_states")
     return (latents if isinstance(latents, torch.Tensor) else _first_tensor(args, kwargs)).shape[0]
 
 

@@ -1,4 +1,5 @@
-"""Where a request's time goes inside the pipeline: per-component timings (``component_timings``; docs/observability.md).
+"""Where a request's time goes inside the pipeline: per-component timings (``component_timings``;
+docs/observability.md).
 
 The components are the pipeline's own modules, timed where they run, so the same hooks serve a whole pipeline
 call (request mode), the stepper (step mode) and every stage of a split pipeline:
@@ -163,10 +164,7 @@ class ComponentTimer:
                 self._pending[:0] = waiting
 
     def _resolve(self, span: _Span) -> None:
-        if self.cuda:
-            seconds = span.start.elapsed_time(span.end) / 1000.0
-        else:
-            seconds = span.end - span.start
+        seconds = span.start.elapsed_time(span.end) / 1000.0 if self.cuda else span.end - span.start
         for times in span.times:
             times.add(span.component, seconds)
         if span.observed:

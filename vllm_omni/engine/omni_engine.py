@@ -151,7 +151,8 @@ class OmniEngine:
     def load_lora(self, name: str, path: str, tensors: LoraTensors | None = None) -> None:
         """Serve adapter ``name`` from ``path`` from now on: every replica loads it (between batches) and checks it
         first. Raises `LoraLoadError` naming the file, or ValueError when the name is taken or LoRA is off.
-        ``tensors``: an adapter given as tensors (``path``: its source tag), put once into a Ray stage's object store."""
+        ``tensors``: an adapter given as tensors (``path``: its source tag), put once into a Ray stage's object
+        store."""
         if self._lora_stage is None:
             raise ValueError("this server serves no LoRA adapters: start it with --enable-lora to load them")
         tensors = None if tensors is None else self._lora_stage.shared(tensors)

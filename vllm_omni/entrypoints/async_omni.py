@@ -9,8 +9,8 @@ from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from vllm_omni.diffusion.previews import previews_until
-from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.diffusion.weights import Weights
+from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.engine.replica import warm_up_params
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestAbortedError
@@ -69,13 +69,13 @@ class AsyncOmni(OmniBase):
         initialises its components before the first real request. Then the same at each of the denoising stage's
         ``compile_sizes``, so that its compiled denoiser has compiled them."""
 
-        async def one() -> None:
+        async def one(params: OmniDiffusionSamplingParams) -> None:
             async for _ in self.generate("warm-up", params, request_id=f"warmup-{uuid.uuid4().hex}"):
                 pass
 
         compile_sizes = next((stage.compile_sizes for stage in self.stage_configs if stage.denoises), ())
         for params in warm_up_params(self.model_card, compile_sizes):
-            await asyncio.gather(*(one() for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
+            await asyncio.gather(*(one(params) for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
 
     async def add_lora(self, name: str, source: LoraSource, peft_config: Any = None) -> None:
         """`Omni.add_lora`: serve adapter ``name`` from its path, or from its tensors with their ``peft_config``."""

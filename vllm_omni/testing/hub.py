@@ -92,12 +92,11 @@ class LocalHub:
             api = segments[:2] == ["api", "models"]
             if api and len(segments) in (3, 4):
                 repo_id, action, rest = "/".join(segments[2:]), "revision", ["main"]
-            elif api and (found := split(segments[2:], "revision", "tree")):
-                repo_id, action, rest = found
-            elif not api and (found := split(segments, "resolve")) and len(found[2]) >= 2:
-                repo_id, action, rest = found
             else:
-                return error(404, None, f"Not found: {raw}")
+                found = split(segments[2:], "revision", "tree") if api else split(segments, "resolve")
+                if found is None or (not api and len(found[2]) < 2):
+                    return error(404, None, f"Not found: {raw}")
+                repo_id, action, rest = found
             if repo_id not in self._commits:
                 return error(404, "RepoNotFound", f"Repository not found: {repo_id}")
             commit = self._resolve(repo_id, rest[0])

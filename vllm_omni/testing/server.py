@@ -27,7 +27,6 @@ from typing import Any
 
 import httpx
 
-
 RAY_WORKER_PORTS_END = 20000
 """Ray's worker processes listen on ports 10002-19999 (its ``min_worker_port`` / ``max_worker_port``)."""
 

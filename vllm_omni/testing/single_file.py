@@ -275,7 +275,7 @@ def _flux_converter_at_config_width(checkpoint: dict, config=None, **kwargs) -> 
         block, param = _LINEAR1.match(key).groups()
         fused = checkpoint[key]
         parts = torch.split(fused, (inner, inner, inner, fused.shape[0] - 3 * inner))
-        for name, part in zip(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), parts):
+        for name, part in zip(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), parts, strict=True):
             ours[f"single_transformer_blocks.{block}.{name}.{param}"] = part
         # A zero-stride stand-in of the size diffusers expects, so that its converter still maps everything else.
         checkpoint[key] = fused.new_zeros((1, *fused.shape[1:])).expand(_FLUX1_LINEAR1_ROWS, *fused.shape[1:])

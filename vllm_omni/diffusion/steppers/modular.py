@@ -47,9 +47,9 @@ from vllm_omni.diffusion.components import TEXT_ENCODERS
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.pipeline_facts import schedule_index
 from vllm_omni.diffusion.sde import EMBEDDING_NAMES, SDE_ARGS, record_first_step
+from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
 from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, joined
 from vllm_omni.diffusion.steppers.modular_families import MODULAR_FAMILIES
-from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
 from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams

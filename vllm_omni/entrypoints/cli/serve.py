@@ -16,10 +16,10 @@ import typing
 from pydantic import ValidationError
 
 from vllm_omni.config import StageDeployConfig, resolve_stage_configs
-from vllm_omni.config.stage import KNOBS
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.profiler import profiler_config
 from vllm_omni.config.serving import ServingConfig
+from vllm_omni.config.stage import KNOBS
 from vllm_omni.config.vllm_device import set_device_hint
 
 # vLLM serve flags that mean something for a diffusion server, by argparse dest.

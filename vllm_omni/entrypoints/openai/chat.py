@@ -22,8 +22,6 @@ from pydantic import BaseModel, ValidationError
 
 from vllm_omni.entrypoints.openai import images as images_api
 from vllm_omni.entrypoints.openai import videos as videos_api
-from vllm_omni.entrypoints.openai.checks import check_api_key, check_query, check_sides
-from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.chat_protocol import (
     ChatAnswer,
     ChatChoice,
@@ -33,6 +31,8 @@ from vllm_omni.entrypoints.openai.chat_protocol import (
     ChatMediaURL,
     ChatUsage,
 )
+from vllm_omni.entrypoints.openai.checks import check_api_key, check_query, check_sides
+from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageEditRequest,

@@ -18,7 +18,6 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
@@ -39,6 +38,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     ImageGenerationRequest,
     ImageGenerationResponse,
 )
+from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.entrypoints.openai.uploads import form_files, openai_mask, read_images
 from vllm_omni.errors import RequestFailedError

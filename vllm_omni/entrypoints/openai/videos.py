@@ -17,7 +17,6 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
-from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
@@ -35,6 +34,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     VideoList,
     VideoObject,
 )
+from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.uploads import form_files, read_images
 from vllm_omni.entrypoints.openai.video_jobs import VideoJob, encode_mp4, encode_png
 from vllm_omni.errors import RequestFailedError, StageUnavailableError
