@@ -51,11 +51,16 @@ STAGE_TYPES: dict[str, StageTypeSpec] = {
 
 
 class StageNode(Protocol):
-    """What the graph check reads of a stage (a `StageDeployConfig`)."""
+    """What the graph check reads of a stage (a `StageDeployConfig`): read-only, as a frozen config's fields are."""
 
-    stage_id: int
-    stage_type: str
-    inputs: Sequence[int]
+    @property
+    def stage_id(self) -> int: ...
+
+    @property
+    def stage_type(self) -> str: ...
+
+    @property
+    def inputs(self) -> Sequence[int]: ...
 
 
 S = TypeVar("S", bound=StageNode)

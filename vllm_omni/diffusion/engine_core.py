@@ -78,6 +78,19 @@ class EngineCore:
         self.weight_group: WeightUpdateGroup | None = None
         """The group a trainer broadcasts weights over (`init_weight_update_group`)."""
 
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether requests are in flight (the loop runs until none is, once stopping)."""
+        raise NotImplementedError
+
+    def step(self, timeout: float | None = None) -> int:
+        """One scheduling round, then the device work it chose; what it ran."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Release what the engine holds once its loop has stopped."""
+        raise NotImplementedError
+
     def add_request(
         self,
         request_id: str,

@@ -56,9 +56,9 @@ def enable_fp8_storage(module: torch.nn.Module, compute_dtype: torch.dtype) -> N
     patterns), or for a transformers model ``apply_layerwise_casting`` with diffusers' default patterns and the
     model's ``_keep_in_fp32_modules``, its embeddings left as they are (a transformers model reports the dtype of
     its first parameter, the embedding, and pipelines make their tensors in that dtype)."""
-    from diffusers import ModelMixin
     from diffusers.hooks import apply_layerwise_casting
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+    from diffusers.models.modeling_utils import ModelMixin
 
     if isinstance(module, ModelMixin):
         module.enable_layerwise_casting(storage_dtype=STORAGE_DTYPE, compute_dtype=compute_dtype)

@@ -184,6 +184,7 @@ class OmniEngine:
             if name not in self.loras:
                 raise UnknownLoraError(name, list(self.loras))
             del self.loras[name]
+        assert self._lora_stage is not None, "adapters are served by the stage with LoRA"
         for future in [r.unload_lora(name) for r in self._lora_stage.replicas if r.is_alive]:
             error = future.exception()
             if error is not None and not isinstance(error, ReplicaLostError):  # a lost replica has nothing to evict
@@ -275,6 +276,7 @@ class OmniEngine:
             if preview.index < flight.previews:
                 return
             flight.previews = preview.index + 1
+        assert flight.on_preview is not None, "a flight with one is previewed"
         flight.on_preview(preview)
 
     def _settle(
@@ -296,6 +298,7 @@ class OmniEngine:
         elif error is not None:
             self._finish(flight, error=error)
         else:
+            assert done is not None, "a call that did not fail is done"
             self._advance(flight, done.result())
 
     def _advance(self, flight: _Flight, output) -> None:
@@ -319,9 +322,9 @@ class OmniEngine:
         """``(state, fraction of denoising steps done)`` of a request in flight; state is waiting or running."""
         with self._lock:
             flight = self._flights.get(request_id)
-            stage, replica = (None, None) if flight is None else (flight.stage, flight.replica)
-        if flight is None:
-            return None
+            if flight is None:
+                return None
+            stage, replica = flight.stage, flight.replica
         if stage != self._denoiser or replica is None:
             return ("waiting", 0.0) if stage <= self._denoiser else ("running", 1.0)
         return self.stages[stage].replicas[replica].progress(request_id)
@@ -329,7 +332,9 @@ class OmniEngine:
     @property
     def model_card(self) -> ModelCard:
         """The model's card, as the stage that holds the denoiser read it."""
-        return self.stages[self._denoiser].info.card
+        card = self.stages[self._denoiser].info.card
+        assert card is not None, "the stage that denoises has a card"
+        return card
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""

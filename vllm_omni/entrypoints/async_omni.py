@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
@@ -14,7 +13,7 @@ from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.engine.replica import warm_up_params
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestAbortedError
-from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.outputs import OmniRequestOutput, Preview
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
@@ -36,12 +35,13 @@ class AsyncOmni(OmniBase):
         """
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
         admitted = self._admitted(request_id, sampling_params or OmniDiffusionSamplingParams())
-        loop, previews = asyncio.get_running_loop(), asyncio.Queue()
-        on_preview = (
-            functools.partial(loop.call_soon_threadsafe, previews.put_nowait)
-            if admitted.params.partial_images
-            else None
-        )
+        loop = asyncio.get_running_loop()
+        previews: asyncio.Queue[Preview] = asyncio.Queue()
+
+        def hand_over(preview: Preview) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(previews.put_nowait, preview)
+
+        on_preview = hand_over if admitted.params.partial_images else None
         future = self.engine.add_request(request_id, prompt, admitted, on_preview)
         result = asyncio.wrap_future(future)
         try:

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import unquote
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
@@ -137,7 +138,8 @@ class LocalHub:
         return app
 
     def _tree(self, files: dict[str, str], path: str, recursive: bool) -> list[dict]:
-        prefix, entries = f"{path}/" if path else "", {}
+        prefix = f"{path}/" if path else ""
+        entries: dict[str, dict[str, Any]] = {}
         for name, digest in sorted(files.items()):
             if not name.startswith(prefix):
                 continue
@@ -175,7 +177,8 @@ class LocalHub:
         """Stop serving and wait for the server thread to end."""
         if self._server is not None:
             self._server.should_exit = True
-            self._thread.join(30)
+            if self._thread is not None:  # started with the server
+                self._thread.join(30)
             self._server = self._thread = None
 
     def __enter__(self) -> "LocalHub":

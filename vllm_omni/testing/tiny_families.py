@@ -79,7 +79,10 @@ def build_tiny_qwen_image():
 
 def build_tiny_z_image():
     """Z-Image (Turbo's layout): Qwen3 + AutoencoderKL (×8, 16 latent channels) + ZImageTransformer2DModel."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    # from its module: to mypy, diffusers' top-level names are the dummy classes of its torch-less install
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 
     torch.manual_seed(0)
     tokenizer = _chat_tokenizer()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import types
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 
@@ -82,6 +83,7 @@ async def image_events(
                     yield _sse(f"{kind}.partial_image", event | {"partial_image_index": output.partial_image_index})
                     continue
                 ran = output.metrics
+                assert ran is not None, "a finished output has its metrics"
                 event["metrics"] = {
                     "batch_size": ran.batch_size,
                     "seed": ran.seed,
@@ -104,7 +106,8 @@ async def image_events(
         metrics.image_requests.labels(outcome).inc()
         # Aborts the request if it is still running; a cancelled read of the generator (the server cancelled this
         # stream) leaves it running, and that read's cancellation aborts the request instead.
-        if not generation.ag_running:
+        # a native async generator (AsyncOmni.generate), which has ag_running; typing's AsyncGenerator has not
+        if not cast(types.AsyncGeneratorType, generation).ag_running:
             await generation.aclose()
 
 

@@ -343,11 +343,15 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1)
 
 
+VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
+"""Where a video job stands (`VideoObject.status`)."""
+
+
 class VideoObject(BaseModel):
     id: str
     object: Literal["video"] = "video"
     model: str
-    status: Literal["queued", "in_progress", "completed", "failed"]
+    status: VideoStatus
     progress: int
     created_at: int
     completed_at: int | None = None
