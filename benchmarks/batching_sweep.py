@@ -8,8 +8,8 @@
 Two bench_offline worker processes, started once for the whole sweep, hold the
 same pipeline: one runs all torch work on its main thread and one runs it on one
 dedicated thread (each call takes its batch size). For each N it starts
-`vllm serve MODEL --omni --max-num-seqs N`, and for each shape it then alternates, ``--blocks`` times: bench_serving at concurrency
-N for ``--rounds`` requests per client, then ``--rounds`` direct batch-N
+`vllm serve MODEL --omni --max-num-seqs N`, and for each shape it then alternates, ``--blocks`` times:
+bench_serving at concurrency N for ``--rounds`` requests per client, then ``--rounds`` direct batch-N
 pipeline calls in each worker. Blocks this short make the slow drifts of a
 shared machine hit both sides alike. Writes benchmarks/results/<name>.json,
 <name>.md (tables) and <name>.png (plot).
@@ -354,17 +354,19 @@ def comparison_table(entries: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for e in entries:
-
-        def pair(key: str, digits: int = 2) -> str:
-            v = e[key]
-            text = f"{v['current']:.{digits}f} / {v['baseline']:.{digits}f}"
-            return f"{text} ({v['ratio']:.2f})" if v.get("ratio") is not None else text
-
         lines.append(
-            f"| {e['shape']} | {e['n']} | {pair('served_images_per_s')} | {pair('efficiency')} | "
-            f"{pair('latency_mean_s', 4)} | {pair('server_mean_batch_exec_ms', 1)} | {pair('ceiling_images_per_s')} |"
+            f"| {e['shape']} | {e['n']} | {_pair(e, 'served_images_per_s')} | {_pair(e, 'efficiency')} | "
+            f"{_pair(e, 'latency_mean_s', 4)} | {_pair(e, 'server_mean_batch_exec_ms', 1)} | "
+            f"{_pair(e, 'ceiling_images_per_s')} |"
         )
     return "\n".join(lines)
+
+
+def _pair(entry: dict, key: str, digits: int = 2) -> str:
+    """``entry[key]``'s current / baseline, and their ratio where it has one."""
+    v = entry[key]
+    text = f"{v['current']:.{digits}f} / {v['baseline']:.{digits}f}"
+    return f"{text} ({v['ratio']:.2f})" if v.get("ratio") is not None else text
 
 
 def targets_table(checks: dict[str, list[dict]]) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -131,10 +132,8 @@ async def _rss_sampler(session, base_url: str, peak: list[float], stop: asyncio.
     while not stop.is_set():
         samples = await scrape(session, base_url)
         peak[0] = max(peak[0], samples.get(("process_resident_memory_bytes", ()), 0.0))
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval_s)  # a scrape costs the server ~2 ms of its loop
-        except asyncio.TimeoutError:
-            pass
 
 
 async def run_benchmark(

@@ -138,7 +138,8 @@ def imported_from(pid: int) -> dict:
     and working directory (``/proc``)."""
     seen: dict = {"pid": pid}
     try:
-        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        with open(f"/proc/{pid}/environ", "rb") as file:
+            environ = file.read().split(b"\0")
         seen["pythonpath"] = next((e[11:].decode() for e in environ if e.startswith(b"PYTHONPATH=")), None)
         seen["cwd"] = os.readlink(f"/proc/{pid}/cwd")
     except OSError as exc:

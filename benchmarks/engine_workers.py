@@ -11,6 +11,7 @@ OpenMP team), not spawned: spawned, each imported it again (the six-variant smok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 import traceback
@@ -139,10 +140,8 @@ class Worker:
 
     def close(self) -> None:
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self.conn.send(None)
-            except OSError:
-                pass
             self.process.join(60)
         if self.process.is_alive():
             self.process.terminate()

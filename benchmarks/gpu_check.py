@@ -3,7 +3,8 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
 
     python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
         [--families flux,sd3,wan,sd,sdxl,qwen-image,z-image,flux2,ltx,hunyuan-video-1.5]
-        [--engine-families flux,wan] [--skip-engine] [--skip-poisson] [--skip-speed-knobs] [--speed-knobs-args '...'] [--skip-quantization] [--quantization-args '...'] [--skip-parallel] [--parallel-args '...'] [--quick]
+        [--engine-families flux,wan] [--skip-engine] [--skip-poisson] [--skip-speed-knobs] [--speed-knobs-args '...']
+        [--skip-quantization] [--quantization-args '...'] [--skip-parallel] [--parallel-args '...'] [--quick]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
    (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it
@@ -66,6 +67,7 @@ checks are the same, so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -559,16 +561,12 @@ def _interrupt(process: subprocess.Popen) -> int:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     for server in servers:  # one it was still starting is not held yet
-        try:
+        with contextlib.suppress(psutil.Error):
             server.terminate()
-        except psutil.Error:
-            pass
     _, alive = psutil.wait_procs(servers, timeout=30)
     for server in alive:
-        try:
+        with contextlib.suppress(psutil.Error):
             server.kill()
-        except psutil.Error:
-            pass
     return process.returncode
 
 

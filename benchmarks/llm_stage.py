@@ -3,7 +3,7 @@ load, in one run.
 
     python benchmarks/llm_stage.py --out-dir benchmarks/results --name cpu-tiny-llm-stage   # the published run
     python benchmarks/llm_stage.py --reps 1 --latency-requests 4 --num-requests 8            # quicker
-    python benchmarks/llm_stage.py --family flux-bench --size 256x256 --steps 8 --python-executable ''   # GPU (untested)
+    python benchmarks/llm_stage.py --family flux-bench --size 256x256 --steps 8 --python-executable ''  # GPU (untested)
     python benchmarks/llm_stage.py [--model DIR] [--llm-model DIR] [--python-executable PY] [--max-tokens 16]
         [--latency-requests 16] [--num-requests 32] [--concurrency 4] [--reps 3] [--warmup 4] [--steps 4]
         [--size 64x64] [--batch-wait-ms 0]
@@ -182,7 +182,16 @@ def markdown_table(header: list[str], cells: list[list]) -> list[str]:
 def tables(result: dict) -> str:
     rows = result["rows"]
     lines = markdown_table(
-        "phase|deploy|concurrency|req/s (median)|req/s per rep|e2e mean (ms)|e2e p50 (ms)|e2e p99 (ms)".split("|"),
+        [
+            "phase",
+            "deploy",
+            "concurrency",
+            "req/s (median)",
+            "req/s per rep",
+            "e2e mean (ms)",
+            "e2e p50 (ms)",
+            "e2e p99 (ms)",
+        ],
         [
             [r["phase"], r["deploy"], r["concurrency"], f"{r['req_per_s']:.3f}"]
             + [", ".join(f"{rep['req_per_s']:.2f}" for rep in r["reps"])]
@@ -192,7 +201,7 @@ def tables(result: dict) -> str:
     )
     lines.append("")
     lines += markdown_table(
-        "phase|deploy|stage|max_num_seqs|batch mean / max|queue ms mean|exec ms mean".split("|"),
+        ["phase", "deploy", "stage", "max_num_seqs", "batch mean / max", "queue ms mean", "exec ms mean"],
         [
             [r["phase"], r["deploy"], f"{s['stage_id']} {s['stage_type']}", s["max_num_seqs"]]
             + [f"{s['batch_mean']:.2f} / {s['batch_max']:g}", f"{s['queue_ms_mean']:.1f}", f"{s['exec_ms_mean']:.1f}"]
@@ -205,7 +214,8 @@ def tables(result: dict) -> str:
         "",
         f"- llm stage's cost per request (llm-flux − flux, concurrency 1): **{s['cost_ms_mean']:.1f} ms** mean, "
         f"{s['cost_ms_p50']:.1f} ms p50; {100 * s['cost_share_of_e2e']:.1f} % of llm-flux's mean end to end",
-        f"- llm stage's own (concurrency 1): queue {s['llm_queue_ms_mean']:.1f} ms, exec {s['llm_exec_ms_mean']:.1f} ms "
+        f"- llm stage's own (concurrency 1): queue {s['llm_queue_ms_mean']:.1f} ms, "
+        f"exec {s['llm_exec_ms_mean']:.1f} ms "
         f"mean ({100 * s['llm_exec_share_of_e2e']:.1f} % of end to end), {config['max_tokens']} tokens",
         f"- throughput at concurrency {config['concurrency']}: llm-flux / flux req/s **{s['throughput_ratio']}x** "
         f"(median of per-rep ratios; of the medians {s['throughput_ratio_of_medians']}x); the llm stage's mean "

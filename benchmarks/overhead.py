@@ -172,10 +172,7 @@ def run_block(client: httpx.Client, count: int, body: dict | None = None) -> tup
     latencies, cpu = [], 0.0
     for _ in range(count):
         started, started_cpu = time.perf_counter(), time.process_time()
-        if body is None:
-            response = client.get("/health")
-        else:
-            response = client.post("/v1/images/generations", json=body)
+        response = client.get("/health") if body is None else client.post("/v1/images/generations", json=body)
         response.read()
         latencies.append(time.perf_counter() - started)
         cpu += time.process_time() - started_cpu

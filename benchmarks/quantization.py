@@ -81,9 +81,8 @@ def flux_sized(model_dir: str) -> str:
 
 def gguf_file(model: str, qtype: str) -> str:
     """``model``'s transformer as a ``qtype`` GGUF beside it (written once)."""
-    from vllm_omni.testing.gguf_files import write_gguf
-
     from vllm_omni.diffusion.runner import read_model_index
+    from vllm_omni.testing.gguf_files import write_gguf
 
     layouts = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "WanTransformer3DModel": "wan"}
     path = f"{model.rstrip('/')}-{qtype}.gguf"

@@ -49,6 +49,7 @@ Nothing is asserted and the exit code says nothing about speed. Writes ``<out-di
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -243,10 +244,8 @@ class Worker:
 
     def close(self) -> None:
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self.conn.send(None)
-            except OSError:
-                pass
             self.process.join(60)
         if self.process.is_alive():
             self.process.terminate()

@@ -455,8 +455,8 @@ def tables(result: dict) -> str:
                 )
         else:
             lines += [
-                "| variant | to the final image p50 (ms) | ÷ non-streamed, median (range) | first partial image p50 (ms) "
-                "| server execution p50 (ms) | partial images received |",
+                "| variant | to the final image p50 (ms) | ÷ non-streamed, median (range) "
+                "| first partial image p50 (ms) | server execution p50 (ms) | partial images received |",
                 "|---|---|---|---|---|---|",
             ]
             for row in served["rows"]:

@@ -9,6 +9,7 @@ the serving path (CLI, OpenAI Images API, batching metrics), not a trained model
 
 import argparse
 import base64
+import contextlib
 import os
 import re
 
@@ -53,10 +54,8 @@ def main() -> None:
                 print("  " + line)
         if args.keep_serving:
             print(f"Serving at {server.base_url} (server log: {server.log_path}); Ctrl+C to stop")
-            try:
+            with contextlib.suppress(KeyboardInterrupt):
                 server.process.wait()
-            except KeyboardInterrupt:
-                pass
     print(f"Server stopped (exit code {server.returncode})")
 
 

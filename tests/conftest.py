@@ -228,6 +228,8 @@ def ray_cluster():
     so that the next user finds them free."""
     pytest.importorskip("ray")
     import vllm_omni.engine.ray_cluster  # noqa: F401 - first: it sets the environment that the raylets read
+
+    # isort: split
     import ray
     from ray.cluster_utils import Cluster
 

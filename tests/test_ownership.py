@@ -32,11 +32,12 @@ def _writes_of_max_num_seqs(tree: ast.AST) -> list[int]:
                     lines.append(node.lineno)
                 if isinstance(sub, ast.Subscript) and getattr(sub.slice, "value", None) == "max_num_seqs":
                     lines.append(node.lineno)
-        if isinstance(node, ast.Call) and (
-            getattr(node.func, "id", None) == "setattr" or getattr(node.func, "attr", None) == "__setattr__"
+        if (
+            isinstance(node, ast.Call)
+            and (getattr(node.func, "id", None) == "setattr" or getattr(node.func, "attr", None) == "__setattr__")
+            and any(isinstance(a, ast.Constant) and a.value == "max_num_seqs" for a in node.args)
         ):
-            if any(isinstance(a, ast.Constant) and a.value == "max_num_seqs" for a in node.args):
-                lines.append(node.lineno)
+            lines.append(node.lineno)
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("model_copy", "update"):
             for keyword in node.keywords:
                 if isinstance(keyword.value, ast.Dict) and any(
@@ -130,9 +131,10 @@ def _unhinted_vllm_imports(tree: ast.AST) -> list[int]:
                 names = [node.module or ""]
             else:
                 continue
-            if any(name == "vllm" or name.startswith("vllm.") for name in names):
-                if not any(line < node.lineno for line in hints):
-                    lines.append(node.lineno)
+            if any(name == "vllm" or name.startswith("vllm.") for name in names) and not any(
+                line < node.lineno for line in hints
+            ):
+                lines.append(node.lineno)
     return sorted(lines)
 
 

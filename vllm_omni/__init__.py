@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from vllm_omni.version import __version__
 
 if TYPE_CHECKING:
+    from vllm_omni.diffusion.weights import WeightUpdateGroup
     from vllm_omni.entrypoints.async_omni import AsyncOmni
     from vllm_omni.entrypoints.omni import Omni
-    from vllm_omni.diffusion.weights import WeightUpdateGroup
     from vllm_omni.errors import (
         RequestAbortedError,
         RequestFailedError,

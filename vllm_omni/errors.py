@@ -30,7 +30,7 @@ class UnknownLoraError(SamplingParamsError):
 class RequestFailedError(RuntimeError):
     """A request failed on its own (its batch neighbours were re-run and unaffected)."""
 
-    def __init__(self, request_id: str, message: str):
+    def __init__(self, request_id: str | None, message: str):
         super().__init__(f"request {request_id} failed: {message}")
         self.request_id = request_id
         self.reason = message

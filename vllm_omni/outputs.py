@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 class _Record(Mapping[str, Any]):
     """A typed record that also reads as a mapping of its set fields (``metrics["batch_size"]``, ``dict(metrics)``),
     the shape `OmniRequestOutput.metrics` has always had."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # each subclass is a dataclass
 
     def __getitem__(self, name: str) -> Any:
         value = getattr(self, name, None) if name in self._names() else None

@@ -118,7 +118,13 @@ def _draw_timeseries(ax, panel: dict, drawn: dict) -> None:
     if not drawn:
         return _no_data(ax)
     for name, points in sorted(drawn.items()):
-        ax.plot(*zip(*points), marker="o" if len(points) == 1 else None, markersize=3, linewidth=1.4, label=name)
+        ax.plot(
+            *zip(*points, strict=True),
+            marker="o" if len(points) == 1 else None,
+            markersize=3,
+            linewidth=1.4,
+            label=name,
+        )
     ax.grid(color=_GRID, linewidth=0.5)
     ax.set_xlabel("seconds", color=_TEXT, fontsize=7)
     unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "short")

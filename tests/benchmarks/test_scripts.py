@@ -60,7 +60,7 @@ def test_bench_offline_and_bench_omni(bench, tiny_flux, tmp_path):
         "bench_offline",
         "--model",
         tiny_flux,
-        *"--batches 1,2 --shapes 32x32:2 --reps 1 --json".split(),
+        *("--batches", "1,2", "--shapes", "32x32:2", "--reps", "1", "--json"),
         str(tmp_path / "offline.json"),
     )
     offline = json.loads((tmp_path / "offline.json").read_text())
@@ -69,7 +69,8 @@ def test_bench_offline_and_bench_omni(bench, tiny_flux, tmp_path):
         assert set(row["batched_call_s_by_thread"]) == {"main", "dedicated"}
         assert row["batched_call_s"] == min(row["batched_call_s_by_thread"].values())
     bench(
-        "bench_omni", "--model", tiny_flux, *"--batch 2 --reps 1 --steps 2 --json".split(), str(tmp_path / "omni.json")
+        "bench_omni",
+        *("--model", tiny_flux, "--batch", "2", "--reps", "1", "--steps", "2", "--json", str(tmp_path / "omni.json")),
     )
     omni = json.loads((tmp_path / "omni.json").read_text())
     assert omni["batch"] == 2 and omni["speedup_batched_vs_sequential"] > 0
@@ -234,7 +235,8 @@ def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(
     bench(
         "llm_stage",
         *("--model", tiny_flux, "--llm-model", tiny_llm, "--python-executable", llm_cpu_python),
-        *"--size 32x32 --steps 2 --max-tokens 4 --latency-requests 2 --num-requests 4 --reps 1 --warmup 0".split(),
+        *("--size", "32x32", "--steps", "2", "--max-tokens", "4", "--latency-requests", "2"),
+        *("--num-requests", "4", "--reps", "1", "--warmup", "0"),
         *("--out-dir", str(tmp_path), "--name", "smoke"),
     )
     result = json.loads((tmp_path / "smoke.json").read_text())

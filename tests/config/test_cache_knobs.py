@@ -2,11 +2,16 @@
 knob as it was written."""
 
 import sys
+import typing
 
 import pytest
 
 from vllm_omni.config import resolve_stage_configs
-from vllm_omni.config.cache import cache_config_keys
+from vllm_omni.config.cache import CACHE_BACKENDS, CacheBackendName, cache_config_keys
+
+
+def test_the_backend_literal_is_none_then_the_tables_keys_in_order():
+    assert typing.get_args(CacheBackendName) == ("none", *CACHE_BACKENDS)
 
 
 def test_cache_knobs_resolve_with_provenance_from_the_cli_json():

@@ -26,9 +26,11 @@ def _yaml(tmp_path, stage_text: str) -> str:
 @pytest.mark.parametrize("stage_text", ["diffusion_batch_size: 4\n", "runtime:\n  max_batch_size: 4\n"])
 def test_yaml_alias_warns_names_the_file_and_acts_as_max_num_seqs(tmp_path, caplog, stage_text):
     path = _yaml(tmp_path, stage_text)
-    with caplog.at_level(logging.WARNING, logger="vllm_omni"):
-        with pytest.warns(FutureWarning, match="use max_num_seqs instead") as record:
-            deploy = load_deploy_config(path)
+    with (
+        caplog.at_level(logging.WARNING, logger="vllm_omni"),
+        pytest.warns(FutureWarning, match="use max_num_seqs instead") as record,
+    ):
+        deploy = load_deploy_config(path)
     assert len(record) == 1 and path in str(record[0].message)
     assert record[0].filename == __file__  # stacklevel: the caller, not vllm_omni internals
     assert [r.levelname for r in caplog.records if "deprecated" in r.getMessage()] == ["WARNING"]

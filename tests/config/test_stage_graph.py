@@ -1,11 +1,13 @@
 """The stage graph of a deploy: stage types, ``inputs``, and every way a graph can be wrong."""
 
 import re
+import typing
 
 import pytest
 
 from vllm_omni.config import DeployConfig, StageDeployConfig, load_deploy_config, resolve_stage_configs
-from vllm_omni.config.stage_types import check_stage_graph
+from vllm_omni.config.stage import StageType
+from vllm_omni.config.stage_types import STAGE_TYPES, check_stage_graph
 
 THREE_STAGES = """\
 stages:
@@ -17,6 +19,10 @@ stages:
 
 def _stages(*specs: tuple) -> list[StageDeployConfig]:
     return [StageDeployConfig(stage_id=i, stage_type=t, inputs=inputs) for i, t, inputs in specs]
+
+
+def test_the_stage_type_literal_is_the_tables_keys_in_order():
+    assert typing.get_args(StageType) == tuple(STAGE_TYPES)
 
 
 def test_a_three_stage_yaml_loads_in_request_order(tmp_path):

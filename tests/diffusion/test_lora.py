@@ -95,7 +95,7 @@ def test_one_mixed_call_gives_each_request_the_stock_image(request, lora_file, f
         _stock(model, family, {"a": a, "b": b}, {"a": 1.0, "b": 0.5}, 1),
         _stock(model, family, {}, {}, 2),
     ]
-    for i, (mine, stock) in enumerate(zip(got, expected)):
+    for i, (mine, stock) in enumerate(zip(got, expected, strict=True)):
         assert _diff(mine, stock) <= TOLERANCE, f"request {i}"
     assert _diff(got[0], _stock(model, family, {}, {}, 0)) > VISIBLE, "adapter a does not change the image"
 

@@ -76,7 +76,8 @@ def test_offline_a_revision_loads_the_snapshot_of_its_commit(hub, cache, revisio
     given = {"v1-commit": hub.v1, "v2-commit": hub.v2}.get(revision, revision)
     folder = local_model_folder(ModelSource(REPO, revision=given, download_dir=cache), ["diffusion"])
     assert folder == os.path.join(cache, "models--tiny-org--flux", "snapshots", commit)
-    shift = json.loads(open(os.path.join(folder, "scheduler", "scheduler_config.json")).read())["shift"]
+    with open(os.path.join(folder, "scheduler", "scheduler_config.json")) as file:
+        shift = json.load(file)["shift"]
     assert (shift == 2.5) == (commit == hub.v2)
 
 
@@ -174,7 +175,8 @@ def test_hub_failures_name_the_repo_the_revision_and_the_reason(hub, tmp_path):
         == f"model {REPO!r} at revision 'v9': the repo has no such revision (a branch, tag or commit)"
     )
     assert gated["error"].startswith(
-        f"model 'tiny-org/gated' at revision 'main': the repo is gated: accept its conditions on {hub.url}/tiny-org/gated"
+        "model 'tiny-org/gated' at revision 'main': the repo is gated: "
+        f"accept its conditions on {hub.url}/tiny-org/gated"
     )
     assert "--hf-token" in gated["error"]
     assert os.path.isfile(os.path.join(granted["folder"], "model_index.json"))

@@ -52,7 +52,8 @@ def test_cuda_modes_are_refused_on_the_cpu_naming_the_device_and_the_flag(tiny_f
 def test_a_component_the_model_lacks_is_refused_naming_it_and_those_it_has(tiny_flux):
     with pytest.raises(
         ValueError,
-        match=r"names text_encoder_3, tokenizer, which FluxPipeline in .* does not have; its components: text_encoder, text_encoder_2, transformer, vae",
+        match=r"names text_encoder_3, tokenizer, which FluxPipeline in .* does not have; "
+        r"its components: text_encoder, text_encoder_2, transformer, vae",
     ):
         _plan(tiny_flux, quantization="int8", quantize_components="transformer,text_encoder_3,tokenizer")
 
@@ -107,7 +108,8 @@ def test_a_folder_saved_quantized_loads_as_saved_and_equals_stock(saved_int8):
 def test_a_knob_the_folder_contradicts_is_refused_naming_both(saved_int8, mode):
     with pytest.raises(
         ValueError,
-        match=rf"--quantization '{mode}' \(cli\) would quantize transformer, which .*transformer/config.json holds quantized already \(torchao Int8WeightOnlyConfig\)",
+        match=rf"--quantization '{mode}' \(cli\) would quantize transformer, "
+        r"which .*transformer/config.json holds quantized already \(torchao Int8WeightOnlyConfig\)",
     ):
         _plan(saved_int8, quantization=mode)
     plan = _plan(saved_int8, quantization="fp8_storage", quantize_components="text_encoder_2")  # another component

@@ -1,7 +1,5 @@
 """Runner start-up checks: device, dtype and whether a pipeline can batch."""
 
-from typing import List, Optional, Union
-
 import pytest
 import torch
 from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusionPipeline
@@ -13,12 +11,12 @@ from vllm_omni.diffusion.runner import select_device, select_dtype
 class SinglePromptPipeline(DiffusionPipeline):
     """A pipeline whose call takes one prompt and one generator only."""
 
-    def __call__(self, prompt: str, generator: Optional[torch.Generator] = None):
+    def __call__(self, prompt: str, generator: torch.Generator | None = None):
         raise NotImplementedError
 
 
 class ListPipeline(DiffusionPipeline):
-    def __call__(self, prompt: Union[str, List[str]], generator: Optional[Union[torch.Generator, list]] = None):
+    def __call__(self, prompt: str | list[str], generator: torch.Generator | list | None = None):
         raise NotImplementedError
 
 

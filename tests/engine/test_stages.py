@@ -130,11 +130,13 @@ async def test_progress_and_abort_follow_the_request_through_the_stages(tiny_flu
         short = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2)
         (output,) = await _collect(omni, "after", short)
         assert output.error is None and len(output.metrics["stages"]) == 3
-    with pytest.raises(RequestAbortedError):  # the same abort through the future API, while still encoding
-        with Omni(model=tiny_flux, deploy_config=three_stage()) as sync:
-            future = sync.engine.add_request("x", "p", long)
-            assert sync.engine.abort("x") is True
-            future.result(60)
+    with (
+        pytest.raises(RequestAbortedError),  # the same abort through the future API, while still encoding
+        Omni(model=tiny_flux, deploy_config=three_stage()) as sync,
+    ):
+        future = sync.engine.add_request("x", "p", long)
+        assert sync.engine.abort("x") is True
+        future.result(60)
 
 
 async def _collect(omni, prompt, params, request_id=None):

@@ -131,7 +131,7 @@ def test_stable_diffusion_with_negative_prompt_and_cfg(tiny_sd):
             assert output.error is None and output.metrics["batch_size"] == 2
             assert [im.size for im in output.images] == [(64, 64)] * 2
         alone = omni.generate(PROMPTS[1:2], params)[0]
-        for a, b in zip(alone.images, outputs[1].images):
+        for a, b in zip(alone.images, outputs[1].images, strict=True):
             assert np.abs(_pixels(a) - _pixels(b)).max() <= 2
 
 

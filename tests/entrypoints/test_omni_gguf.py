@@ -151,12 +151,14 @@ def test_lora_adapters_apply_per_row_on_a_gguf_denoiser(ggufs, stock_lora, mode)
     folder, path = ggufs[("flux", "Q4_0")]
     adapter, with_adapter, base = stock_lora
     wait = {"request_batch_max_wait_ms": 600_000} if mode == "request" else {}
-    with flux_converter_for_any_width():
-        with Omni(
+    with (
+        flux_converter_for_any_width(),
+        Omni(
             path, model_config=folder, max_num_seqs=2, execution_mode=mode, lora_modules=[f"a={adapter}"], **wait
-        ) as omni:
-            lora = [{"name": "a", "scale": 0.8}]
-            outputs = omni.generate(PROMPTS[:2], [_params("flux", 0, lora=lora), _params("flux", 1)])
+        ) as omni,
+    ):
+        lora = [{"name": "a", "scale": 0.8}]
+        outputs = omni.generate(PROMPTS[:2], [_params("flux", 0, lora=lora), _params("flux", 1)])
     _assert_close(_pixels(outputs[0]), with_adapter, f"{mode}: adapter a at 0.8")
     _assert_close(_pixels(outputs[1]), base, f"{mode}: the base model in the same batch")
 
@@ -173,9 +175,11 @@ def test_a_step_cache_on_a_gguf_denoiser_equals_stock_with_the_same_cache(ggufs)
         for seed, p in enumerate(PROMPTS[:2])
     ]
     params = [OmniDiffusionSamplingParams(seed=seed, **call) for seed in range(2)]
-    with flux_converter_for_any_width():
-        with Omni(path, model_config=folder, max_num_seqs=2, cache_backend="first_block", cache_config=options) as omni:
-            outputs = run_together(omni, list(zip(PROMPTS[:2], params)), "cache")
+    with (
+        flux_converter_for_any_width(),
+        Omni(path, model_config=folder, max_num_seqs=2, cache_backend="first_block", cache_config=options) as omni,
+    ):
+        outputs = run_together(omni, list(zip(PROMPTS[:2], params, strict=True)), "cache")
     for output, expected in zip(outputs, want, strict=True):
         _assert_close(_pixels(output), expected, "first_block cache")
 
@@ -231,7 +235,8 @@ def test_a_gguf_needs_its_base_model(ggufs):
 def test_a_broken_gguf_file_is_refused_naming_it(ggufs, tiny_flux, tmp_path):
     _, path = ggufs[("flux", "Q8_0")]
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(open(path, "rb").read()[:4096])
+    with open(path, "rb") as file:
+        cut.write_bytes(file.read(4096))
     for broken in (cut, tmp_path / "text.gguf"):
         if not broken.exists():
             broken.write_text("not a gguf")

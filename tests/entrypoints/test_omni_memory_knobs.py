@@ -61,7 +61,9 @@ def test_the_pixel_budget_sizes_batches_of_mixed_sizes(tiny_flux, execution_mode
         outputs = run_together(omni, [("a cat", p) for p in params], "budget")
         counts = {size: n - before.get(size, 0) for size, n in _batch_counts(engine).items()}
     assert [o.error for o in outputs] == [None] * 8
-    by_size = {s: [o.metrics["batch_size"] for o, size in zip(outputs, sizes) if size == s] for s in (32, 64)}
+    by_size = {
+        s: [o.metrics["batch_size"] for o, size in zip(outputs, sizes, strict=True) if size == s] for s in (32, 64)
+    }
     assert max(by_size[64]) <= 2 and max(by_size[32]) <= 4
     if execution_mode == "request":
         assert by_size == {64: [2, 2, 2, 2], 32: [4, 4, 4, 4]}
@@ -81,7 +83,10 @@ def _batch_counts(engine) -> dict[int, float]:
                     le = int(float(sample.labels["le"]))
                     cumulative[le] = cumulative.get(le, 0) + sample.value
     bounds = sorted(cumulative)
-    return {b: cumulative[b] - (cumulative[a] if a is not None else 0) for a, b in zip([None, *bounds], bounds)}
+    return {
+        b: cumulative[b] - (cumulative[a] if a is not None else 0)
+        for a, b in zip([None, *bounds], bounds, strict=False)
+    }
 
 
 @pytest.mark.parametrize("execution_mode", ["request", "step"])
@@ -113,12 +118,12 @@ def test_out_of_memory_splitting_still_works_with_the_memory_knobs_and_a_step_ca
             transformer.transformer_blocks[0].register_forward_pre_hook(on_first_block, with_kwargs=True),
         ]
         splits, skipped = _engine_count("oom_batch_splits"), _engine_count("cache_skipped_steps")
-        together = run_together(omni, list(zip(prompts, params)), "oom")
+        together = run_together(omni, list(zip(prompts, params, strict=True)), "oom")
         assert _engine_count("oom_batch_splits") > splits
         for handle in handles:
             handle.remove()
         skipped_together = _engine_count("cache_skipped_steps") - skipped
-        alone = [omni.generate([prompt], [p])[0] for prompt, p in zip(prompts, params)]
+        alone = [omni.generate([prompt], [p])[0] for prompt, p in zip(prompts, params, strict=True)]
         skipped_alone = _engine_count("cache_skipped_steps") - skipped - skipped_together
     assert [o.error for o in together + alone] == [None] * 8
     # The same cache decisions as alone (a tiny model's image barely shows them): a retry that found a request's
@@ -126,7 +131,7 @@ def test_out_of_memory_splitting_still_works_with_the_memory_knobs_and_a_step_ca
     assert skipped_together == skipped_alone > 0
     if execution_mode == "request":
         assert [o.metrics["batch_size"] for o in together] == [2, 2, 2, 2]
-    for batched, single in zip(together, alone):
+    for batched, single in zip(together, alone, strict=True):
         diff = np.abs(np.asarray(batched.images[0], dtype=np.int16) - np.asarray(single.images[0], dtype=np.int16))
         assert diff.max() <= 2
 

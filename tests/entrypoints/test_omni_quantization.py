@@ -135,7 +135,9 @@ def stock_int8_cached(tiny_flux) -> list[np.ndarray]:
     want = []
     for seed, prompt in enumerate(PROMPTS):
         stock = stock_quantized_pipeline(tiny_flux, "int8")
-        stock.transformer.enable_cache(cache_hook_config("first_block", CACHE_OPTIONS, lambda: stock.current_timestep))
+        stock.transformer.enable_cache(
+            cache_hook_config("first_block", CACHE_OPTIONS, lambda stock=stock: stock.current_timestep)
+        )
         want.append(_pixels(stock(prompt, generator=torch.Generator("cpu").manual_seed(seed), **_call("flux"))))
     return want
 

@@ -73,7 +73,7 @@ def test_each_backend_matches_stock_diffusers_alone_and_in_a_batch_of_four(tiny_
             alone.append(omni.generate([prompt], [_params(seed)])[0])
             skipped_alone.append(_skipped(omni) - before)
         before = _skipped(omni)
-        batched = run_together(omni, list(zip(PROMPTS, [_params(seed) for seed in range(4)])), backend)
+        batched = run_together(omni, list(zip(PROMPTS, [_params(seed) for seed in range(4)], strict=True)), backend)
         skipped_batched = _skipped(omni) - before
         again = omni.generate(PROMPTS[:1], [_params(0)])[0]  # after the batch: its state starts empty again
         skipped_again = _skipped(omni) - before - skipped_batched
@@ -105,7 +105,7 @@ def test_a_modular_family_skips_per_request_in_step_mode(family, backend, reques
             assert np.abs(_pixels(omni.generate([prompt], [_params(seed)])[0]) - want[seed]).max() <= 2
             skipped_alone.append(_skipped(omni) - before)
         before = _skipped(omni)
-        batched = run_together(omni, list(zip(PROMPTS, [_params(seed) for seed in range(4)])), "modular")
+        batched = run_together(omni, list(zip(PROMPTS, [_params(seed) for seed in range(4)], strict=True)), "modular")
         skipped_batched = _skipped(omni) - before
     assert [o.metrics["batch_size"] for o in batched] == [4.0] * 4
     assert min(skipped_alone) > 0 and skipped_batched == sum(skipped_alone)
@@ -119,7 +119,7 @@ def test_a_request_that_opts_out_runs_every_block_beside_cached_ones(tiny_flux):
         before = _skipped(omni)
         alone = omni.generate(PROMPTS[:1], [_params(0, cache=False)])[0]
         assert _skipped(omni) == before  # nothing was skipped for it
-        mixed = run_together(omni, list(zip(PROMPTS[:2], [_params(0, cache=False), _params(1)])), "mixed")
+        mixed = run_together(omni, list(zip(PROMPTS[:2], [_params(0, cache=False), _params(1)], strict=True)), "mixed")
         assert _skipped(omni) > before
     assert np.abs(_pixels(alone) - _stock(tiny_flux, PROMPTS[0], 0, None)).max() <= 2
     assert np.abs(_pixels(mixed[0]) - _stock(tiny_flux, PROMPTS[0], 0, None)).max() <= 2

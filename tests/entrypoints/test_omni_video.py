@@ -56,11 +56,11 @@ def test_defaults_and_invalid_video_params(omni):
 
 
 def test_image_pipelines_refuse_video_params(tiny_flux):
-    with Omni(model=tiny_flux) as omni:
-        with pytest.raises(
-            SamplingParamsError, match="num_frames applies to video pipelines; FluxPipeline makes images"
-        ):
-            omni.generate(["x"], OmniDiffusionSamplingParams(height=32, width=32, num_frames=9))
+    with (
+        Omni(model=tiny_flux) as omni,
+        pytest.raises(SamplingParamsError, match="num_frames applies to video pipelines; FluxPipeline makes images"),
+    ):
+        omni.generate(["x"], OmniDiffusionSamplingParams(height=32, width=32, num_frames=9))
 
 
 def test_a_two_expert_wan_takes_guidance_scale_2_and_boundary_ratio_as_stock(tiny_wan22):

@@ -95,7 +95,7 @@ def test_a_request_becomes_a_span_under_its_traceparent_with_phases_and_componen
         "encoding",
         "response",
     ]
-    for before, after in zip(children, children[1:]):  # back to back, inside the request's span
+    for before, after in zip(children, children[1:], strict=False):  # back to back, inside the request's span
         assert before.end_time_unix_nano <= after.start_time_unix_nano
     assert request.start_time_unix_nano <= children[0].start_time_unix_nano
     assert children[-1].end_time_unix_nano <= request.end_time_unix_nano

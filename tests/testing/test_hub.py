@@ -106,7 +106,8 @@ def test_branches_tags_and_shas_resolve_and_old_commits_stay_downloadable(hub, f
         assert {s.rfilename for s in info.siblings} == (set(FILES) if revision != "dev" else {"config.json"})
         path = hf_hub_download(REPO, "config.json", revision=revision, cache_dir=cache, endpoint=hub.url)
         assert path == str(cache / "models--org--name" / "snapshots" / commit / "config.json")
-        assert open(path, "rb").read() == config
+        with open(path, "rb") as file:
+            assert file.read() == config
     refs = cache / "models--org--name" / "refs"
     assert sorted(os.listdir(refs)) == ["dev", "main", "v1.0"], "a sha is no ref"
     assert snapshot_download(REPO, revision=first, cache_dir=cache, endpoint=hub.url).endswith(first)
@@ -174,7 +175,8 @@ def test_file_answers_carry_the_metadata_and_honour_ranges(hub, folder):
 def test_populate_cache_leaves_a_cache_that_loads_offline(folder, tmp_path):
     switches = constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_TELEMETRY
     commit = populate_cache(REPO, folder, str(tmp_path / "cache"))
-    assert (constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_TELEMETRY) == switches, "the switches were not restored"
+    assert switches == (constants.HF_HUB_OFFLINE, constants.HF_HUB_DISABLE_TELEMETRY), "the switches were not restored"
     path = hf_hub_download(REPO, "unet/weights.bin", cache_dir=tmp_path / "cache", local_files_only=True)
     assert path == str(tmp_path / "cache" / "models--org--name" / "snapshots" / commit / "unet" / "weights.bin")
-    assert open(path, "rb").read() == FILES["unet/weights.bin"]
+    with open(path, "rb") as file:
+        assert file.read() == FILES["unet/weights.bin"]

@@ -6,13 +6,12 @@ from vllm_omni.config.lora import LoRAModulePath
 from vllm_omni.config.resolver import engine_torch_threads, resolve_stage_configs
 from vllm_omni.config.stage import (
     STAGE_KNOBS,
-    STAGE_TYPES,
     DeployConfig,
     ExecutionMode,
     Source,
     StageDeployConfig,
 )
-from vllm_omni.config.stage_types import StageTypeSpec
+from vllm_omni.config.stage_types import STAGE_TYPES, StageTypeSpec
 
 __all__ = [
     "STAGE_KNOBS",

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.config.lora import LoRAModulePath
 from vllm_omni.config.knob import STAGE_TYPES_OF_SCOPE, KnobScope
+from vllm_omni.config.lora import LoRAModulePath
 from vllm_omni.config.stage import KNOBS, YAML_STAGE_KEYS, StageDeployConfig
 from vllm_omni.doc_tables import default, field_type, meaning, regenerate, replace_between
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 from vllm_omni.logger import init_logger
@@ -33,7 +34,8 @@ def _warn(message: str) -> None:
     if sys.version_info >= (3, 12):
         warnings.warn(message, FutureWarning, skip_file_prefixes=(_PACKAGE_PREFIX,))
     else:  # Python < 3.12 has no skip_file_prefixes: count vllm_omni's frames by hand. Drop with Python 3.11.
-        frame, level = sys._getframe(), 1  # level 1 is this function, in the package
+        frame: FrameType | None = sys._getframe()
+        level = 1  # level 1 is this function, in the package
         while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_PREFIX):
             frame, level = frame.f_back, level + 1
         warnings.warn(message, FutureWarning, stacklevel=level)

@@ -9,7 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from vllm_omni.config.legacy import pop_yaml_aliases
-from vllm_omni.config.stage import YAML_STAGE_KEYS, DeployConfig, StageDeployConfig
+from vllm_omni.config.stage import YAML_STAGE_KEYS, DeployConfig, Source, StageDeployConfig
 
 
 def load_deploy_config(path: str | os.PathLike[str]) -> DeployConfig:
@@ -45,7 +45,7 @@ def _load_stage(raw: Any, index: int, path: str) -> StageDeployConfig:
     if "provenance" in raw:
         raise ValueError(f"unknown key 'provenance' in {where}: provenance is recorded by vllm-omni, not configured")
     raw, alias_keys = pop_yaml_aliases(raw, where)
-    provenance = {key: "legacy_alias" if key in alias_keys else "deploy_yaml" for key in raw}
+    provenance: dict[str, Source] = {key: "legacy_alias" if key in alias_keys else "deploy_yaml" for key in raw}
     try:
         return StageDeployConfig(**raw, provenance=provenance)
     except ValidationError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 Quantization = Literal["none", "int8", "fp8", "fp8_storage", "nf4", "gguf"]
 """How a stage's components are quantized: ``int8`` torchao int8 weight-only, ``fp8`` torchao float8 (weights and
@@ -17,7 +17,7 @@ activations), ``fp8_storage`` float8 storage with computation in the stage's dty
 
 QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
 
-GGUF_SOURCE = "model"
+GGUF_SOURCE: Final = "model"
 """The provenance of ``quantization: gguf`` that a ``.gguf`` model file set."""
 
 LORA_MODES = ("none", "int8", "fp8_storage", "gguf")

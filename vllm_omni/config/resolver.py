@@ -126,7 +126,9 @@ def resolve_stage_configs(
     resolved = []
     for stage in deploy.stages:
         yaml_sources = {k: stage.provenance.get(k, "deploy_yaml") for k in stage.model_fields_set}
-        global_sources = {k: "legacy_alias" if k in global_alias_knobs else global_source for k in global_knobs}
+        global_sources: dict[str, Source] = {
+            k: "legacy_alias" if k in global_alias_knobs else global_source for k in global_knobs
+        }
         stage_overrides_ = overrides.get(stage.stage_id, {})
         layers: list[tuple[Mapping[str, Any], Mapping[str, Source]]] = [
             ({k: getattr(stage, k) for k in stage.model_fields_set}, yaml_sources),

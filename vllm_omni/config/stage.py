@@ -17,7 +17,7 @@ from vllm_omni.config.llm import LlmMode, check_engine_args, check_sampling
 from vllm_omni.config.lora import LoRAModulePath
 from vllm_omni.config.parallel import check_tensor_parallel_size
 from vllm_omni.config.quantization import Quantization, parse_components
-from vllm_omni.config.stage_types import STAGE_TYPES, check_stage_graph
+from vllm_omni.config.stage_types import check_stage_graph
 
 Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "legacy_alias", "model"]
 """Where a resolved knob value came from (see docs/configuration.md)."""
@@ -30,8 +30,9 @@ ExecutionMode = Literal["request", "step"]
 Backend = Literal["inline", "ray"]
 """Where a stage's replicas run: ``inline`` (one engine on a thread of this process) or ``ray`` (one Ray actor each)."""
 
-StageType = Literal[tuple(STAGE_TYPES)]  # type: ignore[valid-type] - the table's keys
-"""What a stage runs: the whole pipeline, or one part of a split one (docs/stages.md)."""
+StageType = Literal["diffusion", "encode", "denoise", "decode", "llm"]
+"""What a stage runs: the whole pipeline, or one part of a split one (docs/stages.md). Spelled out for the type
+checker: `STAGE_TYPES`' keys in its order (tests/config/test_stage_graph.py checks)."""
 
 CpuOffload = Literal["none", "model", "sequential"]
 """diffusers' CPU offload: none, whole components (``model``) or submodules (``sequential``) moved to the GPU to run."""

@@ -5,8 +5,8 @@ check of a deploy's stage graph (`check_stage_graph`). A stage type's behaviour 
 from __future__ import annotations
 
 import graphlib
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
 StageEngine = Literal["diffusers", "vllm"]
@@ -51,11 +51,16 @@ STAGE_TYPES: dict[str, StageTypeSpec] = {
 
 
 class StageNode(Protocol):
-    """What the graph check reads of a stage (a `StageDeployConfig`)."""
+    """What the graph check reads of a stage (a `StageDeployConfig`): read-only, as a frozen config's fields are."""
 
-    stage_id: int
-    stage_type: str
-    inputs: Sequence[int]
+    @property
+    def stage_id(self) -> int: ...
+
+    @property
+    def stage_type(self) -> str: ...
+
+    @property
+    def inputs(self) -> Sequence[int]: ...
 
 
 S = TypeVar("S", bound=StageNode)

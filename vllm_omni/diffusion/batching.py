@@ -117,7 +117,8 @@ class BatchScheduler:
     def _fitting(self, candidates: list[DiffusionRequest], in_use: set[str]) -> tuple[list[DiffusionRequest], bool]:
         """The oldest ``candidates`` that fit beside ``in_use`` adapters, up to capacity and the pixel budget; and
         whether waiting cannot make the batch fuller (one was left out for its adapters, or the budget is spent)."""
-        chosen, adapters, left_out = [], set(in_use), False
+        chosen: list[DiffusionRequest] = []
+        adapters, left_out = set(in_use), False
         for request in candidates:
             if len(chosen) == self.capacity:
                 break

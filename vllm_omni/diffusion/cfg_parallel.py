@@ -9,13 +9,16 @@ the uncond call, which it computes. The pipeline then combines the two as it alw
 their latents stay equal.
 
 The pipelines that guide with one denoiser call over both branches (SD3, SD, SDXL: the unconditional rows, then the
-conditional ones, outside any ``cache_context``; LTX: in ``cache_context("cond_uncond")``) are split by rows instead: each rank computes half the call's rows
-(rank 0 the first half: the unconditional branch) and the two ``all_gather`` the halves, so both return the whole
-prediction. The rows of a denoiser call are independent, so this holds for any call of an even batch; a call of an
-odd batch runs whole on both ranks.
+conditional ones, outside any ``cache_context``; LTX: in ``cache_context("cond_uncond")``) are split by rows
+instead: each rank computes half the call's rows (rank 0 the first half: the unconditional branch) and the two
+``all_gather`` the halves, so both return the whole prediction. The rows of a denoiser call are independent, so this
+holds for any call of an even batch; a call of an odd batch runs whole on both ranks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,7 +45,8 @@ class CfgParallelHook(ModelHook):
         self.rank = rank
         self.group = group
         """The two ranks' process group (``None``: the default one, of two ranks)."""
-        self.calls = StateManager(_NoState)
+        # diffusers annotates state_cls as a BaseState instance; it takes (and instantiates) the class.
+        self.calls = StateManager(_NoState)  # type: ignore[arg-type]
         self._cond: torch.Tensor | None = None
         """Rank 0: the cond prediction it computed; rank 1: the zeros it answered the cond call with."""
 
@@ -51,6 +55,11 @@ class CfgParallelHook(ModelHook):
         self._cond = None
         return module
 
+    def _original_forward(self, *args, **kwargs) -> Any:
+        """The denoiser's own forward (diffusers types ``original_forward`` as None, its value before the hook is
+        registered)."""
+        return cast(Callable[..., Any], self.fn_ref.original_forward)(*args, **kwargs)
+
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
         try:
             name = self.calls.context.name
@@ -58,19 +67,19 @@ class CfgParallelHook(ModelHook):
             name = None
         if name == "cond":
             if self.rank == 0:
-                output = self.fn_ref.original_forward(*args, **kwargs)
+                output = self._original_forward(*args, **kwargs)
                 self._cond = _sample(output)
                 return output
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             self._cond = torch.zeros_like(hidden)  # the denoisers here predict in their input's shape
             return _with_sample(self._cond, kwargs.get("return_dict", True))
         if name in (None, "cond_uncond"):  # one call over both branches (LTX names it)
             return self._by_rows(args, kwargs)
         if name != "uncond":
-            return self.fn_ref.original_forward(*args, **kwargs)
+            return self._original_forward(*args, **kwargs)
         if self._cond is None:
             raise RuntimeError("cfg_parallel_size 2: an uncond denoiser call came before its cond call")
-        output = self.fn_ref.original_forward(*args, **kwargs) if self.rank == 1 else None
+        output = self._original_forward(*args, **kwargs) if self.rank == 1 else None
         mine = self._cond if self.rank == 0 else _sample(output)
         if mine.shape != self._cond.shape:
             raise RuntimeError(
@@ -91,10 +100,10 @@ class CfgParallelHook(ModelHook):
         """One call over both branches: this rank's half of the rows, then both halves from the exchange."""
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0 or hidden.shape[0] % 2:
-            return self.fn_ref.original_forward(*args, **kwargs)
+            return self._original_forward(*args, **kwargs)
         rows, half = hidden.shape[0], hidden.shape[0] // 2
         mine = slice(self.rank * half, (self.rank + 1) * half)
-        output = self.fn_ref.original_forward(*_rows(args, rows, mine), **_rows(kwargs, rows, mine))
+        output = self._original_forward(*_rows(args, rows, mine), **_rows(kwargs, rows, mine))
         sample = _sample(output).contiguous()
         both = [torch.empty_like(sample), torch.empty_like(sample)]
         dist.all_gather(both, sample, group=self.group)

@@ -45,8 +45,8 @@ def run_isolated(
         half = len(items) // 2
         logger.warning("out of memory with a batch of %d; retrying as %d + %d", len(items), half, len(items) - half)
         on_oom_split()
-        kwargs = dict(what=what, name=name, on_oom_split=on_oom_split)
-        return run_isolated(run, items[:half], **kwargs) + run_isolated(run, items[half:], **kwargs)
+        first = run_isolated(run, items[:half], what=what, name=name, on_oom_split=on_oom_split)
+        return first + run_isolated(run, items[half:], what=what, name=name, on_oom_split=on_oom_split)
     except Exception as exc:  # noqa: BLE001 - any pipeline error is isolated to its request below
         if len(items) == 1:
             logger.warning("%s %s failed: %s: %s", what, name(items[0]), type(exc).__name__, exc)
@@ -80,7 +80,8 @@ def denoise_step(
             stepped = [(r, p) for r, p in zip(requests, predictions, strict=True) if not isinstance(p, BaseException)]
             if not stepped:
                 return failed
-            due = []  # the clean latents of the previews due, taken before the update moves the latents on
+            # the clean latents of the previews due, taken before the update moves the latents on
+            due: list[tuple[DiffusionRequest, torch.Tensor]] = []
             for request, prediction in stepped:
                 state = request.state
                 if previews is not None and previews.due(request, state.step + 1):
@@ -96,8 +97,9 @@ def denoise_step(
             except Exception as exc:  # noqa: BLE001 - a scheduler update that fails leaves its requests unusable
                 logger.warning("scheduler step of %d requests failed: %s: %s", len(stepped), type(exc).__name__, exc)
                 return failed + [(r, exc) for r, _ in stepped]
-        for request, clean in due:
-            previews.emit(request, clean)
+        if previews is not None:  # else none is due
+            for request, clean in due:
+                previews.emit(request, clean)
     for request, _ in stepped:
         request.state.forwards += 1
         request.state.batch_total += len(requests)

@@ -15,7 +15,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.config.parallel import sequence_ranks
 
 # The feature modules whose handlers of the control verbs fill HANDLERS (`EngineCore.call`):
-from vllm_omni.diffusion import lora as _lora, sleep as _sleep, weights as _weights  # noqa: F401
+from vllm_omni.diffusion import lora as _lora  # noqa: F401
 from vllm_omni.diffusion.batching import BatchScheduler
 from vllm_omni.diffusion.control import HANDLERS
 from vllm_omni.diffusion.finite import is_finite, non_finite_error
@@ -81,6 +81,19 @@ class EngineCore:
         self.weight_group: WeightUpdateGroup | None = None
         """The group a trainer broadcasts weights over (the ``init_weight_update_group`` verb)."""
 
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether requests are in flight (the loop runs until none is, once stopping)."""
+        raise NotImplementedError
+
+    def step(self, timeout: float | None = None) -> int:
+        """One scheduling round, then the device work it chose; what it ran."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Release what the engine holds once its loop has stopped."""
+        raise NotImplementedError
+
     def add_request(
         self,
         request_id: str,
@@ -89,8 +102,8 @@ class EngineCore:
         payload: Any = None,
         on_preview: Callable[[Preview], None] | None = None,
     ) -> Future:
-        """Queue a request with ``params`` its role has completed (and the previous stage's ``payload`` for it, in a split
-        pipeline); the returned future resolves to its `OmniRequestOutput`, or a `StageOutput` from a stage that
+        """Queue a request with ``params`` its role has completed (and the previous stage's ``payload`` for it, in a
+        split pipeline); the returned future resolves to its `OmniRequestOutput`, or a `StageOutput` from a stage that
         is not the last. ``on_preview`` takes its partial images, on the engine's thread."""
         request = DiffusionRequest.create(
             request_id, prompt, params, key=self.admission.key(params), payload=payload, on_preview=on_preview

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.request_engine import RequestEngine
-from vllm_omni.diffusion.roles import ROLES
+from vllm_omni.diffusion.roles import ROLES, StageRole
 from vllm_omni.diffusion.step_engine import StepEngine
 
-ENGINES: dict[str, type[EngineCore]] = {"request": RequestEngine, "step": StepEngine}
+ENGINES: dict[str, Callable[[OmniDiffusionConfig, type[StageRole]], EngineCore]] = {
+    "request": RequestEngine,
+    "step": StepEngine,
+}
 """The engine of each ``execution_mode``."""
 
 

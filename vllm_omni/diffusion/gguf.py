@@ -73,6 +73,7 @@ def load_gguf_component(folder: str, name: str, class_name: str, dtype: torch.dt
     import diffusers
 
     path = gguf_file(folder, name)
+    assert path is not None, f"{name} of {folder} is no GGUF component"  # callers load the gguf_components only
     config = diffusers.GGUFQuantizationConfig(compute_dtype=dtype)
     try:
         return getattr(diffusers, class_name).from_single_file(

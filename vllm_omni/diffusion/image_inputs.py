@@ -16,6 +16,8 @@ def fit(image: Image.Image, width: int, height: int, mode: str = "RGB") -> Image
 
 def fitted_inputs(params: OmniDiffusionSamplingParams) -> tuple[list[Image.Image], Image.Image | None]:
     """The request's input images (RGB) and mask (L) at its output size; complete ``params`` with an image."""
-    images = [fit(image, params.width, params.height) for image in params.image]
-    mask = None if params.mask_image is None else fit(params.mask_image, params.width, params.height, "L")
+    width, height = params.width, params.height
+    assert params.image is not None and width is not None and height is not None, "incomplete params"
+    images = [fit(image, width, height) for image in params.image]
+    mask = None if params.mask_image is None else fit(params.mask_image, width, height, "L")
     return images, mask

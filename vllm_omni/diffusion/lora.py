@@ -22,7 +22,7 @@ import ctypes
 import os
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -43,6 +43,7 @@ COMPONENT_KINDS = dict.fromkeys(TEXT_ENCODERS, "text") | dict.fromkeys(DENOISERS
 """Which row list (`LoraAdapters.rows`) each pipeline component that may carry LoRA layers reads."""
 
 
+_MALLOC_TRIM: Callable[[int], int] | None
 try:
     _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
 except AttributeError:  # not glibc
@@ -164,6 +165,7 @@ class LoraAdapters:
         folder, weight_name = (path, None) if os.path.isdir(path) else os.path.split(path)
         try:
             if path.startswith(TENSOR_SOURCE):
+                assert given is not None, "checked above: this replica holds the tensors"
                 state, metadata = given[1].state_dict(self.pipeline)
                 expected = self._layers_in_file(dict(state))
                 with adapter_metadata(self.pipeline, metadata):

@@ -88,7 +88,7 @@ class ModelCard:
     max_sequence_length: int | None = None
     """The largest ``max_sequence_length`` (the prompt's tokens for its T5-style text encoder) its call takes
     (`sequence_limit`); ``None``: its call takes no ``max_sequence_length``."""
-    variants: Mapping[str, ModelCard] = field(default_factory=dict)
+    variants: Mapping[ImageTask, ModelCard] = field(default_factory=dict)
     """Cards of the pipelines it serves image tasks with (``image``: image-to-image, ``inpaint``), built on its
     components with ``from_pipe``; empty for a pipeline that takes ``image`` itself or has no such variant."""
 
@@ -110,14 +110,15 @@ class ModelCard:
 
     @property
     def tasks(self) -> frozenset[ImageTask]:
-        """What requests it serves: ``text`` (no input image), ``image``, ``inpaint`` (`OmniDiffusionSamplingParams.task`)."""
+        """What requests it serves: ``text`` (no input image), ``image``, ``inpaint``
+        (`OmniDiffusionSamplingParams.task`)."""
         return self._own_tasks | frozenset(self.variants)
 
     @property
     def _own_tasks(self) -> frozenset[ImageTask]:
         if "mask_image" in self.call_args:  # an inpainting pipeline served as it is
             return frozenset({"inpaint"})
-        own = {"image"} if "image" in self.call_args else set()
+        own: set[ImageTask] = {"image"} if "image" in self.call_args else set()
         return frozenset(own if self.image_required else own | {"text"})
 
     def for_task(self, task: ImageTask) -> ModelCard:
@@ -148,7 +149,7 @@ class ModelCard:
         }
         # Latents are the VAE's spatial factor times smaller and packed or patched 2×2 by DiT pipelines; UNet
         # pipelines check multiples of 8 themselves.
-        scale = getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 1)
+        scale = getattr(pipeline, "vae_scale_factor", 0) or getattr(pipeline, "vae_scale_factor_spatial", 1)
         image = parameters.get("image")
         return cls(
             pipeline_name=name,
@@ -270,9 +271,12 @@ class ModelCard:
             if min(size) == 0:
                 why = f"the image is {width}x{height}; {name} needs sides of at least {self.size_multiple}"
                 raise SamplingParamsError("image", why)
-        if (params.height is None or params.width is None) and size is None:
+        if params.height is not None and params.width is not None:
+            height, width = params.height, params.width
+        elif size is None:
             raise SamplingParamsError("height", f"{name} has no default size: give height and width")
-        height, width = params.height or size[0], params.width or size[1]
+        else:
+            height, width = params.height or size[0], params.width or size[1]
         video = self._complete_video(params)
         for side, value in (("height", height), ("width", width)):
             if value % self.size_multiple:
@@ -354,8 +358,11 @@ class ModelCard:
     def scheduler_overrides(self, params: OmniDiffusionSamplingParams) -> dict[str, Any]:
         """The request's settings of its noise scheduler's config (its ``flow_shift``), for the scheduler that
         runs it alone (step mode) or its batch (request mode: ``flow_shift`` is in the batch key)."""
-        shift = params.extra_args.get("flow_shift")
-        return {} if shift is None else {self.flow_shift_key: float(shift)}
+        key, shift = self.flow_shift_key, params.extra_args.get("flow_shift")
+        if shift is None:
+            return {}
+        assert key is not None, "flow_shift is refused where the scheduler has no shift to set"
+        return {key: float(shift)}
 
     def strength_offset(self, steps: int, strength: float) -> int:
         """The first of ``steps`` that an image task of ``strength`` runs, as its image pipeline's ``get_timesteps``
@@ -370,7 +377,10 @@ class ModelCard:
             return {}
         strength = params.strength if params.strength is not None else DEFAULT_STRENGTH[params.task]
         if self.strength_offset(steps, strength) >= steps:
-            why = f"strength={strength} with num_inference_steps={steps} leaves no denoising step for {self.pipeline_name}"
+            why = (
+                f"strength={strength} with num_inference_steps={steps} leaves no denoising step "
+                f"for {self.pipeline_name}"
+            )
             raise SamplingParamsError("strength", why + ": raise either")
         return {"strength": strength}
 
@@ -382,6 +392,7 @@ class ModelCard:
                 raise SamplingParamsError(field, why)
             return {}
         num_frames = params.num_frames or self.call_defaults.get("num_frames")
+        assert num_frames is not None, f"{self.pipeline_name} has no default num_frames"  # video calls all have one
         if (num_frames - 1) % self.frame_multiple:
             why = f"num_frames={num_frames} must be 1 more than a multiple of {self.frame_multiple} for "
             raise SamplingParamsError("num_frames", why + self.pipeline_name)

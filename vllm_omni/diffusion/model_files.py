@@ -15,9 +15,10 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
+from typing import Any
 
-from vllm_omni.config.vllm_device import set_device_hint
 from vllm_omni.config.model_source import ModelSource, ModelSourceError, is_gguf_type, split_hub_file
+from vllm_omni.config.vllm_device import set_device_hint
 from vllm_omni.diffusion.components import DENOISERS
 from vllm_omni.diffusion.gguf import GGUF_SUFFIX, GgufError, check_gguf_file, link_gguf_denoiser
 from vllm_omni.diffusion.roles import ROLES
@@ -48,7 +49,9 @@ def hub_snapshot(repo_id: str, source: ModelSource, skips: Iterable[tuple[str, .
     from diffusers import DiffusionPipeline
     from huggingface_hub import constants, resolve_revision
 
-    where = dict(cache_dir=source.download_dir, token=source.hf_token, local_files_only=constants.HF_HUB_OFFLINE)
+    where: dict[str, Any] = dict(
+        cache_dir=source.download_dir, token=source.hf_token, local_files_only=constants.HF_HUB_OFFLINE
+    )
     with _hub_errors(repo_id, source):
         revision = resolve_revision(repo_id, revision=source.revision, **where)
         for skipped in sorted(set(skips)):
@@ -80,10 +83,11 @@ def _hub_errors(repo_id: str, source: ModelSource) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        causes = []
-        while exc is not None and exc not in causes:
-            causes.append(exc)
-            exc = exc.__cause__ or exc.__context__
+        causes: list[BaseException] = []
+        link: BaseException | None = exc
+        while link is not None and link not in causes:
+            causes.append(link)
+            link = link.__cause__ or link.__context__
         for cause in causes:
             if isinstance(cause, GatedRepoError):
                 reason = (
@@ -120,8 +124,12 @@ def hub_file(source: ModelSource) -> str:
     GGUF quantization type names the repo's one ``.gguf`` of that type (``...-Q4_0.gguf``), as in vLLM."""
     from huggingface_hub import HfApi, constants, hf_hub_download, resolve_revision
 
-    repo_id, file = split_hub_file(source.model)
-    where = dict(cache_dir=source.download_dir, token=source.hf_token, local_files_only=constants.HF_HUB_OFFLINE)
+    found = split_hub_file(source.model)
+    assert found is not None, f"{source.model} names no file in a repo"  # the caller checked
+    repo_id, file = found
+    where: dict[str, Any] = dict(
+        cache_dir=source.download_dir, token=source.hf_token, local_files_only=constants.HF_HUB_OFFLINE
+    )
     with _hub_errors(repo_id, source):
         revision = resolve_revision(repo_id, revision=source.revision, **where)
         if is_gguf_type(file):

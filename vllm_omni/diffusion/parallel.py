@@ -98,9 +98,14 @@ def check_sequence_split(card: ModelCard, params: OmniDiffusionSamplingParams, r
     """Refuse, naming the size, a request whose latent tokens ``ranks`` sequence-parallel ranks cannot split
     evenly: diffusers' context parallelism shards the denoiser's sequence in equal parts, and fails the whole batch's
     call on a remainder. ``params`` are complete (their size is known)."""
-    side = card.latent_pixels
-    rows, columns = params.height // side, params.width // side
-    frames = (params.num_frames - 1) // card.frame_multiple + 1 if card.is_video else 1
+    side, height, width, num_frames = card.latent_pixels, params.height, params.width, params.num_frames
+    assert height is not None and width is not None, "incomplete params"
+    rows, columns = height // side, width // side
+    if card.is_video:
+        assert num_frames is not None, "incomplete params"
+        frames = (num_frames - 1) // card.frame_multiple + 1
+    else:
+        frames = 1
     tokens = rows * columns * frames
     if tokens % ranks:
         shape = f"{rows}x{columns}" + (f" x {frames} latent frames" if card.is_video else "")

@@ -70,7 +70,7 @@ _SEQUENCE_CHECK = re.compile(r"max_sequence_length\s*>\s*(\d+)")
 512: raise ValueError(...)``."""
 
 
-def sequence_limit(pipeline_class: type, defaults: Mapping[str, Any]) -> int | None:
+def sequence_limit(pipeline_class: type[Any], defaults: Mapping[str, Any]) -> int | None:
     """The largest ``max_sequence_length`` a pipeline's call takes: the bound its own ``check_inputs`` raises above
     (512 for Flux and SD3, 1024 for Qwen-Image), else its call's default (Wan's 512, the text length its transformer
     was trained with); ``None`` when its call takes none (or neither says)."""
@@ -114,7 +114,7 @@ class _AsModular:
 
     def __getattr__(self, name: str) -> Any:
         found = inspect.getattr_static(self._modular, name, None)
-        return found.fget(self) if isinstance(found, property) else getattr(self._pipeline, name)
+        return found.__get__(self) if isinstance(found, property) else getattr(self._pipeline, name)
 
 
 def _modular_default_size(pipeline) -> tuple[int, int] | None:
@@ -139,7 +139,7 @@ def _aspect_default_size(pipeline) -> tuple[int, int] | None:
     processor's ``calculate_default_height_width`` (HunyuanVideo 1.5's 16:9 bucket nearest its ``target_size``)."""
     processor = getattr(pipeline, "video_processor", None) or getattr(pipeline, "image_processor", None)
     ratio, target = getattr(pipeline, "default_aspect_ratio", None), getattr(pipeline, "target_size", None)
-    if ratio is None or target is None or not hasattr(processor, "calculate_default_height_width"):
+    if ratio is None or target is None or processor is None or not hasattr(processor, "calculate_default_height_width"):
         return None
     height, width = processor.calculate_default_height_width(ratio[1], ratio[0], target)
     return int(height), int(width)
@@ -185,6 +185,8 @@ def image_variants(pipeline_name: str) -> dict[ImageTask, type]:
         "image": AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
         "inpaint": AUTO_INPAINT_PIPELINES_MAPPING,
     }
+    if family is None:
+        return {}
     return {task: table[family] for task, table in tables.items() if family in table}
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +117,9 @@ class Previews:
         count = request.params.partial_images
         if request.on_preview is None or request.previews_sent >= count:
             return False
-        steps = preview_steps(request.total_steps or request.params.num_inference_steps, count)
+        total = request.total_steps or request.params.num_inference_steps
+        assert total is not None, "incomplete params"
+        steps = preview_steps(total, count)
         return request.previews_sent < len(steps) and steps[request.previews_sent] == steps_done
 
     def emit(self, request: DiffusionRequest, clean: torch.Tensor) -> None:
@@ -129,6 +131,7 @@ class Previews:
             # Handing it over may fail too (an event loop closed since): in step mode that would end the engine loop.
             with section("preview", [request]):
                 images = self.images(clean, request.params, request.state)
+            assert request.on_preview is not None, "emitted only when due, and due only with on_preview"
             request.on_preview(Preview(index, images))
         except Exception as exc:  # noqa: BLE001 - a preview must not fail its request
             logger.warning("preview of request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
@@ -150,6 +153,7 @@ class Previews:
         if self._projection is None:
             self._projection = LatentProjection(self.stepper.pipeline.vae, self.video)
         pixels = (self._projection(latents) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        assert params.width is not None and params.height is not None, "incomplete params"
         size = (params.width, params.height)
         return [Image.fromarray(rgb).resize(size, Image.Resampling.BILINEAR) for rgb in pixels]
 
@@ -162,7 +166,8 @@ class Previews:
         if not any(r.params.partial_images and r.on_preview for r in batch):
             yield None
             return
-        step, last = scheduler.step, {}
+        step = scheduler.step
+        last: dict[str, Any] = {}
 
         def keeping_prediction(prediction, timestep, sample, *args, **kwargs):
             last.update(

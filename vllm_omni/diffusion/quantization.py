@@ -56,9 +56,9 @@ def enable_fp8_storage(module: torch.nn.Module, compute_dtype: torch.dtype) -> N
     patterns), or for a transformers model ``apply_layerwise_casting`` with diffusers' default patterns and the
     model's ``_keep_in_fp32_modules``, its embeddings left as they are (a transformers model reports the dtype of
     its first parameter, the embedding, and pipelines make their tensors in that dtype)."""
-    from diffusers import ModelMixin
     from diffusers.hooks import apply_layerwise_casting
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+    from diffusers.models.modeling_utils import ModelMixin
 
     if isinstance(module, ModelMixin):
         module.enable_layerwise_casting(storage_dtype=STORAGE_DTYPE, compute_dtype=compute_dtype)
@@ -110,7 +110,8 @@ class QuantizationPlan:
     quantize: dict[str, str] = field(default_factory=dict)
     """The components this stage quantizes as they load, by name, with the library that made each."""
     saved: dict[str, str] = field(default_factory=dict)
-    """The components this stage loads quantized as the folder saved them, with how (``torchao Int8WeightOnlyConfig``)."""
+    """The components this stage loads quantized as the folder saved them, with how
+    (``torchao Int8WeightOnlyConfig``)."""
 
     @classmethod
     def of(
@@ -153,7 +154,8 @@ class QuantizationPlan:
                 )
             if config.get("quant_method") == "bitsandbytes" and device.type != "cuda":
                 raise ValueError(
-                    f"{name} of {model} is saved in bitsandbytes' {how}, which runs on CUDA; this stage runs on {device}"
+                    f"{name} of {model} is saved in bitsandbytes' {how}, which runs on CUDA; "
+                    f"this stage runs on {device}"
                 )
             plan.saved[name] = how
         if mode in ("int8", "fp8", "nf4"):

@@ -35,10 +35,12 @@ class BatchKey(NamedTuple):
     @classmethod
     def of(cls, params: OmniDiffusionSamplingParams) -> BatchKey:
         """The key of complete ``params`` (no ``None`` left in the fields it reads)."""
+        height, width, steps = params.height, params.width, params.num_inference_steps
+        assert height is not None and width is not None and steps is not None, "incomplete params"
         return cls(
-            height=params.height,
-            width=params.width,
-            num_inference_steps=params.num_inference_steps,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
             guidance_scale=params.guidance_scale,
             num_outputs_per_prompt=params.num_outputs_per_prompt,
             num_frames=params.num_frames,
@@ -87,6 +89,12 @@ class DiffusionRequest:
     """The time of each pipeline component on the work it took part in (`timings.ComponentTimer`)."""
 
     @property
+    def started(self) -> float:
+        """`started_time`, read once the engine has started the request."""
+        assert self.started_time is not None, f"request {self.request_id} has not started"
+        return self.started_time
+
+    @property
     def pixels(self) -> int:
         """``width × height × frames × n``: what the stage's ``max_batch_pixels`` budget counts."""
         p = self.params
@@ -95,7 +103,9 @@ class DiffusionRequest:
     @property
     def progress(self) -> float:
         """Fraction of its denoising steps done."""
-        return self.steps_done / (self.total_steps or self.params.num_inference_steps)
+        total = self.total_steps or self.params.num_inference_steps
+        assert total is not None, "incomplete params"
+        return self.steps_done / total
 
     @classmethod
     def create(

@@ -4,6 +4,7 @@ batch."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,13 +16,16 @@ from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import RequestMetrics
 
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.roles import StageRole
+
 logger = init_logger(__name__)
 
 
 class RequestEngine(EngineCore):
     """A batch runs together from its first step to its last: one call of the role per batch."""
 
-    def __init__(self, od_config: OmniDiffusionConfig, role):
+    def __init__(self, od_config: OmniDiffusionConfig, role: type[StageRole]):
         super().__init__(od_config, BatchScheduler(od_config), role)
 
     @property
@@ -70,7 +74,7 @@ class RequestEngine(EngineCore):
                 result,
                 RequestMetrics(
                     batch_size=len(batch),
-                    queue_ms=(request.started_time - request.arrival_time) * 1000.0,
+                    queue_ms=(request.started - request.arrival_time) * 1000.0,
                     exec_ms=(finished - started) * 1000.0,
                     seed=request.seed,
                     replica=self.od_config.replica,

@@ -1,11 +1,12 @@
 """Stage roles: what a stage of each type does, in one table (`ROLES`; docs/stages.md, docs/architecture.md).
 
 A role owns, for its stage type: the pipeline components the stage skips when it loads, whether it completes
-sampling parameters, its batch key (`StageAdmission`, from the model's card alone), how a request begins (`begin`: encode and start, or start from the previous
-stage's payload) and how requests end (`end`: decode to images or videos, or hand latents on), and `run`, one
-batch in request mode. The engines (`request_engine.py`, `step_engine.py`) run any role; the graph facts of a
-stage type (what it takes as input, whether it is final, whether it denoises) live in
-`vllm_omni.config.stage.STAGE_TYPES`. Adding a stage type is one role here plus one entry in each table.
+sampling parameters, its batch key (`StageAdmission`, from the model's card alone), how a request begins
+(`begin`: encode and start, or start from the previous stage's payload) and how requests end (`end`: decode to
+images or videos, or hand latents on), and `run`, one batch in request mode. The engines (`request_engine.py`,
+`step_engine.py`) run any role; the graph facts of a stage type (what it takes as input, whether it is final,
+whether it denoises) live in `vllm_omni.config.stage_types.STAGE_TYPES`. Adding a stage type is one role here plus one
+entry in each table.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from vllm_omni.diffusion.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.denoise import denoise_step
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.parallel import check_sequence_split
+from vllm_omni.diffusion.pipeline_facts import check_batchable
 from vllm_omni.diffusion.previews import Previews
 from vllm_omni.diffusion.request import BatchKey, DiffusionRequest
-from vllm_omni.diffusion.pipeline_facts import check_batchable
 from vllm_omni.diffusion.runner import DiffusionRunner, read_model_index
 from vllm_omni.diffusion.sde import SdeSampler, check_sde
 from vllm_omni.diffusion.steppers import (
@@ -83,6 +84,12 @@ class StageRole:
             previewing = self.stepper or _stepper_for_previews(runner)
             self.previews = None if previewing is None else Previews(previewing, previewing.preview_method)
 
+    @property
+    def stepping(self) -> Stepper:
+        """`stepper`, where the stage runs through it (a split stage, or step mode)."""
+        assert self.stepper is not None, f"this {self.stage_type} stage runs no stepper"
+        return self.stepper
+
     @classmethod
     def uses_stepper(cls, execution_mode: str) -> bool:
         """Whether the stage runs the model through its stepper: it steps, or it is part of a split pipeline."""
@@ -103,6 +110,7 @@ class StageRole:
     @classmethod
     def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
         """What must match for complete ``params`` to share a batch (or, stepping, a forward)."""
+        assert stepper is not None, f"a {cls.stage_type} stage steps"
         return stepper.key(card, params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[Any]:
@@ -129,7 +137,7 @@ class StageRole:
             pending = [r for r in batch if id(r) not in failed and not r.state.done]
             if not pending:
                 break
-            for request, error in denoise_step(pending, self.stepper, self.on_oom_split, self.previews):
+            for request, error in denoise_step(pending, self.stepping, self.on_oom_split, self.previews):
                 failed[id(request)] = error
         finished = [r for r in batch if id(r) not in failed]
         results = iter(self.end(finished) if finished else [])
@@ -161,10 +169,10 @@ class DiffusionRole(StageRole):
         return self.runner.run(batch, self.previews)
 
     def begin(self, request: DiffusionRequest) -> StepState:
-        return _sampling(self.stepper.prepare(request.prompt, request.params, request.seed), request)
+        return _sampling(self.stepping.prepare(request.prompt, request.params, request.seed), request)
 
     def end(self, requests: list[DiffusionRequest]) -> list[list[Any]]:
-        return self.stepper.decode([request.state for request in requests])
+        return self.stepping.decode([request.state for request in requests])
 
 
 class EncodeRole(StageRole):
@@ -176,10 +184,11 @@ class EncodeRole(StageRole):
 
     @classmethod
     def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
+        assert stepper is not None, "an encode stage steps"
         return stepper.encode_key(card, params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[Any]:
-        return self.stepper.encode([r.prompt for r in batch], [r.params for r in batch])
+        return self.stepping.encode([r.prompt for r in batch], [r.params for r in batch])
 
 
 class DenoiseRole(StageRole):
@@ -193,10 +202,12 @@ class DenoiseRole(StageRole):
         return self._denoise(batch)
 
     def begin(self, request: DiffusionRequest) -> StepState:
-        return _sampling(self.stepper.start(request.payload, request.params, request.seed), request)
+        return _sampling(self.stepping.start(request.payload, request.params, request.seed), request)
 
     def end(self, requests: list[DiffusionRequest]) -> list[Latents]:
-        return [Latents(r.state.latents, r.params, r.trajectory, self.stepper.decode_inputs(r.state)) for r in requests]
+        return [
+            Latents(r.state.latents, r.params, r.trajectory, self.stepping.decode_inputs(r.state)) for r in requests
+        ]
 
 
 class DecodeRole(StageRole):
@@ -208,15 +219,16 @@ class DecodeRole(StageRole):
 
     @classmethod
     def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
+        assert stepper is not None, "a decode stage steps"
         return stepper.decode_key(card, params)
 
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
         # The denoise stage may run on another device or in another dtype; on the same ones nothing is copied.
-        device, dtype = self.stepper.device, self.stepper.pipeline.vae.dtype
+        device, dtype = self.stepping.device, self.stepping.pipeline.vae.dtype
         for request in batch:  # the denoise stage's record becomes this final stage's output
             request.trajectory = request.payload.trajectory
         payloads = [r.payload for r in batch]
-        return self.stepper.decode([Latents(p.latents.to(device, dtype), p.params, blocks=p.blocks) for p in payloads])
+        return self.stepping.decode([Latents(p.latents.to(device, dtype), p.params, blocks=p.blocks) for p in payloads])
 
 
 def _sampling(state: StepState, request: DiffusionRequest) -> StepState:
@@ -258,9 +270,10 @@ class StageAdmission:
     def admit(self, params: OmniDiffusionSamplingParams) -> Admission:
         """``params`` completed and checked, without the fields the model would not use, with their batch key
         (raises `SamplingParamsError`)."""
-        ignored = ()
+        ignored: tuple[IgnoredField, ...] = ()
         if self.role.completes_params:
             params, ignored = self.card.complete_params(params)
+            assert params.num_inference_steps is not None, "complete params"
             if params.num_inference_steps < self.card.min_steps:  # its schedule would be NaN: a black image
                 raise SamplingParamsError(
                     "num_inference_steps",
@@ -280,7 +293,7 @@ class StageAdmission:
         name = self.card.pipeline_name
         cls = stepper_class(name)
         why = f"previews are made for {', '.join(SUPPORTED_PIPELINES)}" if cls is None else None
-        if why is None and self.stepper is None:  # request mode: the stock pipeline's loop, not the stepper's
+        if cls is not None and self.stepper is None:  # request mode: the stock pipeline's loop, not the stepper's
             why = cls.request_mode_previews_refusal(name)
             if why is None and "callback_on_step_end" not in self.card.call_args:  # HunyuanVideo 1.5
                 why = "in execution_mode 'request': its call takes no callback_on_step_end; use 'step'"

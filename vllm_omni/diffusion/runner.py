@@ -165,7 +165,7 @@ class DiffusionRunner:
         )
         set_vae_memory(self.pipeline, od_config.stage.vae_tiling, od_config.stage.vae_slicing)
         watch_outputs(self.pipeline)  # a request whose pixels are not finite fails (`EngineCore.output`)
-        self.step_cache = None
+        self.step_cache: StepCache | CallCache | None = None
         """The step cache on the denoisers (``cache_backend``): diffusers' hooks run per request, or cache-dit per
         call of one request; ``None``: no step cache."""
         if od_config.stage.cache_backend != "none":
@@ -200,6 +200,7 @@ class DiffusionRunner:
         )
         """The LoRA adapters resident in the pipeline; ``None`` when the stage serves none."""
         for module in od_config.stage.lora_modules:  # each is checked now; the last max_loras stay resident
+            assert self.lora is not None, "adapters given enable LoRA"
             self.lora.load(module.name, module.path)
         logger.info(
             "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s); quantized: %s",
@@ -228,8 +229,10 @@ class DiffusionRunner:
         requests in flight) and theirs."""
         wanted = {s.name: s.path for request in requests for s in request.params.lora}
         if wanted:
+            assert self.lora is not None, "requests name adapters only where the stage serves them"
             protected = set(keep) | set(wanted)
             for name, path in wanted.items():
+                assert path is not None, "the engine sets an adapter's path when it admits the request"
                 self.lora.load(name, path, protected)
 
     def run(self, batch: list[DiffusionRequest], previews: Previews | None = None) -> list[list[Any]]:
@@ -256,6 +259,7 @@ class DiffusionRunner:
         if "height" in card.call_args:  # SD's image-to-image keeps its input's size, which is the request's
             kwargs.update(height=params.height, width=params.width)
         if "max_area" in card.call_args:  # Kontext sizes its output by area (at the requested aspect ratio)
+            assert params.height is not None and params.width is not None, "complete params"
             kwargs["max_area"] = params.height * params.width
         if params.image is not None:
             kwargs.update(self._image_args(card, batch))
@@ -267,11 +271,11 @@ class DiffusionRunner:
             kwargs[card.outputs_arg] = n // rows
         if params.negative_prompt is not None:
             kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch for _ in range(rows)]
-        adapters = contextlib.nullcontext()
+        adapters: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.lora is not None:  # the prompt rows of the text encoders, the latent rows of the denoiser
             text = [r.params.lora for r in batch for _ in range(rows)]
             adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
-        cached = contextlib.nullcontext()
+        cached: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.step_cache is not None:  # each request's own cache state, for this call only
             caches = [RequestCache(enabled=r.params.cache, steps=r.params.num_inference_steps) for r in batch]
             cached = self.step_cache.rows([cache for cache in caches for _ in range(n)])
@@ -315,20 +319,26 @@ class DiffusionRunner:
     def _image_args(card: ModelCard, batch: list[DiffusionRequest]) -> dict[str, Any]:
         """The input images of a batch: one per output row, or those of the request alone in its call."""
         params, n = batch[0].params, batch[0].params.num_outputs_per_prompt
+        assert params.image is not None, "called for a batch with input images"
         if card.noises_its_image:  # at the output size, as step mode takes it
             inputs = [fitted_inputs(r.params) for r in batch]
             args: dict[str, Any] = {"image": [images[0] for images, _ in inputs for _ in range(n)]}
             if params.mask_image is not None:
                 args["mask_image"] = [mask for _, mask in inputs for _ in range(n)]
-            steps = params.num_inference_steps
+            steps, strength = params.num_inference_steps, params.strength
+            assert steps is not None and strength is not None, "complete params"
             for request in batch:
-                request.total_steps = steps - card.strength_offset(steps, params.strength)
+                request.total_steps = steps - card.strength_offset(steps, strength)
             return args | {"strength": params.strength}
         if not card.batches_images:  # the batch key keeps such a request alone
             images = [image.convert("RGB") for image in params.image]
             return {"image": images if card.max_images > 1 else images[0]}
         # An instruction-edit model sizes its input itself.
-        return {"image": [r.params.image[0].convert("RGB") for r in batch for _ in range(n)]}
+        rows = []
+        for r in batch:
+            assert r.params.image is not None, "a batch shares its task"
+            rows += [r.params.image[0].convert("RGB") for _ in range(n)]
+        return {"image": rows}
 
     def release_cached_memory(self) -> None:
         """Give the allocator's cached blocks back after an out-of-memory error, before a retry."""

@@ -259,6 +259,7 @@ def sde_sampling(pipeline, batch: list[DiffusionRequest]) -> Iterator[list[SdeSa
     its sampler's, and the denoiser's text inputs of the first step are recorded per request. Yields the samplers
     (wrapping nothing when no request of the batch samples stochastically)."""
     params = batch[0].params
+    assert params.num_inference_steps is not None, "complete params"
     found = samplers(batch, params.num_inference_steps)
     if not any(found):
         yield found
@@ -311,6 +312,7 @@ def record_first_step(found: list[SdeSampler | None], seen: list[dict[str, torch
     conditional then the unconditional one (true CFG of Flux and Qwen-Image, Wan), one call of the rows alone has
     no unconditional rows."""
     rows = len(found) * n
+    uncond: dict[str, torch.Tensor] | None
     if len(seen) == 1 and seen[0] and len(next(iter(seen[0].values()))) == 2 * rows:
         cond = {k: v[rows:] for k, v in seen[0].items()}
         uncond = {k: v[:rows] for k, v in seen[0].items()}
@@ -353,8 +355,10 @@ def check_sde(card, params: OmniDiffusionSamplingParams) -> None:
         key = next(k for k in params.extra_args if k in SDE_ARGS)
         raise _error(
             key,
-            f"stochastic sampling ({', '.join(sorted(SDE_ARGS))}) replaces the steps of FlowMatchEulerDiscreteScheduler "
+            f"stochastic sampling ({', '.join(sorted(SDE_ARGS))}) replaces the steps of "
+            "FlowMatchEulerDiscreteScheduler "
             "(Flux, SD3, Wan, Qwen-Image, Z-Image, FLUX.2, LTX, HunyuanVideo 1.5); "
             f"{card.pipeline_name}'s scheduler is another",
         )
+    assert params.num_inference_steps is not None, "complete params"
     settings.check_steps(params.num_inference_steps)

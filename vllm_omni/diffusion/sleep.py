@@ -22,6 +22,7 @@ import gc
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -108,7 +109,7 @@ def _tensors(module: torch.nn.Module) -> dict[str, _Tensor]:
 
 def _adapter_tensors(module: torch.nn.Module) -> set[int]:
     """The ids of the LoRA adapters' tensors (PEFT's adapter layers): no file of the model holds them."""
-    ids = set()
+    ids: set[int] = set()
     for owner in module.modules():
         for attr in getattr(owner, "adapter_layer_names", ()):
             container = getattr(owner, attr, None)
@@ -213,13 +214,14 @@ class PipelineSleep:
                 self._load(wanted[key], value)
             missing = [entry for entry in entries if entry.tensor.is_meta]
             if missing:
-                fresh = _tensors(type(module).from_pretrained(folder, local_files_only=True))
+                model_class: Any = type(module)  # a diffusers or transformers model: both have from_pretrained
+                fresh = _tensors(model_class.from_pretrained(folder, local_files_only=True))
                 values = {_file_key(n): entry.tensor for entry in fresh.values() for n in entry.names}
                 for entry in missing:
-                    key = next((_file_key(n) for n in entry.names if _file_key(n) in values), None)
-                    if key is None:
+                    in_model = next((_file_key(n) for n in entry.names if _file_key(n) in values), None)
+                    if in_model is None:
                         raise RuntimeError(f"wake_up: {name}.{entry.name} is in neither {folder}'s files nor its model")
-                    self._load(entry, values[key])
+                    self._load(entry, values[in_model])
                 del fresh, values
             del self._dropped[name]
             logger.info("Reloaded %d dropped tensors of %s from %s", len(entries), name, folder)

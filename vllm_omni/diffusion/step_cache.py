@@ -26,7 +26,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -68,7 +68,7 @@ def no_cache_hooks(denoiser_class: type, backend: str | None = None) -> str | No
     ``None`` when they can."""
     if not issubclass(denoiser_class, CacheMixin):
         return f"{denoiser_class.__name__} has no diffusers cache hooks (it is not a CacheMixin model)"
-    return BROKEN_HOOKS.get((backend, denoiser_class.__name__))
+    return None if backend is None else BROKEN_HOOKS.get((backend, denoiser_class.__name__))
 
 
 def too_few_blocks(denoiser: torch.nn.Module, backend: str) -> str | None:
@@ -114,7 +114,8 @@ class StepCache(_SkipCount):
         for denoiser in denoisers:
             if (why := no_cache_hooks(type(denoiser), backend) or too_few_blocks(denoiser, backend)) is not None:
                 raise ValueError(f"cache_backend={backend!r}: {why}; set cache_backend to 'none'")
-            denoiser.enable_cache(config)
+            # a CacheMixin (checked above), which nn.Module's attribute typing (Tensor | Module) does not know
+            cast(CacheMixin, denoiser).enable_cache(config)
             for module in denoiser.modules():
                 registry = getattr(module, "_diffusers_hook", None)
                 if registry is None:
@@ -181,12 +182,12 @@ class StepCache(_SkipCount):
             return self._call(next(iter(groups.values()))[0], forward, args, kwargs)
         outputs, order = [], []
         for request, indices in groups.values():
-            index = torch.tensor(indices, device=_first_tensor(args, kwargs).device)
-            sub_args = tuple(_take(value, index, batch) for value in args)
-            sub_kwargs = {k: v if k.endswith("_ids") else _take(v, index, batch) for k, v in kwargs.items()}
+            positions = torch.tensor(indices, device=_first_tensor(args, kwargs).device)
+            sub_args = tuple(_take(value, positions, batch) for value in args)
+            sub_kwargs = {k: v if k.endswith("_ids") else _take(v, positions, batch) for k, v in kwargs.items()}
             outputs.append(self._call(request, forward, sub_args, sub_kwargs))
             order += indices
-        inverse = torch.argsort(torch.tensor(order, device=index.device))
+        inverse = torch.argsort(torch.tensor(order, device=positions.device))
         return _combine(outputs, inverse)
 
     def _call(self, request: RequestCache, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -266,10 +267,12 @@ class _RequestSplit(ModelHook):
 
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
         managers = self.cache._managers
+        # diffusers types original_forward as None, its value before the hook is registered
+        forward = cast(Callable[..., Any], self.fn_ref.original_forward)
         if managers and managers[0]._context is None:
-            with module.cache_context("cond"):
-                return self.cache.run(self.fn_ref.original_forward, args, kwargs)
-        return self.cache.run(self.fn_ref.original_forward, args, kwargs)
+            with cast(CacheMixin, module).cache_context("cond"):
+                return self.cache.run(forward, args, kwargs)
+        return self.cache.run(forward, args, kwargs)
 
 
 def _checkpoint(value: Any) -> Any:
@@ -292,7 +295,7 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
     """The rows of the call: those of its latents (``hidden_states``, or its first tensor)."""
-    latents = kwargs.get("hidden_states", None)
+    latents = kwargs.get("hidden_states")
     return (latents if isinstance(latents, torch.Tensor) else _first_tensor(args, kwargs)).shape[0]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,13 +31,18 @@ from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import RequestMetrics
 
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.roles import StageRole
+
 logger = init_logger(__name__)
 
 
 class StepEngine(EngineCore):
     """Step mode: one denoiser forward per step over the running requests (module docstring)."""
 
-    def __init__(self, od_config: OmniDiffusionConfig, role, *, side_workers: bool | None = None):
+    scheduler: StepBatchScheduler
+
+    def __init__(self, od_config: OmniDiffusionConfig, role: type[StageRole], *, side_workers: bool | None = None):
         """``side_workers``: encode and decode on worker threads beside the loop; ``None``: on CUDA only."""
         super().__init__(od_config, StepBatchScheduler(od_config), role)
         if side_workers is None:
@@ -63,7 +69,7 @@ class StepEngine(EngineCore):
             return 0
         self.metrics.batch_num_requests.observe(len(batch))
         with self.metrics.batch_execution_time.time(), self.timer.recording(batch):
-            for request, error in denoise_step(batch, self.role.stepper, self._on_oom_split, self.role.previews):
+            for request, error in denoise_step(batch, self.role.stepping, self._on_oom_split, self.role.previews):
                 self.scheduler.complete(request, error)
         done = [request for request in batch if request.state is not None and request.state.done]
         if done:
@@ -110,8 +116,8 @@ class StepEngine(EngineCore):
                 RequestMetrics(
                     batch_size=round(request.state.batch_total / max(request.state.forwards, 1), 2),
                     steps=request.state.forwards,
-                    queue_ms=(request.started_time - request.arrival_time) * 1000.0,
-                    exec_ms=(finished - request.started_time) * 1000.0,
+                    queue_ms=(request.started - request.arrival_time) * 1000.0,
+                    exec_ms=(finished - request.started) * 1000.0,
                     seed=request.seed,
                     replica=self.od_config.replica,
                     weights_version=self.weights_version,
@@ -124,6 +130,7 @@ class StepEngine(EngineCore):
         """Stop the encode and decode workers once the loop has stopped (pending decodes finish first)."""
         if self._encoder is not None:
             self._encoder.shutdown(wait=True, cancel_futures=True)
+        if self._decoder is not None:  # the two exist together
             self._decoder.shutdown(wait=True)
 
 

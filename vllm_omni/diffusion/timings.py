@@ -1,4 +1,5 @@
-"""Where a request's time goes inside the pipeline: per-component timings (``component_timings``; docs/observability.md).
+"""Where a request's time goes inside the pipeline: per-component timings (``component_timings``;
+docs/observability.md).
 
 The components are the pipeline's own modules, timed where they run, so the same hooks serve a whole pipeline
 call (request mode), the stepper (step mode) and every stage of a split pipeline:
@@ -23,7 +24,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -80,7 +81,7 @@ class _Span:
 class _Scope:
     """What one thread is recording: its timer, the requests its work is for, and a pipeline call's loop marks."""
 
-    def __init__(self, timer: ComponentTimer, requests: list[Timed]):
+    def __init__(self, timer: ComponentTimer, requests: Sequence[Timed]):
         self.timer = timer
         self.times = [request.timings for request in requests]
         self.depth = 0
@@ -122,7 +123,7 @@ class ComponentTimer:
         return event
 
     @contextlib.contextmanager
-    def recording(self, requests: list[Timed]) -> Iterator[None]:
+    def recording(self, requests: Sequence[Timed]) -> Iterator[None]:
         """Components run on this thread meanwhile count for ``requests``."""
         if not self.enabled:
             yield
@@ -163,10 +164,7 @@ class ComponentTimer:
                 self._pending[:0] = waiting
 
     def _resolve(self, span: _Span) -> None:
-        if self.cuda:
-            seconds = span.start.elapsed_time(span.end) / 1000.0
-        else:
-            seconds = span.end - span.start
+        seconds = span.start.elapsed_time(span.end) / 1000.0 if self.cuda else span.end - span.start
         for times in span.times:
             times.add(span.component, seconds)
         if span.observed:
@@ -181,7 +179,7 @@ class ComponentTimer:
             self.observe("denoise", times.seconds["denoise"])
         return times.milliseconds() or None
 
-    def log_batch(self, stage: int, requests: list[Timed]) -> None:
+    def log_batch(self, stage: int, requests: Sequence[Timed]) -> None:
         """With ``log_pipeline_timings``: one line naming each component's time for ``requests`` (their mean)."""
         if not (self.enabled and self.log and requests):
             return
@@ -199,7 +197,7 @@ class ComponentTimer:
 
 
 @contextlib.contextmanager
-def section(component: str, requests: list[Timed] | None = None) -> Iterator[None]:
+def section(component: str, requests: Sequence[Timed] | None = None) -> Iterator[None]:
     """``component`` runs inside: its time counts for ``requests`` (``None``: the recording's), unless a section
     is open already on this thread (the outermost one records)."""
     scope = _scope()
@@ -218,7 +216,7 @@ def section(component: str, requests: list[Timed] | None = None) -> Iterator[Non
 
 
 @contextlib.contextmanager
-def step(requests: list[Timed]) -> Iterator[None]:
+def step(requests: Sequence[Timed]) -> Iterator[None]:
     """One denoising step of ``requests`` (step mode and the split ``denoise`` stage): it adds to their
     ``denoise_step`` and ``denoise``."""
     scope = _scope()

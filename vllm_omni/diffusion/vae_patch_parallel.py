@@ -13,7 +13,9 @@ import functools
 
 import torch
 import torch.distributed as dist
-from diffusers import AutoencoderKL
+
+# From its module: to mypy, diffusers' top-level names are the dummy classes of its torch-less install.
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.models.autoencoders.vae import DecoderOutput
 
 
@@ -34,33 +36,36 @@ def _tiled_decode(vae: AutoencoderKL, rank: int, world: int, z: torch.Tensor, re
     row_limit = vae.tile_sample_min_size - blend_extent
     upscale = vae.tile_sample_min_size // vae.tile_latent_min_size
     dtype = next(vae.decoder.parameters()).dtype
-    rows, count = [], 0
+    post_quant_conv = vae.post_quant_conv if vae.config["use_post_quant_conv"] else None
+    rows: list[list[tuple[torch.Tensor, int]]] = []
+    count = 0
     for i in range(0, z.shape[2], overlap_size):
         row = []
         for j in range(0, z.shape[3], overlap_size):
             owner, count = count % world, count + 1
             tile = z[:, :, i : i + vae.tile_latent_min_size, j : j + vae.tile_latent_min_size]
             if owner == rank:
-                if vae.config.use_post_quant_conv:
-                    tile = vae.post_quant_conv(tile)
+                if post_quant_conv is not None:
+                    tile = post_quant_conv(tile)
                 decoded = vae.decoder(tile).contiguous()
             else:
                 height, width = tile.shape[2] * upscale, tile.shape[3] * upscale
-                decoded = torch.empty(z.shape[0], vae.config.out_channels, height, width, dtype=dtype, device=z.device)
+                channels = vae.config["out_channels"]
+                decoded = torch.empty(z.shape[0], channels, height, width, dtype=dtype, device=z.device)
             row.append((decoded, owner))
         rows.append(row)
     for row in rows:  # in the order every rank lists them, so the collectives pair up
         for decoded, owner in row:
             dist.broadcast(decoded, src=owner)
-    rows = [[decoded for decoded, _ in row] for row in rows]
+    tiles = [[decoded for decoded, _ in row] for row in rows]
     result_rows = []
-    for i, row in enumerate(rows):  # diffusers' blending, unchanged
+    for i, tile_row in enumerate(tiles):  # diffusers' blending, unchanged
         result_row = []
-        for j, tile in enumerate(row):
+        for j, tile in enumerate(tile_row):
             if i > 0:
-                tile = vae.blend_v(rows[i - 1][j], tile, blend_extent)
+                tile = vae.blend_v(tiles[i - 1][j], tile, blend_extent)
             if j > 0:
-                tile = vae.blend_h(row[j - 1], tile, blend_extent)
+                tile = vae.blend_h(tile_row[j - 1], tile, blend_extent)
             result_row.append(tile[:, :, :row_limit, :row_limit])
         result_rows.append(torch.cat(result_row, dim=3))
     dec = torch.cat(result_rows, dim=2)

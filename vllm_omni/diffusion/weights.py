@@ -45,6 +45,7 @@ class WeightsApplied(NamedTuple):
 def as_weights(weights: Weights) -> dict[str, torch.Tensor]:
     """``weights`` as one dict, read once (an iterator may be consumed only once, and every replica takes the same);
     a name given twice is refused."""
+    items: list[tuple[Any, ...]]
     if isinstance(weights, Mapping):
         items = list(weights.items())
     elif isinstance(weights, (str, bytes, torch.Tensor)):
@@ -139,7 +140,8 @@ def _materialise(module: torch.nn.Module, name: str, target: torch.Tensor, data:
         torch.utils.swap_tensors(target, new)
     except RuntimeError:  # other references to it (weakrefs): the modules that hold it take the new tensor instead
         for owner in module.modules():
-            for holder in (owner._parameters, owner._buffers):
+            holders: list[dict[str, Any]] = [owner._parameters, owner._buffers]  # new is a Parameter where target is
+            for holder in holders:
                 for key, value in holder.items():
                     if value is target:
                         holder[key] = new
@@ -187,6 +189,7 @@ class WeightUpdateGroup:
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
         self._store = store  # rank 0 serves it as long as the group lives
         prefixed = dist.PrefixStore("vllm-omni-weights", store)
+        self._group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if self.backend == "gloo":
             self._group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         elif self.backend == "nccl":
@@ -203,7 +206,8 @@ class WeightUpdateGroup:
 
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = src, 0
-        self._group.broadcast([tensor], options).wait()
+        # torch's stubs declare broadcast on ProcessGroup alone; its backends (Gloo, NCCL) have it too
+        self._group.broadcast([tensor], options).wait()  # type: ignore[union-attr]
         return tensor
 
     def receive(self, names_dtypes_shapes: Iterable[tuple[str, Any, Any]], src: int = 0) -> dict[str, torch.Tensor]:

@@ -62,6 +62,7 @@ class EngineProfiler:
             from vllm.config.profiler import validate_profile_prefix
 
             validate_profile_prefix(prefix)
+            assert self.config is not None, "profiling(config) holds"
             self._here = bool(self._inline) or not self.config.ignore_frontend
             if self._here:
                 PROCESS_PROFILER.start(self.config, trace_name(self._role(), prefix)).result()
@@ -89,6 +90,7 @@ class EngineProfiler:
 
     def _stop(self) -> list[str]:
         started, self._started = self._started, None
+        assert started is not None, "called while a session records"
         futures = [replica.call("stop_profile") for replica in started]
         written = [PROCESS_PROFILER.stop().result()] if self._here else []
         for replica, future in zip(started, futures, strict=True):

@@ -49,7 +49,8 @@ class LlmReplica(RayReplica):
         self.metrics = EngineMetrics(stage_config.stage_id, info.index, "text")
         super().__init__(actor, info, stage_config)
 
-    def _read_info(self, info: dict[str, Any]) -> ReplicaInfo:
+    def _read_info(self, info: Any) -> ReplicaInfo:
+        """The actor answers a plain dict (its interpreter may lack vllm_omni)."""
         return _info(info)
 
     def _generate_args(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any) -> tuple:
@@ -105,7 +106,7 @@ def start_llm_replicas(stage: StageDeployConfig) -> tuple[list[LlmReplica], Call
     if stage.python_executable is None:
         _check_server_vllm(stage.stage_id)
     ray.cloudpickle.register_pickle_by_value(llm_actor)  # the actor's interpreter may not have vllm_omni
-    runtime_env = {
+    runtime_env: dict[str, Any] = {
         "env_vars": {
             # vLLM's CPU backend binds its threads to cores of its own choosing unless told not to; the replica runs
             # on the num_cpus Ray gave it.

@@ -151,7 +151,8 @@ class OmniEngine:
     def load_lora(self, name: str, path: str, tensors: LoraTensors | None = None) -> None:
         """Serve adapter ``name`` from ``path`` from now on: every replica loads it (between batches) and checks it
         first. Raises `LoraLoadError` naming the file, or ValueError when the name is taken or LoRA is off.
-        ``tensors``: an adapter given as tensors (``path``: its source tag), put once into a Ray stage's object store."""
+        ``tensors``: an adapter given as tensors (``path``: its source tag), put once into a Ray stage's object
+        store."""
         if self._lora_stage is None:
             raise ValueError("this server serves no LoRA adapters: start it with --enable-lora to load them")
         tensors = None if tensors is None else self._lora_stage.shared(tensors)
@@ -182,6 +183,7 @@ class OmniEngine:
             if name not in self.loras:
                 raise UnknownLoraError(name, list(self.loras))
             del self.loras[name]
+        assert self._lora_stage is not None, "adapters are served by the stage with LoRA"
         for answer in self._lora_stage.call("unload_lora", name):
             error = answer.future.exception()
             if error is not None and not isinstance(error, ReplicaLostError):  # a lost replica has nothing to evict
@@ -273,6 +275,7 @@ class OmniEngine:
             if preview.index < flight.previews:
                 return
             flight.previews = preview.index + 1
+        assert flight.on_preview is not None, "a flight with one is previewed"
         flight.on_preview(preview)
 
     def _settle(
@@ -294,6 +297,7 @@ class OmniEngine:
         elif error is not None:
             self._finish(flight, error=error)
         else:
+            assert done is not None, "a call that did not fail is done"
             self._advance(flight, done.result())
 
     def _advance(self, flight: _Flight, output) -> None:
@@ -317,9 +321,9 @@ class OmniEngine:
         """``(state, fraction of denoising steps done)`` of a request in flight; state is waiting or running."""
         with self._lock:
             flight = self._flights.get(request_id)
-            stage, replica = (None, None) if flight is None else (flight.stage, flight.replica)
-        if flight is None:
-            return None
+            if flight is None:
+                return None
+            stage, replica = flight.stage, flight.replica
         if stage != self._denoiser or replica is None:
             return ("waiting", 0.0) if stage <= self._denoiser else ("running", 1.0)
         return self.stages[stage].replicas[replica].progress(request_id)
@@ -327,7 +331,9 @@ class OmniEngine:
     @property
     def model_card(self) -> ModelCard:
         """The model's card, as the stage that holds the denoiser read it."""
-        return self.stages[self._denoiser].info.card
+        card = self.stages[self._denoiser].info.card
+        assert card is not None, "the stage that denoises has a card"
+        return card
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if it is not in flight."""

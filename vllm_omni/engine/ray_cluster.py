@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 # Ray's failure-signal handler also takes SIGTERM, which the server uses to drain: with it the process
 # aborted (exit -6) once drained. It must be off before Ray is imported (Ray reads this at import).
@@ -23,6 +24,9 @@ except ImportError as exc:  # the resolver checks this first; here for a broken 
     raise ImportError(f"distributed_executor_backend 'ray' needs Ray: pip install 'vllm-omni[ray]' ({exc})") from exc
 
 from vllm_omni.config import StageDeployConfig
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
 
 PLACEMENT_TIMEOUT_S = 120.0
 """How long the stage waits for Ray to reserve every replica's resources."""
@@ -77,7 +81,7 @@ def start_actors(
             f"{ray.cluster_resources()}. Lower num_replicas, num_cpus or num_gpus, choose another "
             "placement_strategy, or add nodes"
         ) from None
-    remote_class = ray.remote(actor_class)
+    remote_class: ActorClass[Any] = ray.remote(actor_class)
     actors = [
         remote_class.options(
             num_cpus=stage.num_cpus,
@@ -93,7 +97,8 @@ def start_actors(
         infos = ray.get([actor.info.remote() for actor in actors])  # a replica that cannot load raises here
     except BaseException:
         for actor in actors:
-            ray.kill(actor, no_restart=True)
+            # ray types what .remote() starts as its ActorProxy (ActorHandle | type); it is the handle
+            ray.kill(actor, no_restart=True)  # type: ignore[arg-type]
         release()
         raise
     return actors, infos, release

@@ -8,7 +8,6 @@ the model); `RayReplica` watches for that so the stage routes around a replica w
 from __future__ import annotations
 
 import asyncio
-import functools
 import multiprocessing
 import threading
 import time
@@ -45,7 +44,7 @@ class _ReplicaActor:
     """The Ray actor: one `EngineReplica` in its own process. Results cross back by value; a request's own
     failure is returned, not raised, so the driver can tell it from the actor dying."""
 
-    def __init__(self, model: str, stage_config: StageDeployConfig, replica: int, torch_threads: int):
+    def __init__(self, model: str, stage_config: StageDeployConfig, replica: int, torch_threads: int | None):
         # This process is ours alone: the forkserver its ranks fork from (a stage of several ranks) imports their
         # stack once, instead of each rank importing it.
         multiprocessing.set_forkserver_preload(["vllm_omni.diffusion.parallel"])
@@ -86,13 +85,23 @@ class _ReplicaActor:
                 return ReplicaLostError(f"replica {self.replica.info.index}: {exc.reason}")
             return exc
 
-    async def generate_with_previews(self, *args):
+    async def generate_with_previews(
+        self,
+        request_id: str,
+        prompt: str,
+        params: OmniDiffusionSamplingParams,
+        payload=None,
+        by_reference=False,
+    ):
         """`generate` as a stream (a Ray streaming generator): the request's previews, each as it is made, then
         what `generate` returns."""
-        loop, previews = asyncio.get_running_loop(), asyncio.Queue()
-        output = asyncio.ensure_future(
-            self.generate(*args, on_preview=functools.partial(loop.call_soon_threadsafe, previews.put_nowait))
-        )
+        loop = asyncio.get_running_loop()
+        previews: asyncio.Queue[Preview] = asyncio.Queue()
+
+        def on_preview(preview: Preview) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(previews.put_nowait, preview)
+
+        output = asyncio.ensure_future(self.generate(request_id, prompt, params, payload, by_reference, on_preview))
         async for preview in previews_until(output, previews):
             yield preview
         yield output.result()
@@ -203,7 +212,7 @@ class RayReplica:
                 self._alive, self._sleeping = True, False
                 break
 
-    def _read_info(self, info: ReplicaInfo) -> ReplicaInfo:
+    def _read_info(self, info: Any) -> ReplicaInfo:
         """The replica's info as its actor answers it (an actor that cannot send our types overrides this)."""
         return info
 
@@ -386,7 +395,7 @@ class RayReplica:
 
 
 def start_replicas(
-    model: str, stage: StageDeployConfig, by_reference: bool, torch_threads: int
+    model: str, stage: StageDeployConfig, by_reference: bool, torch_threads: int | None
 ) -> tuple[list[RayReplica], Callable[[], None]]:
     """Place and start the stage's replicas; returns them and a function that releases what they hold.
     ``by_reference``: the next stage runs on Ray too, so outputs stay in the object store (`_ReplicaActor.generate`).

@@ -103,7 +103,7 @@ class CatchUp:
     def restore(self, actor, stage_id: int) -> None:
         """Make the kept calls on the restarted ``actor`` and wait for them (raises what Ray raises)."""
         with self._lock:
-            calls = [("load_lora", name, path, ref) for name, (path, ref) in self._loras.items()]
+            calls: list[tuple[Any, ...]] = [("load_lora", name, path, ref) for name, (path, ref) in self._loras.items()]
             version = self._version
             if self._received:
                 logger.warning(

@@ -65,7 +65,12 @@ def warm_up_params(card: ModelCard, compile_sizes: tuple[str, ...] = ()) -> list
             image = Image.new("RGB", (width or default_width, height or default_height), (128, 128, 128))
         warm_ups.append(
             OmniDiffusionSamplingParams(
-                num_inference_steps=card.min_steps, seed=0, height=height, width=width, num_frames=frames, image=image
+                num_inference_steps=card.min_steps,
+                seed=0,
+                height=height,
+                width=width,
+                num_frames=frames,
+                image=None if image is None else [image],
             )
         )
     return warm_ups
@@ -212,6 +217,7 @@ class EngineReplica:
         """`Replica.warm_up`, with `warm_up_params`."""
         if self.engine.role.split:
             return
+        assert self.info.card is not None, "a diffusers replica has a card"
         for warm_up in warm_up_params(self.info.card, self.engine.od_config.stage.compile_sizes):
             params = self.engine.admission.admit(warm_up).params
             self.submit(f"warmup-{uuid.uuid4().hex}", "warm-up", params).result()

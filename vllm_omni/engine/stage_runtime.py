@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.config.parallel import sequence_ranks
-from vllm_omni.diffusion.roles import ROLES, Admission
+from vllm_omni.diffusion.roles import ROLES, Admission, StageAdmission
 from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo, ReplicaLostError
 from vllm_omni.errors import StageUnavailableError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+if TYPE_CHECKING:
+    from vllm_omni.engine.llm_replicas import LlmAdmission
 
 logger = init_logger(__name__)
 
@@ -93,8 +96,8 @@ class StageRuntime:
         self.stage_id = stage_config.stage_id
         logger.info("Starting %s", stage_config.describe())
         self._release_backend = None
-        self.replicas: list[Replica]
-        admission = None
+        self.replicas: Sequence[Replica]
+        admission: LlmAdmission | StageAdmission | None = None
         if STAGE_TYPES[stage_config.stage_type].runs == "vllm":
             from vllm_omni.engine.llm_replicas import LlmAdmission, start_llm_replicas
 
@@ -108,13 +111,16 @@ class StageRuntime:
         else:
             self.replicas = [EngineReplica(OmniDiffusionConfig.from_stage(model, stage_config, 0, torch_threads))]
         self.info: ReplicaInfo = self.replicas[0].info
-        self.admission = admission or ROLES[stage_config.stage_type].admission(
-            stage_config.execution_mode, self.info.card, sequence_ranks(stage_config)
-        )
+        if admission is None:
+            assert self.info.card is not None, "a diffusers stage's replicas have a card"
+            admission = ROLES[stage_config.stage_type].admission(
+                stage_config.execution_mode, self.info.card, sequence_ranks(stage_config)
+            )
+        self.admission = admission
         """How the stage admits requests: here, from its replicas' model card, without asking a replica."""
         self._lock = threading.Lock()
         self._load = [0] * len(self.replicas)
-        self._keys = [Counter() for _ in self.replicas]
+        self._keys: list[Counter[Hashable]] = [Counter() for _ in self.replicas]
         # Calls that go to every replica at once (metrics at each scrape, shutdown).
         self._fan_out = ThreadPoolExecutor(len(self.replicas), thread_name_prefix=f"vllm-omni-stage-{self.stage_id}")
         stage = str(self.stage_id)

@@ -2,9 +2,9 @@
 (`OmniEngine.weights`; docs/rl.md, "Weight updates").
 
 Each replica applies an update on its engine's thread once its requests in progress have finished, before it
-starts another (the ``update_weights`` verb, diffusion/weights.py), so a call returns once every replica serves the new weights: a
-request admitted after it runs on them, a batch already running finishes on the old ones. Updates are sent one at
-a time, so every replica applies them in the same order.
+starts another (the ``update_weights`` verb, diffusion/weights.py), so a call returns once every replica serves the
+new weights: a request admitted after it runs on them, a batch already running finishes on the old ones. Updates
+are sent one at a time, so every replica applies them in the same order.
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ class WeightUpdates:
         with self._lock:
             stages = self.holders(component)
             shared = [stage.shared(weights) for stage in stages]
-            wait([a for s, w in zip(stages, shared) for a in s.call("update_weights", w, component, down_too=True)])
+            wait(
+                [
+                    a
+                    for s, w in zip(stages, shared, strict=True)
+                    for a in s.call("update_weights", w, component, down_too=True)
+                ]
+            )
 
     def init_weight_update_group(
         self,

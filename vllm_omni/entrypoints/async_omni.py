@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from vllm_omni.diffusion.previews import previews_until
-from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.diffusion.weights import Weights
+from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.engine.replica import warm_up_params
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestAbortedError
-from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.outputs import OmniRequestOutput, Preview
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
@@ -36,12 +35,13 @@ class AsyncOmni(OmniBase):
         """
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
         admitted = self._admitted(request_id, sampling_params or OmniDiffusionSamplingParams())
-        loop, previews = asyncio.get_running_loop(), asyncio.Queue()
-        on_preview = (
-            functools.partial(loop.call_soon_threadsafe, previews.put_nowait)
-            if admitted.params.partial_images
-            else None
-        )
+        loop = asyncio.get_running_loop()
+        previews: asyncio.Queue[Preview] = asyncio.Queue()
+
+        def hand_over(preview: Preview) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(previews.put_nowait, preview)
+
+        on_preview = hand_over if admitted.params.partial_images else None
         future = self.engine.add_request(request_id, prompt, admitted, on_preview)
         result = asyncio.wrap_future(future)
         try:
@@ -69,13 +69,13 @@ class AsyncOmni(OmniBase):
         initialises its components before the first real request. Then the same at each of the denoising stage's
         ``compile_sizes``, so that its compiled denoiser has compiled them."""
 
-        async def one() -> None:
+        async def one(params: OmniDiffusionSamplingParams) -> None:
             async for _ in self.generate("warm-up", params, request_id=f"warmup-{uuid.uuid4().hex}"):
                 pass
 
         compile_sizes = next((stage.compile_sizes for stage in self.stage_configs if stage.denoises), ())
         for params in warm_up_params(self.model_card, compile_sizes):
-            await asyncio.gather(*(one() for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
+            await asyncio.gather(*(one(params) for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
 
     async def add_lora(self, name: str, source: LoraSource, peft_config: Any = None) -> None:
         """`Omni.add_lora`: serve adapter ``name`` from its path, or from its tensors with their ``peft_config``."""

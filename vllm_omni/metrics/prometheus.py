@@ -239,6 +239,7 @@ class PhaseTimer:
         ``output`` reports (`RequestMetrics`), the rest (submitting it, handing its output back to this thread,
         between the stages of a split pipeline) as ``handoff``, laid out in that order."""
         now, metrics = time.perf_counter(), output.metrics
+        assert metrics is not None, "a finished output has its metrics"
         queue_s, execution_s = metrics.queue_ms / 1000.0, metrics.exec_ms / 1000.0
         handoff_s = max(0.0, now - self._last - queue_s - execution_s)
         start = self._last

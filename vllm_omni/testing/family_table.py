@@ -87,12 +87,11 @@ def family_row(build: Callable[[], object]) -> tuple[str, dict[str, str | None],
     served), and the inputs it takes."""
     import torch
 
+    from vllm_omni.diffusion.components import loaded_denoisers
     from vllm_omni.diffusion.lora import no_lora_loader
     from vllm_omni.diffusion.model_card import ModelCard
-    from vllm_omni.diffusion.pipeline_facts import ALONE_WITH_IMAGES
+    from vllm_omni.diffusion.pipeline_facts import ALONE_WITH_IMAGES, check_batchable
     from vllm_omni.diffusion.roles import DiffusionRole
-    from vllm_omni.diffusion.components import loaded_denoisers
-    from vllm_omni.diffusion.pipeline_facts import check_batchable
     from vllm_omni.diffusion.step_cache import CallCache
     from vllm_omni.diffusion.steppers import SPLIT, STEP_MODE, make_stepper
 

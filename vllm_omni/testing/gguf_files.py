@@ -21,6 +21,7 @@ quantized path; their widths (16 to 64) leave many rows that fit no block, which
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -65,7 +66,7 @@ def write_gguf(folder: str, family: str, out: str, qtype: str = "Q8_0") -> str:
             kind = gguf.GGMLQuantizationType.F16
             packed = gguf.quants.quantize(data, kind)
         writer.add_tensor(name, packed, raw_dtype=kind)
-    writer.write_header_to_file(path=os.fspath(out))
+    writer.write_header_to_file(path=Path(out))
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import unquote
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
@@ -92,12 +93,11 @@ class LocalHub:
             api = segments[:2] == ["api", "models"]
             if api and len(segments) in (3, 4):
                 repo_id, action, rest = "/".join(segments[2:]), "revision", ["main"]
-            elif api and (found := split(segments[2:], "revision", "tree")):
-                repo_id, action, rest = found
-            elif not api and (found := split(segments, "resolve")) and len(found[2]) >= 2:
-                repo_id, action, rest = found
             else:
-                return error(404, None, f"Not found: {raw}")
+                found = split(segments[2:], "revision", "tree") if api else split(segments, "resolve")
+                if found is None or (not api and len(found[2]) < 2):
+                    return error(404, None, f"Not found: {raw}")
+                repo_id, action, rest = found
             if repo_id not in self._commits:
                 return error(404, "RepoNotFound", f"Repository not found: {repo_id}")
             commit = self._resolve(repo_id, rest[0])
@@ -138,7 +138,8 @@ class LocalHub:
         return app
 
     def _tree(self, files: dict[str, str], path: str, recursive: bool) -> list[dict]:
-        prefix, entries = f"{path}/" if path else "", {}
+        prefix = f"{path}/" if path else ""
+        entries: dict[str, dict[str, Any]] = {}
         for name, digest in sorted(files.items()):
             if not name.startswith(prefix):
                 continue
@@ -176,7 +177,8 @@ class LocalHub:
         """Stop serving and wait for the server thread to end."""
         if self._server is not None:
             self._server.should_exit = True
-            self._thread.join(30)
+            if self._thread is not None:  # started with the server
+                self._thread.join(30)
             self._server = self._thread = None
 
     def __enter__(self) -> "LocalHub":

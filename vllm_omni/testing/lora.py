@@ -37,9 +37,10 @@ def _random_lora(
     with torch.no_grad():
         for layer in module.modules():
             if isinstance(layer, LoraLayer) and "random" in layer.lora_A:
-                a, b = layer.lora_A["random"].weight, layer.lora_B["random"].weight
+                a = layer.lora_A["random"].get_parameter("weight")
+                b = layer.lora_B["random"].get_parameter("weight")
                 delta = (b.flatten(1) @ a.flatten(1)).norm() * layer.scaling["random"]
-                factor = (strength * layer.get_base_layer().weight.norm() / delta).sqrt()
+                factor = (strength * layer.get_base_layer().get_parameter("weight").norm() / delta).sqrt()
                 a.mul_(factor)
                 b.mul_(factor)
     return {k: v.contiguous() for k, v in get_peft_model_state_dict(module, adapter_name="random").items()}

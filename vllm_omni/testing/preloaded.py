@@ -25,6 +25,7 @@ set_device_hint()  # vLLM reads its platform once, at its first import: as the C
 import diffusers  # noqa: E402, F401
 import torch  # noqa: E402, F401
 import vllm.entrypoints.cli.main  # noqa: E402
+
 import vllm_omni.entrypoints.cli.serve  # noqa: E402, F401
 import vllm_omni.entrypoints.openai.app  # noqa: E402, F401
 

@@ -22,11 +22,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
-
 
 RAY_WORKER_PORTS_END = 20000
 """Ray's worker processes listen on ports 10002-19999 (its ``min_worker_port`` / ``max_worker_port``)."""
@@ -100,9 +99,12 @@ class _PreloadedProcess:
         # The starter's environment now, not the forkserver's from when it started: Ray's RAY_AUTH_MODE, for one, is
         # set in the process that starts a local cluster, and a server without it cannot join that cluster.
         started = (argv, log_path, os.getcwd(), dict(os.environ))
+        assert _preloaded is not None, "made only once use_preloaded_servers has run"
         self._process = _preloaded.Process(target=_serve_preloaded, args=started, daemon=True)
         self._process.start()
-        self.pid = self._process.pid
+        pid = self._process.pid
+        assert pid is not None, "started"
+        self.pid = pid
 
     @property
     def returncode(self) -> int | None:
@@ -114,6 +116,7 @@ class _PreloadedProcess:
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
         if self._process.exitcode is None:
+            assert timeout is not None, "join() without a timeout returns once it exited"
             raise subprocess.TimeoutExpired(["vllm", "serve"], timeout)
         return self._process.exitcode
 
@@ -134,7 +137,7 @@ class RemoteOmniServer:
     def __init__(
         self,
         model: str,
-        args: list[str] = (),
+        args: Sequence[str] = (),
         *,
         startup_timeout_s: float = 300.0,
         log_path: str | None = None,
@@ -207,7 +210,7 @@ class RemoteOmniServer:
         with open(self.log_path, errors="replace") as log:
             return "".join(log.readlines()[-lines:])
 
-    def stop(self, timeout_s: float = 60.0) -> int:
+    def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM, then wait; SIGKILL if it does not exit in time. Returns the exit code."""
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

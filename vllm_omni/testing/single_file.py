@@ -43,6 +43,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -100,6 +101,8 @@ def _ldm_unet(state: dict, config: dict) -> dict[str, torch.Tensor]:
     """Inverse of ``convert_ldm_unet_checkpoint``: LDM numbers every ResNet, attention and resampler in one sequence."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 
+    mappings: dict[str, Any] = DIFFUSERS_TO_LDM_MAPPING  # a nested literal that mypy reads as dict[str, object]
+
     per_block = config["layers_per_block"]
     if not isinstance(per_block, int):  # the forward converter reads it as one int
         raise ValueError(f"layers_per_block must be an int, not {per_block!r}")
@@ -129,12 +132,14 @@ def _ldm_unet(state: dict, config: dict) -> dict[str, torch.Tensor]:
         # The upsampler shares the block's last output block, after its attention if it has one.
         attended = any(key.startswith(f"up_blocks.{block}.attentions.{per_block}.") for key in state)
         rules[f"up_blocks.{block}.upsamplers.0.conv."] = (f"output_blocks.{index - 1}.{2 if attended else 1}.conv.", {})
-    return _rename(state, DIFFUSERS_TO_LDM_MAPPING["unet"]["layers"], rules)
+    return _rename(state, mappings["unet"]["layers"], rules)
 
 
 def _ldm_vae(state: dict, config: dict) -> dict[str, torch.Tensor]:
     """Inverse of ``convert_ldm_vae_checkpoint``: LDM numbers the decoder's up blocks from the bottom."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    mappings: dict[str, Any] = DIFFUSERS_TO_LDM_MAPPING  # a nested literal that mypy reads as dict[str, object]
 
     rules = {}
     for part in ("encoder", "decoder"):
@@ -156,7 +161,7 @@ def _ldm_vae(state: dict, config: dict) -> dict[str, torch.Tensor]:
                 _VAE_RESNET,
             )
         rules[f"decoder.up_blocks.{block}.upsamplers.0.conv."] = (f"decoder.up.{ups - 1 - block}.upsample.conv.", {})
-    out = _rename(state, DIFFUSERS_TO_LDM_MAPPING["vae"], rules)
+    out = _rename(state, mappings["vae"], rules)
     # LDM's mid attention projects with 1x1 convolutions; the converter squeezes them back to linear weights.
     attention = re.compile(r"mid\.attn_1\.(q|k|v|proj_out)\.weight$")
     return {k: v[:, :, None, None] if attention.search(k) and v.ndim == 2 else v for k, v in out.items()}
@@ -271,11 +276,11 @@ def _flux_converter_at_config_width(checkpoint: dict, config=None, **kwargs) -> 
 
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     ours = {}
-    for key in [k for k in checkpoint if _LINEAR1.match(k)]:
-        block, param = _LINEAR1.match(key).groups()
+    for key, found in [(k, m) for k in checkpoint if (m := _LINEAR1.match(k)) is not None]:
+        block, param = found.groups()
         fused = checkpoint[key]
-        parts = torch.split(fused, (inner, inner, inner, fused.shape[0] - 3 * inner))
-        for name, part in zip(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), parts):
+        parts = torch.split(fused, [inner, inner, inner, fused.shape[0] - 3 * inner])
+        for name, part in zip(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), parts, strict=True):
             ours[f"single_transformer_blocks.{block}.{name}.{param}"] = part
         # A zero-stride stand-in of the size diffusers expects, so that its converter still maps everything else.
         checkpoint[key] = fused.new_zeros((1, *fused.shape[1:])).expand(_FLUX1_LINEAR1_ROWS, *fused.shape[1:])
@@ -287,7 +292,8 @@ def flux_converter_for_any_width() -> Iterator[None]:
     """Within it, ``from_single_file`` splits Flux's fused ``linear1`` at the config's width, not FLUX.1's."""
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
-    entry = SINGLE_FILE_LOADABLE_CLASSES["FluxTransformer2DModel"]
+    classes: dict[str, Any] = SINGLE_FILE_LOADABLE_CLASSES  # a literal of mixed entries: mypy reads it as object
+    entry = classes["FluxTransformer2DModel"]
     original = entry["checkpoint_mapping_fn"]
     entry["checkpoint_mapping_fn"] = _flux_converter_at_config_width
     try:

@@ -24,7 +24,9 @@ def run_joined(
     requests one forward held."""
     begin = begin or stepper.prepare
     pending = sorted(script, key=lambda entry: entry[0])
-    running, outputs, largest, step = [], {}, 0, 0
+    running: list[tuple[str, StepState]] = []
+    outputs: dict[str, list[Any]] = {}
+    largest, step = 0, 0
     with torch.inference_mode():
         while pending or running:
             while pending and pending[0][0] <= step:

@@ -79,7 +79,10 @@ def build_tiny_qwen_image():
 
 def build_tiny_z_image():
     """Z-Image (Turbo's layout): Qwen3 + AutoencoderKL (×8, 16 latent channels) + ZImageTransformer2DModel."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    # from its module: to mypy, diffusers' top-level names are the dummy classes of its torch-less install
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 
     torch.manual_seed(0)
     tokenizer = _chat_tokenizer()
@@ -123,8 +126,12 @@ def build_tiny_flux2():
 
     The pipeline stacks the Qwen3 hidden states of layers 9, 18 and 27 (its ``text_encoder_out_layers``), so the
     16-wide Qwen3 has 27 layers."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from diffusers import Flux2Transformer2DModel
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
 
     torch.manual_seed(0)
     tokenizer = _chat_tokenizer()
@@ -163,8 +170,12 @@ def build_tiny_flux2():
 
 def build_tiny_ltx():
     """LTX-Video: T5 + AutoencoderKLLTXVideo (×32 spatial, ×8 temporal, as the real one) + its transformer."""
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
-    from diffusers import LTXVideoTransformer3DModel
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
     from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(0)
@@ -205,8 +216,12 @@ def build_tiny_ltx():
 def build_tiny_hunyuan_video_15():
     """HunyuanVideo 1.5 text-to-video: Qwen2.5-VL's text model + ByT5 (quoted text) + AutoencoderKLHunyuanVideo15
     (×4 spatial, ×2 temporal) + HunyuanVideo15Transformer3DModel, guided by a ClassifierFreeGuidance guider."""
-    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
-    from diffusers import HunyuanVideo15Transformer3DModel
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 

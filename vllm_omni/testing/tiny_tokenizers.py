@@ -23,7 +23,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, [chr(c) for c in cs]))
+    return dict(zip(bs, [chr(c) for c in cs], strict=True))
 
 
 def _learn_bpe_merges(words: list[str], num_merges: int) -> list[tuple[str, str]]:

@@ -181,5 +181,6 @@ def test_a_video_model_answers_a_video_url_with_the_sync_routes_mp4(video_server
         pairs = zip(chatted.decode(video=0), synced.decode(video=0), strict=True)
         diffs = [np.abs(a.to_ndarray().astype(int) - b.to_ndarray().astype(int)) for a, b in pairs]
     # The same frames: x264's output is not bit-reproducible on a loaded machine (the same frames
-    # encoded twice decoded up to 10/255 apart, 1.2/255 on average), so compare on average; another seed is 10.6/255 off.
+    # encoded twice decoded up to 10/255 apart, 1.2/255 on average), so compare on average; another seed is
+    # 10.6/255 off.
     assert max(d.mean() for d in diffs) <= 3

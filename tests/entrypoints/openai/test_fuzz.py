@@ -81,30 +81,35 @@ def test_schema_driven_fuzzing(server):
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             if mode is GenerationMode.NEGATIVE and label not in BODIES:
                 continue  # no body, no query: nothing to make invalid (a path segment is any string)
-
-            @settings(
-                max_examples=EXAMPLES.get(label, 5),
-                deadline=None,
-                database=None,
-                derandomize=True,  # the same examples on every run: a failure reproduces
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(operation.as_strategy(generation_mode=mode))
-            def fuzz(case):
-                response = case.call(headers=AUTH, timeout=60)
-                check(response, f"{label} {mode.value}: {case.body!r:.300}")
-                if operation.path == EDITS and response.status_code >= 400:
-                    error = response.json()["error"]
-                    _check_edit_param(error, f"{mode.value}: {case.body!r:.300}")
-                    edit_errors[response.status_code, error["param"], error["code"]] += 1
-
-            fuzz()
+            _fuzz_operation(operation, label, mode)
     assert counts["requests"] >= 900 and counts[f"{EDITS} requests"] >= 400, counts
     # The generated bodies reach the route: its own refusals (a file missing or not an image, the form's fields).
     params = {param for _, param, _ in edit_errors}
     assert {"image", "prompt"} <= params, edit_errors
     assert {status for status, _, _ in edit_errors} <= {400, 404}, edit_errors  # 404: a model of another name
     assert httpx.get(server.url_for("health")).status_code == 200
+
+
+def _fuzz_operation(operation, label: str, mode: GenerationMode) -> None:
+    """Hypothesis' examples of ``operation`` in ``mode``, each sent to the server and checked."""
+
+    @settings(
+        max_examples=EXAMPLES.get(label, 5),
+        deadline=None,
+        database=None,
+        derandomize=True,  # the same examples on every run: a failure reproduces
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(operation.as_strategy(generation_mode=mode))
+    def fuzz(case):
+        response = case.call(headers=AUTH, timeout=60)
+        check(response, f"{label} {mode.value}: {case.body!r:.300}")
+        if operation.path == EDITS and response.status_code >= 400:
+            error = response.json()["error"]
+            _check_edit_param(error, f"{mode.value}: {case.body!r:.300}")
+            edit_errors[response.status_code, error["param"], error["code"]] += 1
+
+    fuzz()
 
 
 def _check_edit_param(error: dict, what: str) -> None:
@@ -528,6 +533,7 @@ def test_server_is_healthy_after_the_fuzzing(server):
     print(f"fuzz edits: {counts[f'{EDITS} requests']} requests, {counts[f'{EDITS} 5xx']} 5xx")
     print(f"fuzz videos: {counts[f'{VIDEOS} requests']} requests, {counts[f'{VIDEOS} 5xx']} 5xx")
     print(
-        f"schema-driven edits: refusals {dict(edit_errors.most_common(8))}; with real images {dict(real_image_outcomes)}"
+        f"schema-driven edits: refusals {dict(edit_errors.most_common(8))}; "
+        f"with real images {dict(real_image_outcomes)}"
     )
     assert counts[f"{EDITS} 5xx"] == counts[f"{VIDEOS} 5xx"] == 0

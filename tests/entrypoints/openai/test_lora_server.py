@@ -239,7 +239,7 @@ def test_refusals_name_the_field(server, case):
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_scales_are_refused(server, value):
     """Python's JSON (and so the server's) reads NaN and Infinity; the scale must still be finite."""
-    body = '{"prompt": "x", "size": "64x64", "lora": {"name": "a", "scale": %s}}' % value
+    body = '{"prompt": "x", "size": "64x64", "lora": {"name": "a", "scale": ' + value + "}}"
     response = httpx.post(
         server.url_for("v1", "images", "generations"),
         content=body,
@@ -363,9 +363,8 @@ def test_an_adapter_that_cannot_be_served_fails_start_up_naming_its_file(tiny_sd
         path, args, words = adapters["rank16"], ["--max-lora-rank", "8"], [adapters["rank16"], "--max-lora-rank 8"]
     log = tmp_path / "server.log"
     starting = RemoteOmniServer(tiny_sd, ["--lora-modules", f"bad={path}", *args], log_path=str(log))
-    with pytest.raises(RuntimeError, match="exited with"):
-        with starting:
-            pass
+    with pytest.raises(RuntimeError, match="exited with"), starting:
+        pass
     assert starting.process.returncode not in (0, None)
     text = log.read_text()
     for word in words:

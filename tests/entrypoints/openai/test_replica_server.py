@@ -36,9 +36,12 @@ def _replica_pids(server) -> list[int]:
     pids = []
     for proc in pathlib.Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and b"ray::_ReplicaActor" in (proc / "cmdline").read_bytes():
-                if os.getsid(int(proc.name)) == server.process.pid:
-                    pids.append(int(proc.name))
+            if (
+                proc.name.isdigit()
+                and b"ray::_ReplicaActor" in (proc / "cmdline").read_bytes()
+                and os.getsid(int(proc.name)) == server.process.pid
+            ):
+                pids.append(int(proc.name))
         except OSError:
             continue
     return sorted(pids)

@@ -1,8 +1,8 @@
 """Requests as upstream vllm-omni's clients and docs send them (docs/migration.md): ``b64_json`` by default,
-``response_format: file``, case-insensitive ``output_format``, ``true_cfg_scale`` with ``negative_prompt`` (either alone is
-dropped with a warning: test_ignored_fields), video ``width``/``height``, ``POST /v1/videos/sync``, ``order`` and unknown query
-parameters, 404 for unknown routes. Real uvicorn servers in this process, so that the sync route's disconnect test
-can hold the engine."""
+``response_format: file``, case-insensitive ``output_format``, ``true_cfg_scale`` with ``negative_prompt`` (either
+alone is dropped with a warning: test_ignored_fields), video ``width``/``height``, ``POST /v1/videos/sync``, ``order``
+and unknown query parameters, 404 for unknown routes. Real uvicorn servers in this process, so that the sync route's
+disconnect test can hold the engine."""
 
 import base64
 import contextlib

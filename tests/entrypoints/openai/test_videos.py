@@ -41,9 +41,8 @@ def _wait(server, video_id: str, timeout=120.0) -> dict:
 
 def _metric(server, name: str) -> float:
     for line in httpx.get(server.url_for("metrics"), timeout=60).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            if 'task="video"' in line or "task" not in line:
-                return float(line.rsplit(" ", 1)[1])
+        if line.startswith((name + " ", name + "{")) and ('task="video"' in line or "task" not in line):
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 

@@ -15,24 +15,48 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 
 from vllm_omni.diffusion.lora import LoraAdapters, Selection
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.step_cache import StepCache
+from vllm_omni.diffusion.step_cache import CallCache, StepCache
 from vllm_omni.diffusion.steppers.images import ImageTasks, encode_image
 from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import ImageTask, OmniDiffusionSamplingParams
 
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.previews import PreviewMethod
 
-def split_rows(tensor: torch.Tensor | None, n: int, count: int) -> list[torch.Tensor | None]:
+
+@overload
+def split_rows(tensor: torch.Tensor, n: int, count: int) -> list[torch.Tensor]: ...
+@overload
+def split_rows(tensor: None, n: int, count: int) -> list[None]: ...
+@overload
+def split_rows(tensor: torch.Tensor | None, n: int, count: int) -> list[torch.Tensor | None]: ...
+def split_rows(tensor: torch.Tensor | None, n: int, count: int) -> list[Any]:
     """A batch-encoded ``[count * n, ...]`` tensor as ``count`` views of ``n`` rows (one per request)."""
     return [None] * count if tensor is None else list(tensor.split(n))
+
+
+def guidance_scale(params: OmniDiffusionSamplingParams) -> float:
+    """The ``guidance_scale`` of complete ``params`` (the model's default filled in)."""
+    assert params.guidance_scale is not None, "complete params"
+    return params.guidance_scale
+
+
+def negative_prompts(params: list[OmniDiffusionSamplingParams]) -> list[str]:
+    """The negative prompts of requests encoded together with negative rows: each has one (the encode key)."""
+    prompts = []
+    for q in params:
+        assert q.negative_prompt is not None, "encoded together with a request that has a negative prompt"
+        prompts.append(q.negative_prompt)
+    return prompts
 
 
 def generators_for(seed: int, n: int) -> list[torch.Generator]:
@@ -61,7 +85,7 @@ class Stepper(ImageTasks):
     tasks: ClassVar[frozenset[ImageTask]] = frozenset({"text"})
     """The tasks it steps (`OmniDiffusionSamplingParams.task`): image tasks as its class's image-to-image and
     inpainting pipelines (``from_pipe``) run them."""
-    preview_method: ClassVar[str] = "latent_rgb"
+    preview_method: ClassVar[PreviewMethod] = "latent_rgb"
     """How its previews become RGB (`previews.PreviewMethod`): ``latent_rgb`` projects what `to_vae` gives,
     ``vae`` decodes in full (a stepper without `to_vae`)."""
 
@@ -74,7 +98,7 @@ class Stepper(ImageTasks):
         """What the admission classmethods below read of the pipeline."""
         self.lora: LoraAdapters | None = None
         """The stage's LoRA adapters (set by its role); each request's own apply to its rows."""
-        self.step_cache: StepCache | None = None
+        self.step_cache: StepCache | CallCache | None = None
         """The stage's step cache (set by its role); each request's own state serves its rows."""
 
     @classmethod
@@ -116,6 +140,7 @@ class Stepper(ImageTasks):
     @classmethod
     def negative_rows(cls, params: OmniDiffusionSamplingParams) -> bool:
         """Whether the request has unconditional rows: classifier-free guidance (``guidance_scale > 1``)."""
+        assert params.guidance_scale is not None, "complete params"
         return params.guidance_scale > 1
 
     @classmethod
@@ -152,11 +177,18 @@ class Stepper(ImageTasks):
         """Encode the prompt, draw the initial noise and set up the request's own schedule."""
         return self.start(self.encode([prompt], [params])[0], params, seed)
 
+    @overload
+    def on_device(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    @overload
+    def on_device(self, rows: None) -> None: ...
+    @overload
+    def on_device(self, rows: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None: ...
     def on_device(self, rows: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
         """Encoded rows on this stepper's device and dtype (the encode stage may run on another device or dtype;
         on the same ones nothing is copied)."""
         if rows is None:
             return None
+        assert self.denoiser is not None, "the stage that denoises takes encoded rows"
         dtype = self.denoiser.dtype
         return {k: v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device) for k, v in rows.items()}
 
@@ -231,7 +263,9 @@ class Stepper(ImageTasks):
             if state.inpaint is not None:
                 self.blend(state)
 
-    def postprocess_images(self, images: torch.Tensor, states: list[StepState], **kwargs) -> list[list[Any]]:
+    def postprocess_images(
+        self, images: torch.Tensor, states: Sequence[Latents | StepState], **kwargs
+    ) -> list[list[Any]]:
         """Split a decoded batch per request and convert each to its ``output_type``."""
         outputs, start = [], 0
         for state in states:

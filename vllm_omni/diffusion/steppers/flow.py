@@ -23,6 +23,8 @@ from vllm_omni.diffusion.steppers.base import (
     StepState,
     fresh_noise_scheduler,
     generators_for,
+    guidance_scale,
+    negative_prompts,
     split_rows,
 )
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -116,13 +118,15 @@ class FluxStepper(FlowMatchStepper):
             return [{"encoder_hidden_states": e, "pooled_projections": q} for e, q in rows], text_ids
 
         cond, text_ids = encode(prompts)
-        uncond = encode([q.negative_prompt for q in params])[0] if self.negative_rows(params[0]) else [None] * len(cond)
+        uncond = encode(negative_prompts(params))[0] if self.negative_rows(params[0]) else [None] * len(cond)
         return [Conditioning(c, u, {"txt_ids": text_ids}) for c, u in zip(cond, uncond, strict=True)]
 
     def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         p, n, steps = self.pipeline, params.num_outputs_per_prompt, params.num_inference_steps
+        assert steps is not None, "complete params"
         cond, uncond = self.on_device(conditioning.cond), self.on_device(conditioning.uncond)
         if self.transformer.config.guidance_embeds:
+            assert params.guidance_scale is not None, "complete params of a guidance-distilled Flux"
             guidance = torch.full([n], params.guidance_scale, device=self.device, dtype=torch.float32)
             cond = cond | {"guidance": guidance}
             uncond = None if uncond is None else uncond | {"guidance": guidance}
@@ -147,7 +151,8 @@ class FluxStepper(FlowMatchStepper):
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
-        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        # diffusers annotates sigmas as list[float]; its own Flux pipeline passes this numpy array
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
         scheduler.set_begin_index(0)
         state = StepState(
             params=params,
@@ -243,7 +248,7 @@ class SD3Stepper(FlowMatchStepper):
             cond=cond,
             uncond=uncond,
             shared={},
-            guidance=params.guidance_scale,
+            guidance=guidance_scale(params),
         )
         if image_latents is not None:
             self.start_image(state, conditioning, image_latents, latents, generators)
@@ -321,7 +326,7 @@ class WanStepper(FlowMatchStepper):
             cond=self.on_device(conditioning.cond),
             uncond=self.on_device(conditioning.uncond),
             shared={},
-            guidance=params.guidance_scale,
+            guidance=guidance_scale(params),
         )
 
     def model_input(self, state: StepState) -> torch.Tensor:

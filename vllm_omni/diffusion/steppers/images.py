@@ -96,6 +96,8 @@ class ImageTasks:
         and for inpainting what each step blends in. ``noise`` is its initial noise, drawn after its image."""
         params, scheduler = state.params, state.noise_scheduler
         steps, strength = params.num_inference_steps, params.strength
+        assert steps is not None and strength is not None, "complete params of an image task"
+        assert conditioning.image is not None, "an image task's conditioning holds its image"
         state.offset = self.card.strength_offset(steps, strength) * scheduler.order
         state.timesteps = scheduler.timesteps[state.offset :]
         if hasattr(scheduler, "set_begin_index"):
@@ -133,5 +135,6 @@ class ImageTasks:
         """An inpainting request after a step: outside its mask, its image latents noised to its next timestep
         (after its last step, the image latents themselves)."""
         inpaint = state.inpaint
+        assert inpaint is not None, "blends an inpainting request only"
         kept = inpaint.image_latents if state.done else self.noised(state, inpaint.image_latents, inpaint.noise)
         state.latents = (1 - inpaint.mask) * kept + inpaint.mask * state.latents

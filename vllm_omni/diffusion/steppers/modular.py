@@ -47,9 +47,9 @@ from vllm_omni.diffusion.components import TEXT_ENCODERS
 from vllm_omni.diffusion.model_card import ModelCard
 from vllm_omni.diffusion.pipeline_facts import schedule_index
 from vllm_omni.diffusion.sde import EMBEDDING_NAMES, SDE_ARGS, record_first_step
+from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
 from vllm_omni.diffusion.steppers.denoiser_calls import DenoiserCalls, batched, joined
 from vllm_omni.diffusion.steppers.modular_families import MODULAR_FAMILIES
-from vllm_omni.diffusion.steppers.base import Stepper, fresh_noise_scheduler, generators_for
 from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -77,13 +77,13 @@ class RequestComponents:
     denoiser; everything else is the shared pipeline's. The pipeline's properties are read over this view, so that
     what they derive from the guider (``requires_unconditional_embeds``) is the request's."""
 
-    def __init__(self, modular, scheduler, guider, denoisers: dict[str, DenoiserCalls]):
+    def __init__(self, modular, scheduler, guider, denoisers: dict[str, DenoiserCalls | _Unloaded]):
         self._modular, self.scheduler, self.guider = modular, scheduler, guider
         vars(self).update(denoisers)  # under the denoiser's component name: transformer, unet
 
     def __getattr__(self, name: str) -> Any:
         found = inspect.getattr_static(type(self._modular), name, None)
-        return found.fget(self) if isinstance(found, property) else getattr(self._modular, name)
+        return found.__get__(self) if isinstance(found, property) else getattr(self._modular, name)
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,12 @@ class ModularStepState(StepState):
     LTX's ``num_frames``)."""
     components: RequestComponents | None = None
     """Its view of the pipeline's components."""
+
+
+def _modular(state: StepState) -> ModularStepState:
+    """``state`` as the modular stepper made it (`ModularStepper.start`)."""
+    assert isinstance(state, ModularStepState), "a modular stepper steps the states it started"
+    return state
 
 
 class _LoopStarted(Exception):
@@ -269,7 +275,8 @@ class ModularStepper(Stepper):
             if scale is None:
                 guider.disable()
         scheduler = fresh_noise_scheduler(self.pipeline, self.card.scheduler_overrides(params))
-        if self.denoiser is None:  # an encode or decode stage
+        calls: dict[str, DenoiserCalls | _Unloaded]
+        if self.denoiser is None or self.input_name is None:  # an encode or decode stage (the two go together)
             loaded = self.pipeline.components.items()
             dtype = next((c.dtype for n, c in loaded if n in TEXT_ENCODERS and c is not None), self.pipeline.vae.dtype)
             calls = {self.denoiser_name: _Unloaded(self.denoiser_name, dtype)}
@@ -294,6 +301,7 @@ class ModularStepper(Stepper):
     def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         """The family's blocks before its loop, from the encoded prompt: inputs, noise, timesteps, positions."""
         components, state = self._components(params), PipelineState()
+        assert conditioning.blocks is not None, "a modular family's encode stage hands on its blocks' outputs"
         for name, value in conditioning.blocks.items():
             state.set(name, _on_device(value, self.device), self.encoded[name])
         with torch.no_grad():
@@ -308,7 +316,10 @@ class ModularStepper(Stepper):
         for block in blocks:
             components, state.loop = block(components, state.loop, i=state.step, t=state.timestep)
 
-    def predict(self, states: list[ModularStepState]) -> list[torch.Tensor]:
+    def predict(self, steps: list[StepState]) -> list[torch.Tensor]:
+        states = [_modular(state) for state in steps]
+        denoiser, input_name = self.denoiser, self.input_name
+        assert denoiser is not None and input_name is not None, "the stage that steps loads the denoiser"
         calls = []
         for state in states:
             recorder = getattr(state.components, self.denoiser_name)
@@ -319,9 +330,9 @@ class ModularStepper(Stepper):
                 seen = [{k: v for k, v in call.items() if k in EMBEDDING_NAMES} for call in recorder.calls]
                 record_first_step([state.sde], seen, state.params.num_outputs_per_prompt)
         answers: list[Any] = [None] * len(calls)
-        for group in batched([call for _, call in calls], self.input_name):
+        for group in batched([call for _, call in calls], input_name):
             members = [calls[i] for i in group]
-            counts = [len(call[self.input_name]) for _, call in members]
+            counts = [len(call[input_name]) for _, call in members]
             kwargs = joined([call for _, call in members], counts)
             adapters = [state.params.lora for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
             caches = [state.cache for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
@@ -329,7 +340,7 @@ class ModularStepper(Stepper):
                 state.cache.timestep = float(state.timestep)
             cached = contextlib.nullcontext() if self.step_cache is None else self.step_cache.rows(caches)
             with self._adapters(denoiser=adapters), cached:
-                output = self.denoiser(**kwargs)[0]
+                output = denoiser(**kwargs)[0]
             start = 0
             for index, n in zip(group, counts, strict=True):
                 answers[index] = output[start : start + n]
@@ -344,8 +355,9 @@ class ModularStepper(Stepper):
             predictions.append(state.loop.noise_pred)
         return predictions
 
-    def advance(self, states: list[ModularStepState], predictions: list[torch.Tensor]) -> None:
-        for state, prediction in zip(states, predictions, strict=True):
+    def advance(self, steps: list[StepState], predictions: list[torch.Tensor]) -> None:
+        for state, prediction in zip(map(_modular, steps), predictions, strict=True):
+            assert state.components is not None, "set by start"
             x, scheduler = state.loop.latents, state.components.scheduler
             index = schedule_index(scheduler, state.timestep)
             state.loop.noise_pred = prediction
@@ -359,7 +371,9 @@ class ModularStepper(Stepper):
 
     def decode_inputs(self, state: StepState) -> dict[str, Any] | None:
         """What its decoder blocks read of the request's state besides the latents (`Latents.blocks`)."""
-        made = state.pipeline.values
+        pipeline_state = _modular(state).pipeline
+        assert pipeline_state is not None, "set by start"
+        made = pipeline_state.values
         return {name: made[name] for name in self.decoded if name != "latents" and made.get(name) is not None}
 
     def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:

@@ -12,7 +12,14 @@ from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 def _cfg(params: OmniDiffusionSamplingParams) -> float | None:
     """The stock rule: classifier-free guidance when ``guidance_scale > 1``, at that scale."""
+    assert params.guidance_scale is not None, "complete params"
     return params.guidance_scale if params.guidance_scale > 1 else None
+
+
+def _z_image_cfg(params: OmniDiffusionSamplingParams) -> float | None:
+    # ZImagePipeline guides when guidance_scale > 0, as cond + s·(cond − uncond): the guider's s + 1.
+    assert params.guidance_scale is not None, "complete params"
+    return params.guidance_scale + 1 if params.guidance_scale > 0 else None
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,7 @@ def _true_cfg(params: OmniDiffusionSamplingParams) -> float | None:
 
 
 MODULAR_FAMILIES: dict[str, ModularFamily] = {
-    # ZImagePipeline guides when guidance_scale > 0, as cond + s·(cond − uncond): the guider's s + 1.
-    "ZImagePipeline": ModularFamily(lambda p: p.guidance_scale + 1 if p.guidance_scale > 0 else None),
+    "ZImagePipeline": ModularFamily(_z_image_cfg),
     "QwenImagePipeline": ModularFamily(_true_cfg, frozenset({"true_cfg_scale"})),
     # [klein] guides when guidance_scale > 1 unless it is step-distilled, whose blocks have no guider.
     "Flux2KleinPipeline": ModularFamily(),

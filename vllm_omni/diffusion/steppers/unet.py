@@ -21,6 +21,7 @@ from vllm_omni.diffusion.steppers.base import (
     StepState,
     fresh_noise_scheduler,
     generators_for,
+    guidance_scale,
     split_rows,
 )
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -117,7 +118,7 @@ class UNetStepper(Stepper):
             cond=cond,
             uncond=uncond,
             shared={},
-            guidance=params.guidance_scale,
+            guidance=guidance_scale(params),
             guidance_rescale=float(params.extra_args.get("guidance_rescale", 0.0)),
             step_kwargs=p.prepare_extra_step_kwargs(generators, float(params.extra_args.get("eta", 0.0))),
         )

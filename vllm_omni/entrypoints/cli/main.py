@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("serve", help="Serve a diffusers model folder (see `vllm-omni serve --help`).")
     tiny = commands.add_parser(
         "make-tiny-model",
-        help="Write a tiny random-weight diffusers pipeline, or an llm stage's tiny Llama (offline demo and test models).",
+        help="Write a tiny random-weight diffusers pipeline, or an llm stage's tiny Llama "
+        "(offline demo and test models).",
     )
     tiny.add_argument("dir", help="Folder to write the pipeline to.")
     tiny.add_argument(

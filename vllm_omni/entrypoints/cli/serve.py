@@ -16,10 +16,10 @@ import typing
 from pydantic import ValidationError
 
 from vllm_omni.config import StageDeployConfig, resolve_stage_configs
-from vllm_omni.config.stage import KNOBS
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.profiler import profiler_config
 from vllm_omni.config.serving import ServingConfig
+from vllm_omni.config.stage import KNOBS
 from vllm_omni.config.vllm_device import set_device_hint
 
 # vLLM serve flags that mean something for a diffusion server, by argparse dest.
@@ -74,9 +74,17 @@ _OMNI_STAGE_FLAGS = tuple(name for name, knob in KNOBS.items() if knob.flag == "
 _VLLM_DTYPES = {"half": "float16", "float": "float32"}
 
 
-def _knob_help(description: str) -> str:
+def _knob_description(name: str) -> str:
+    """The docstring of `ServingConfig`'s field ``name``."""
+    description = ServingConfig.model_fields[name].description
+    assert description is not None, "every field has a docstring"
+    return description
+
+
+def _knob_help(description: str | None) -> str:
     """A stage knob's ``--help``: the first sentence of its docstring (the whole of it is in docs/configuration.md),
     links as plain text."""
+    assert description is not None, "every knob has a docstring"
     first = re.split(r"(?<=\.)\s+(?=[A-Z])", " ".join(description.split()), maxsplit=1)[0]
     return re.sub(r"\[([^]]+)\]\([^)]+\)", r"\1", first).replace("``", "") + " Per stage; see docs/configuration.md."
 
@@ -202,7 +210,7 @@ def make_serve_parser(prog: str):
         type=_quality_steps,
         default={},
         metavar="LEVEL=STEPS,...",
-        help=ServingConfig.model_fields["quality_steps"].description
+        help=_knob_description("quality_steps")
         + " Levels: low, medium, high; e.g. low=4,medium=14,high=28 or '{\"high\": 40}'.",
     )
     return parser
@@ -220,7 +228,7 @@ def parse_serve_args(parser, argv: list[str]) -> tuple[argparse.Namespace, set[s
     return namespace, explicit
 
 
-def build_serve_config(parser, args: argparse.Namespace, explicit: set[str]):
+def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, explicit: set[str]):
     """Check the flags and resolve the stage configs; ``parser.error`` (exit 2) names the flag on any problem."""
     omni_dests = {a.dest for group in parser._action_groups if group.title == "Omni" for a in group._group_actions}
     unused = sorted(a.option_strings[0] for a in parser._actions if a.dest in explicit - _USED_VLLM_FLAGS - omni_dests)

@@ -37,6 +37,8 @@ request field copied under another name is named by its `Sampling`: `api_names`)
 
 def check_limits(params: OmniDiffusionSamplingParams, serving: ServingConfig) -> None:
     """The operator's size and step limits, applied to complete parameters (the model's defaults included)."""
+    assert params.width is not None and params.height is not None, "complete params"
+    assert params.num_inference_steps is not None, "complete params"
     if params.width * params.height > serving.max_image_pixels:
         raise APIError(
             400,
@@ -85,7 +87,7 @@ def admit(state: ServerState, body: BaseModel, **computed) -> AdmittedParams:
     from other fields. It is local work (each stage admits from its model card; no replica is asked), so it runs on
     the event loop."""
     try:
-        admitted = state.omni.admit(OmniDiffusionSamplingParams(**sampling_fields(body), **computed))
+        admitted = state.loaded_omni.admit(OmniDiffusionSamplingParams(**sampling_fields(body), **computed))
     except ValidationError as exc:  # beyond what any model accepts, e.g. a side over 16384 px
         error = exc.errors()[0]
         param = _api_param(body, str(error["loc"][0]))
@@ -98,7 +100,7 @@ def admit(state: ServerState, body: BaseModel, **computed) -> AdmittedParams:
     except StageUnavailableError as exc:
         raise APIError(503, f"Service unavailable: {exc}", code="service_unavailable") from None
     check_limits(admitted.params, state.serving)
-    if state.omni.num_waiting >= state.serving.max_waiting_requests:
+    if state.loaded_omni.num_waiting >= state.serving.max_waiting_requests:
         raise APIError(
             429,
             f"Too many requests waiting ({state.serving.max_waiting_requests}); retry later",

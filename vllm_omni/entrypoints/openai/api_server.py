@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server on uvicorn: serve until SIGTERM/SIGINT, drain, and give the exit code.
 
-The app is built in `app.py`; each API has its own module (`images.py`, `videos.py`, `chat.py`, `models.py`, `health.py`).
+The app is built in `app.py`; each API has its own module (`images.py`, `videos.py`, `chat.py`, `models.py`,
+`health.py`).
 """
 
 from __future__ import annotations
@@ -44,14 +45,16 @@ def run_server(source: ModelSource, stage_configs: list[StageDeployConfig], serv
     app = build_app(source, stage_configs, serving, on_fatal)
     config = uvicorn.Config(
         app,
-        host=serving.host,
+        # uvicorn annotates host as str; None (vLLM's default) goes to asyncio's create_server: every interface
+        host=serving.host,  # type: ignore[arg-type]
         port=serving.port,
         log_level=serving.uvicorn_log_level,
         access_log=serving.access_log,
         ssl_keyfile=serving.ssl_keyfile,
         ssl_certfile=serving.ssl_certfile,
         root_path=serving.root_path,
-        timeout_graceful_shutdown=serving.shutdown_timeout_s,
+        # uvicorn annotates it as int; it is a timeout that asyncio.wait_for takes as any number of seconds
+        timeout_graceful_shutdown=serving.shutdown_timeout_s,  # type: ignore[arg-type]
     )
     server = _Server(config, app.state.server)
     logger.info(

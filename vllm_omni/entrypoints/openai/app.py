@@ -15,9 +15,9 @@ from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.profiler import profiling
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.entrypoints.openai.admission import WARNING
-from vllm_omni.entrypoints.openai.health import build_health_router
 from vllm_omni.entrypoints.openai.chat import build_chat_router
 from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
+from vllm_omni.entrypoints.openai.health import build_health_router
 from vllm_omni.entrypoints.openai.images import build_images_router
 from vllm_omni.entrypoints.openai.models import build_models_router
 from vllm_omni.entrypoints.openai.playground import build_playground_router

@@ -22,8 +22,6 @@ from pydantic import BaseModel, ValidationError
 
 from vllm_omni.entrypoints.openai import images as images_api
 from vllm_omni.entrypoints.openai import videos as videos_api
-from vllm_omni.entrypoints.openai.checks import check_api_key, check_query, check_sides
-from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.chat_protocol import (
     ChatAnswer,
     ChatChoice,
@@ -33,6 +31,8 @@ from vllm_omni.entrypoints.openai.chat_protocol import (
     ChatMediaURL,
     ChatUsage,
 )
+from vllm_omni.entrypoints.openai.checks import check_api_key, check_query, check_sides
+from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageEditRequest,
@@ -89,7 +89,7 @@ async def create_chat_completion(
     if reason is not None:
         _requests(state).labels("unavailable").inc()
         raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
-    video = state.omni.model_card.is_video
+    video = state.loaded_omni.model_card.is_video
     try:
         request, read_images = _translate(body, state, video)
     except APIError:  # the API it becomes counts everything after this (and `_ChatRoute` a schema error)
@@ -98,6 +98,7 @@ async def create_chat_completion(
     model = body.model or state.serving.served_model_names[0]
     answer_id = f"chatcmpl-{uuid.uuid4().hex}"
     if video:
+        assert isinstance(request, VideoGenerationRequest), "a video model's chat is a Videos request"
         content = await videos_api.run_sync(raw_request, state, request, read_images, timer)
         if content is None:
             return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
@@ -105,6 +106,7 @@ async def create_chat_completion(
         return ChatCompletionResponse(
             id=answer_id, model=model, choices=[ChatChoice(message=ChatAnswer(content=[part]))]
         )
+    assert isinstance(request, ImageGenerationRequest), "an image model's chat is an Images request"
     answer = await images_api.generate_images(raw_request, request, read_images, timer)
     if isinstance(answer, Response):
         return answer

@@ -28,6 +28,11 @@ async def check_api_key(request: Request) -> None:
         raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
+def _path(route, request: Request) -> str:
+    """The route's path template (``/v1/videos/{video_id}``); FastAPI routes every request that reaches a route."""
+    return route.path if route is not None else request.url.path
+
+
 async def check_query(request: Request) -> None:
     """A query parameter the route does not declare is refused, as an unknown body field is."""
     route = request.scope.get("route")
@@ -37,7 +42,7 @@ async def check_query(request: Request) -> None:
         takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
         raise APIError(
             400,
-            f"Unrecognized query parameter: {unknown[0]} ({request.method} {route.path} {takes})",
+            f"Unrecognized query parameter: {unknown[0]} ({request.method} {_path(route, request)} {takes})",
             param=unknown[0],
             code="unknown_parameter",
         )
@@ -66,7 +71,7 @@ def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "tex
     reason = state.unavailable_reason()
     if reason is not None:
         raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
-    model, card = serving.served_model_names[0], state.omni.model_card
+    model, card = serving.served_model_names[0], state.loaded_omni.model_card
     model_kind = "video" if card.is_video else "image"
     if model_kind != kind:
         article = "an" if model_kind == "image" else "a"

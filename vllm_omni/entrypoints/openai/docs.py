@@ -13,7 +13,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from vllm_omni.sampling_params import LoraChoice
 from vllm_omni.doc_tables import default, field_type, meaning, regenerate, replace_between
 from vllm_omni.entrypoints.openai.openai_models import OPENAI_IMAGE_MODELS
 from vllm_omni.entrypoints.openai.protocol import (
@@ -21,6 +20,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     ImageGenerationRequest,
     VideoGenerationRequest,
 )
+from vllm_omni.sampling_params import LoraChoice
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "serving.md"
 MIGRATION = DOC.with_name("migration.md")

@@ -19,7 +19,7 @@ async def health(raw_request: Request) -> Response:
         return error_response(503, f"Service unavailable: {reason}", code="service_unavailable")
     stages = [
         {"stage_id": h.stage_id, "status": h.status, "num_replicas": h.num_replicas, "alive_replicas": h.alive}
-        for h in state.omni.health()
+        for h in state.loaded_omni.health()
     ]
     statuses = {s["status"] for s in stages}
     status = "ok" if statuses == {"ok"} else "sleeping" if statuses <= {"ok", "sleeping"} else "degraded"

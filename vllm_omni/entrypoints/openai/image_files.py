@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import zipfile
+from typing import Any, Literal, overload
 
 from fastapi.responses import Response
 
@@ -26,7 +27,11 @@ def encode_image(image, output_format: str, compression: int | None, b64: bool) 
     return base64.b64encode(buffer.getbuffer()).decode("ascii") if b64 else buffer.getvalue()
 
 
-async def encode_images(images: list, body: ImageGenerationRequest, b64: bool) -> list[bytes | str]:
+@overload
+async def encode_images(images: list, body: ImageGenerationRequest, b64: Literal[True]) -> list[str]: ...
+@overload
+async def encode_images(images: list, body: ImageGenerationRequest, b64: Literal[False]) -> list[bytes]: ...
+async def encode_images(images: list, body: ImageGenerationRequest, b64: bool) -> list[Any]:
     """The images in the request's file format, off the event loop: one worker thread per image (Pillow's encoders
     release the GIL)."""
     loop = asyncio.get_running_loop()

@@ -6,17 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import types
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 
-from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
 from vllm_omni.entrypoints.openai.image_files import encode_images
 from vllm_omni.entrypoints.openai.image_usage import response_fields
 from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
+from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.errors import NonFiniteOutputError, RequestFailedError, StageUnavailableError
 from vllm_omni.metrics import prometheus as metrics
@@ -82,6 +83,7 @@ async def image_events(
                     yield _sse(f"{kind}.partial_image", event | {"partial_image_index": output.partial_image_index})
                     continue
                 ran = output.metrics
+                assert ran is not None, "a finished output has its metrics"
                 event["metrics"] = {
                     "batch_size": ran.batch_size,
                     "seed": ran.seed,
@@ -104,7 +106,8 @@ async def image_events(
         metrics.image_requests.labels(outcome).inc()
         # Aborts the request if it is still running; a cancelled read of the generator (the server cancelled this
         # stream) leaves it running, and that read's cancellation aborts the request instead.
-        if not generation.ag_running:
+        # a native async generator (AsyncOmni.generate), which has ag_running; typing's AsyncGenerator has not
+        if not cast(types.AsyncGeneratorType, generation).ag_running:
             await generation.aclose()
 
 

@@ -41,7 +41,7 @@ def quality_steps(state: ServerState, body: ImageGenerationRequest, task: ImageT
     level = QUALITY_LEVEL[body.quality]
     if level in state.serving.quality_steps:
         return state.serving.quality_steps[level]
-    card = state.omni.model_card
+    card = state.loaded_omni.model_card
     served = card.for_task(task) if task in card.tasks else card  # admission refuses a task the model does not serve
     return max(1, served.default_steps // STEP_DIVISOR[level])
 
@@ -64,10 +64,11 @@ def response_fields(
         logger.info("Image request %s completed for safety_identifier %r", output.request_id, identifier)
     tokenizer = state.prompt_tokenizer
     if output.finished and tokenizer is not None:
-        pixels = state.omni.model_card.latent_pixels
+        pixels = state.loaded_omni.model_card.latent_pixels
         texts = [text for text in (body.prompt, body.negative_prompt) if text]
         text_tokens = sum(len(tokenizer(text, verbose=False).input_ids) for text in texts)
         image_tokens = sum((image.width // pixels) * (image.height // pixels) for image in params.image or ())
+        assert params.width is not None and params.height is not None, "complete params"
         output_tokens = len(output.images) * (params.width // pixels) * (params.height // pixels)
         fields["usage"] = {
             "input_tokens": text_tokens + image_tokens,

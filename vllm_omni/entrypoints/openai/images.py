@@ -18,7 +18,6 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
@@ -39,6 +38,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     ImageGenerationRequest,
     ImageGenerationResponse,
 )
+from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.entrypoints.openai.uploads import form_files, openai_mask, read_images
 from vllm_omni.errors import RequestFailedError
@@ -98,7 +98,7 @@ def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
     if body.background == "transparent":
         raise APIError(
             400,
-            f"background 'transparent' is not supported: {state.omni.model_card.pipeline_name} makes opaque RGB "
+            f"background 'transparent' is not supported: {state.loaded_omni.model_card.pipeline_name} makes opaque RGB "
             "images; use 'auto' or 'opaque'",
             param="background",
             code="invalid_value",
@@ -134,7 +134,7 @@ def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
     """The request's complete parameters (model defaults filled in, the steps of its ``quality``, seed drawn), within
     the operator's limits; ``inputs``: an edit's images and mask, for ``task``. Its `Sampling` fields are copied
     (an edit's ``strength`` among them); the others are computed here (an OpenAI model's sizes: `openai_size`)."""
-    multiple, max_pixels = state.omni.model_card.size_multiple, state.serving.max_image_pixels
+    multiple, max_pixels = state.loaded_omni.model_card.size_multiple, state.serving.max_image_pixels
     width, height = openai_size(body, multiple, max_pixels) or body.dimensions() or (None, None)
     return admit(
         state,
@@ -218,7 +218,7 @@ async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse
         images = await read_images(files, "image", state.serving)
         mask = openai_mask((await read_images(masks, "mask", state.serving))[0], images[0]) if masks else None
         raw_request.scope[_TIMER].mark("validation")
-        task = "inpaint" if mask is not None else "image"
+        task: ImageTask = "inpaint" if mask is not None else "image"
         return _admit(body, state, task, image=images, mask_image=mask)
 
     return await _respond(raw_request, body, prepare)
@@ -232,7 +232,7 @@ async def _respond(
     """Admit the request (``prepare``: its checks and complete parameters), run it and answer with its images."""
     state: ServerState = raw_request.app.state.server
     timer: metrics.PhaseTimer = raw_request.scope[_TIMER]
-    outcome = "failed"
+    outcome: str | None = "failed"
     try:
         try:
             admitted = await prepare(state)
@@ -242,7 +242,7 @@ async def _respond(
         timer.mark("completion")
         request_id = f"img-{uuid.uuid4().hex}"
         report_ignored(raw_request, body, admitted, "images", request_id)
-        generation = state.omni.generate(body.prompt, admitted, request_id=request_id)
+        generation = state.loaded_omni.generate(body.prompt, admitted, request_id=request_id)
         if body.stream:
             outcome = None  # counted when the stream ends
             return StreamingResponse(
@@ -267,22 +267,27 @@ async def _respond(
         timer.mark_engine(output, admitted.params)
 
         b64 = body.response_format == "b64_json"
-        encoded = await encode_images(output.images, body, b64)
+        texts: list[str] = []
+        files: list[bytes] = []
+        if b64:
+            texts = await encode_images(output.images, body, True)
+        else:
+            files = await encode_images(output.images, body, False)
         timer.mark("encoding")
         if body.response_format == "file":
             outcome = "completed"
-            return files_response(encoded, body.output_format)
+            return files_response(files, body.output_format)
         # The prompt the images were made from: the llm stage's, or the request's own (as DALL·E 3 answers).
         revised_prompt = output.revised_prompt or body.prompt
         log_probs = output_log_probs(output)
         if b64:
             data = [
                 ImageData(b64_json=text, revised_prompt=revised_prompt, log_probs=lp)
-                for text, lp in zip(encoded, log_probs, strict=True)
+                for text, lp in zip(texts, log_probs, strict=True)
             ]
         else:
             data = []
-            for payload, lp in zip(encoded, log_probs, strict=True):
+            for payload, lp in zip(files, log_probs, strict=True):
                 image_id = state.store.put(payload, MEDIA_TYPES[body.output_format])
                 if image_id is None:
                     raise APIError(500, "The image is larger than the image store; use response_format=b64_json")

@@ -5,6 +5,7 @@ served only when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true, as in vLLM. All b
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
@@ -49,7 +50,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw_request: Request) 
             code="invalid_value",
         )
     try:
-        await state.omni.add_lora(body.lora_name, body.lora_path)
+        await state.loaded_omni.add_lora(body.lora_name, body.lora_path)
     except LoraLoadError as exc:
         raise APIError(400, str(exc), param="lora_path", code="invalid_value") from None
     except ValueError as exc:  # the name is taken, or LoRA is off
@@ -61,7 +62,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw_request: Reque
     """Requests may no longer select the adapter; those accepted with it still run with it."""
     state = _ready(raw_request)
     try:
-        await state.omni.remove_lora(body.lora_name)
+        await state.loaded_omni.remove_lora(body.lora_name)
     except UnknownLoraError as exc:
         raise APIError(404, str(exc), param="lora_name", code="model_not_found") from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
@@ -86,7 +87,7 @@ def build_models_router() -> APIRouter:
     router.add_api_route("/v1/models", list_models, methods=["GET"])
     if not runtime_updating_allowed():
         return router
-    responses = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+    responses: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
     for path, endpoint in (
         ("/v1/load_lora_adapter", load_lora_adapter),
         ("/v1/unload_lora_adapter", unload_lora_adapter),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from vllm_omni.entrypoints.openai.protocol import SIZE_PATTERN, ImageGenerationRequest
 
@@ -44,7 +44,10 @@ def openai_image_model(name: str | None) -> OpenAIImageModel | None:
     return next((model for pattern, model in OPENAI_IMAGE_MODELS.items() if fnmatch.fnmatchcase(name, pattern)), None)
 
 
-def with_openai_defaults(body: ImageGenerationRequest) -> ImageGenerationRequest:
+R = TypeVar("R", bound=ImageGenerationRequest)
+
+
+def with_openai_defaults(body: R) -> R:
     """``body`` with its OpenAI model's ``response_format`` and ``quality`` where it sets none (a stream keeps
     ``b64_json``, the only form its events carry); ``body`` itself when it names no OpenAI model. The copy's
     ``model_fields_set`` is still what the client sent."""
@@ -67,6 +70,8 @@ def openai_size(body: ImageGenerationRequest, multiple: int, max_pixels: int) ->
     if model is None or body.size not in model.sizes:
         return None
     match = SIZE_PATTERN.match(body.size)
+    assert match is not None, "an OpenAI model's sizes are WxH"
     width, height = int(match[1]), int(match[2])
     scale = min(1.0, math.sqrt(max_pixels / (width * height)))
-    return tuple(max(multiple, int(side * scale) // multiple * multiple) for side in (width, height))
+    fitted = [max(multiple, int(side * scale) // multiple * multiple) for side in (width, height)]
+    return fitted[0], fitted[1]

@@ -5,6 +5,8 @@ trace file is written, and lists them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
@@ -42,7 +44,7 @@ async def start_profile(raw_request: Request, body: StartProfileRequest | None =
     state = _ready(raw_request)
     prefix = body.profile_prefix if body is not None else None
     try:
-        await state.omni.start_profile(prefix)
+        await state.loaded_omni.start_profile(prefix)
     except ProfilerStateError as exc:
         raise APIError(409, str(exc), code="profiler_active") from None
     except ValueError as exc:  # vLLM's check of the prefix
@@ -55,7 +57,7 @@ async def stop_profile(raw_request: Request) -> JSONResponse:
     """Stop recording; answers once every trace file is written, with their paths (409 when none records)."""
     state = _ready(raw_request)
     try:
-        traces = await state.omni.stop_profile()
+        traces = await state.loaded_omni.stop_profile()
     except ProfilerStateError as exc:
         raise APIError(409, str(exc), code="profiler_not_active") from None
     logger.info("Profiler stopped; traces: %s", ", ".join(traces))
@@ -66,7 +68,7 @@ def build_profile_router() -> APIRouter:
     """The routes, for `build_app` to include when profiling is on."""
     logger.warning("Profiling is on: serving POST /start_profile and POST /stop_profile; not for production")
     router = APIRouter(dependencies=[Depends(check_api_key), Depends(check_query)])
-    responses = {code: {"model": ErrorResponse} for code in (400, 401, 409, 503)}
+    responses: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 409, 503)}
     router.add_api_route("/start_profile", start_profile, methods=["POST"], responses=responses)
     router.add_api_route("/stop_profile", stop_profile, methods=["POST"], responses=responses)
     return router

@@ -114,8 +114,9 @@ class ImageGenerationRequest(RolloutFields):
     max_sequence_length: Annotated[StrictInt | None, Sampling(extra_args=True)] = Field(default=None, ge=1)
     """Extension. The prompt's tokens for the T5-style text encoder of Flux, SD3, Wan and Qwen-Image (cut or padded to
     it): fewer is faster. At most what the encoder takes (512 for Flux, SD3 and Wan; 1024 for Qwen-Image), else a 400
-    naming the limit; ignored (a `Warning`, as every ignored field) by pipelines whose call takes none (SD, SDXL). Requests with different
-    lengths run in different batches. Unset: the pipeline's (512 for Flux and Wan, 256 for SD3)."""
+    naming the limit; ignored (a `Warning`, as every ignored field) by pipelines whose call takes none (SD, SDXL).
+    Requests with different lengths run in different batches. Unset: the pipeline's (512 for Flux and Wan, 256 for
+    SD3)."""
     seed: Annotated[StrictInt | None, Sampling()] = Field(default=None, ge=0, le=MAX_SEED)
     """Extension. The same seed gives the same image, alone or batched (up to floating-point rounding). Unset: a
     random one."""
@@ -342,11 +343,15 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1)
 
 
+VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
+"""Where a video job stands (`VideoObject.status`)."""
+
+
 class VideoObject(BaseModel):
     id: str
     object: Literal["video"] = "video"
     model: str
-    status: Literal["queued", "in_progress", "completed", "failed"]
+    status: VideoStatus
     progress: int
     created_at: int
     completed_at: int | None = None

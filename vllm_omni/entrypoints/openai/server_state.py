@@ -69,6 +69,13 @@ class ServerState:
             ),
         )
 
+    @property
+    def loaded_omni(self) -> AsyncOmni:
+        """`omni`, where a route reads it: once the model has loaded (the route checked readiness, or holds what a
+        loaded model made)."""
+        assert self.omni is not None, "the model has loaded"
+        return self.omni
+
     def trace(self, headers) -> RequestTrace | None:
         """A request's trace, under the caller's ``traceparent`` (``None`` without ``--otlp-traces-endpoint``)."""
         return None if self.tracer is None else self.tracer.start(headers)
@@ -107,15 +114,16 @@ def load_prompt_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
 async def load_and_warm_up(state: ServerState) -> None:
     """Load the model (off the event loop), warm it up, then mark the server ready; a failure is fatal."""
     try:
-        state.omni = await asyncio.to_thread(
+        omni = await asyncio.to_thread(
             AsyncOmni.from_stage_configs,
             state.source,
             state.stage_configs,
             state.serving.strict_fields,
             state.serving.profiler_config,
         )
-        if not state.omni.model_card.is_video:
-            state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, state.omni.model)
+        state.omni = omni
+        if not omni.model_card.is_video:
+            state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, omni.model)
         for stage in state.stage_configs:
             metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(
                 stage.max_num_seqs
@@ -123,7 +131,7 @@ async def load_and_warm_up(state: ServerState) -> None:
             for knob, (value, source) in stage.applied_knobs().items():
                 metrics.stage_knob_info.labels(str(stage.stage_id), knob, _label(value), source).set(1)
         started = time.perf_counter()
-        await state.omni.warm_up()
+        await omni.warm_up()
         state.ready = True
         logger.info("Warm-up done in %.2f s; ready to serve %s", time.perf_counter() - started, state.source.model)
     except ModelSourceError as exc:  # the message says it all: no traceback

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
@@ -69,7 +69,7 @@ async def sleep(raw_request: Request, level: Annotated[str | None, Query()] = No
     state = _ready(raw_request)
     value = await _level(raw_request, level)
     try:
-        await state.omni.sleep(value)
+        await state.loaded_omni.sleep(value)
     except ValueError as exc:  # level 2 on a stage that cannot drop its weights
         raise _bad("level", exc) from None
     return JSONResponse({"status": "sleeping", "level": value})
@@ -82,13 +82,13 @@ async def wake_up(raw_request: Request, tags: Annotated[list[str] | None, Query(
         tags = check_tags(tags or None)
     except ValueError as exc:
         raise _bad("tags", exc) from None
-    await state.omni.wake_up(tags)
-    return JSONResponse({"status": "sleeping" if await state.omni.is_sleeping() else "awake", "tags": tags})
+    await state.loaded_omni.wake_up(tags)
+    return JSONResponse({"status": "sleeping" if await state.loaded_omni.is_sleeping() else "awake", "tags": tags})
 
 
 async def is_sleeping(raw_request: Request) -> JSONResponse:
     state = _ready(raw_request)
-    return JSONResponse({"is_sleeping": await state.omni.is_sleeping()})
+    return JSONResponse({"is_sleeping": await state.loaded_omni.is_sleeping()})
 
 
 def build_sleep_router() -> APIRouter:
@@ -98,7 +98,7 @@ def build_sleep_router() -> APIRouter:
         DEV_MODE_ENV,
     )
     router = APIRouter(dependencies=[Depends(check_api_key), Depends(check_query)])
-    responses = {code: {"model": ErrorResponse} for code in (400, 401, 503)}
+    responses: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 503)}
     router.add_api_route("/sleep", sleep, methods=["POST"], responses=responses)
     router.add_api_route("/wake_up", wake_up, methods=["POST"], responses=responses)
     router.add_api_route("/is_sleeping", is_sleeping, methods=["GET"], responses=responses)

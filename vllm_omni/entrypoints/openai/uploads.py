@@ -91,7 +91,8 @@ def openai_mask(mask: Image.Image, image: Image.Image) -> Image.Image:
     if mask.size != image.size:
         raise APIError(
             400,
-            f"mask is {mask.width}x{mask.height} and the image {image.width}x{image.height}: they must be the same size",
+            f"mask is {mask.width}x{mask.height} and the image {image.width}x{image.height}: "
+            "they must be the same size",
             param="mask",
             code="invalid_value",
         )

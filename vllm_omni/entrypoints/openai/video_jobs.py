@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from vllm_omni.entrypoints.openai.protocol import ErrorInfo, VideoObject
+from vllm_omni.entrypoints.openai.protocol import ErrorInfo, VideoObject, VideoStatus
 from vllm_omni.metrics import prometheus as metrics
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class VideoJob:
     admitted: AdmittedParams
     """Its parameters, completed once at creation (the model's defaults filled in, a seed drawn)."""
     created_at: int = field(default_factory=lambda: int(time.time()))
-    status: str = "queued"
+    status: VideoStatus = "queued"
     completed_at: int | None = None
     finished_monotonic: float | None = None
     error: ErrorInfo | None = None
@@ -72,6 +72,7 @@ class VideoJob:
         if status == "queued" and (found := omni.progress(self.id)) is not None and found[0] == "running":
             status, progress = "in_progress", int(100 * found[1])
         params = self.admitted.params
+        assert params.num_frames is not None and params.fps is not None, "complete params of a video"
         return VideoObject(
             id=self.id,
             model=self.model,
@@ -112,10 +113,10 @@ class VideoJobs:
 
     def evict(self) -> None:
         now = time.monotonic()
-        finished = [j for j in self._jobs.values() if j.finished_monotonic is not None]
-        total = sum(len(j.content or b"") for j in finished)
-        for job in finished:  # oldest first
-            if now - job.finished_monotonic > self.ttl_s or total > self.max_bytes:
+        finished = [(j, j.finished_monotonic) for j in self._jobs.values() if j.finished_monotonic is not None]
+        total = sum(len(j.content or b"") for j, _ in finished)
+        for job, finished_at in finished:  # oldest first
+            if now - finished_at > self.ttl_s or total > self.max_bytes:
                 total -= len(job.content or b"")
                 del self._jobs[job.id]
 

@@ -17,7 +17,6 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
-from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
@@ -35,6 +34,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     VideoList,
     VideoObject,
 )
+from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.uploads import form_files, read_images
 from vllm_omni.entrypoints.openai.video_jobs import VideoJob, encode_mp4, encode_png
 from vllm_omni.errors import RequestFailedError, StageUnavailableError
@@ -55,7 +55,7 @@ async def _run(state: ServerState, job: VideoJob) -> None:
     outcome = "failed"
     try:
         output = None
-        async for output in state.omni.generate(job.prompt, job.admitted, request_id=job.id):
+        async for output in state.loaded_omni.generate(job.prompt, job.admitted, request_id=job.id):
             if not output.finished:  # off the loop, as every encoding here
                 job.thumbnail = await asyncio.to_thread(encode_png, output.images[0])
                 job.preview_index = output.partial_image_index
@@ -64,6 +64,7 @@ async def _run(state: ServerState, job: VideoJob) -> None:
         job.timer.mark_engine(output, job.admitted.params)
         frames, job.revised_prompt = output.videos[0], output.revised_prompt
         job.log_probs = output_log_probs(output)[0]
+        assert job.admitted.params.fps is not None, "complete params of a video"
         job.content = await asyncio.to_thread(encode_mp4, frames, job.admitted.params.fps)
         job.timer.mark("encoding")
         job.thumbnail = await asyncio.to_thread(encode_png, frames[len(frames) // 2])
@@ -104,7 +105,7 @@ def build_videos_router() -> APIRouter:
         # The body is read here (JSON or a form), and this route counts its own invalid requests.
         state: ServerState = raw_request.app.state.server
         timer = metrics.PhaseTimer(state.trace(raw_request.headers))
-        outcome = "invalid"
+        outcome: str | None = "invalid"
         try:
             body, references = await _read(raw_request, timer)
             try:
@@ -123,7 +124,7 @@ def build_videos_router() -> APIRouter:
             report_ignored(raw_request, body, admitted, "videos", job.id)
             job.task = asyncio.create_task(_run(state, job))
             outcome = None  # counted when the job ends
-            return job.view(state.omni)
+            return job.view(state.loaded_omni)
         except Exception as exc:
             if outcome is not None:
                 metrics.video_requests.labels(refusal_outcome(exc) if isinstance(exc, APIError) else outcome).inc()
@@ -168,7 +169,7 @@ def build_videos_router() -> APIRouter:
             if after not in ids:
                 raise APIError(400, f"after={after!r} is not a video id", param="after", code="invalid_value")
             jobs = jobs[ids.index(after) + 1 :]
-        page = [j.view(state.omni) for j in jobs[:limit]]
+        page = [j.view(state.loaded_omni) for j in jobs[:limit]]
         return VideoList(
             data=page,
             first_id=page[0].id if page else None,
@@ -179,7 +180,7 @@ def build_videos_router() -> APIRouter:
     @router.get("/{video_id}", response_model=VideoObject, response_model_exclude_none=True)
     async def get_video(video_id: str, raw_request: Request) -> VideoObject:
         state: ServerState = raw_request.app.state.server
-        return _job(state, video_id).view(state.omni)
+        return _job(state, video_id).view(state.loaded_omni)
 
     @router.get("/{video_id}/content")
     async def get_video_content(video_id: str, raw_request: Request, variant: str = "video") -> Response:
@@ -287,7 +288,7 @@ async def run_sync(
         outcome = "failed"
         request_id = f"video_{secrets.token_hex(16)}"
         report_ignored(raw_request, body, admitted, "videos", request_id)
-        generation = state.omni.generate(body.prompt, admitted, request_id=request_id)
+        generation = state.loaded_omni.generate(body.prompt, admitted, request_id=request_id)
         try:
             output = await until_disconnect(raw_request, anext(generation, None))
         except ClientDisconnected:
@@ -302,6 +303,7 @@ async def run_sync(
             outcome = "cancelled"
             raise APIError(503, "The request was aborted", code="aborted")
         timer.mark_engine(output, admitted.params)
+        assert admitted.params.fps is not None, "complete params of a video"
         content = await asyncio.to_thread(encode_mp4, output.videos[0], admitted.params.fps)  # off the loop
         timer.mark("encoding")
         timer.observe("videos")
@@ -332,7 +334,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
     here."""
     num_frames = body.num_frames
     if body.seconds is not None:
-        step = state.omni.model_card.frame_multiple
+        step = state.loaded_omni.model_card.frame_multiple
         num_frames = step * max(1, round(body.seconds * (body.fps or DEFAULT_VIDEO_FPS) / step)) + 1
     width, height = body.dimensions() or (None, None)
     admitted = admit(
@@ -345,6 +347,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
         lora=selected_adapters(state, body),
     )
     num_frames = admitted.params.num_frames
+    assert num_frames is not None, "complete params of a video"
     if num_frames > state.serving.max_video_frames:
         raise APIError(
             400,
