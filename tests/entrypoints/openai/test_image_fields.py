@@ -192,7 +192,7 @@ def test_the_default_mapping_rounds_down_to_at_least_one_step():
             outputs_arg=None,
         )
         serving = ServingConfig(served_model_names=["m"], quality_steps=quality_steps_flag)
-        state = SimpleNamespace(serving=serving, omni=SimpleNamespace(model_card=card))
+        state = SimpleNamespace(serving=serving, loaded_omni=SimpleNamespace(model_card=card))
         return quality_steps(state, ImageGenerationRequest(prompt="x", quality=quality), "text")
 
     assert [steps(50, q) for q in ("low", "medium", "standard", "high", "hd", "auto")] == [12, 25, 25, 50, 50, 50]
