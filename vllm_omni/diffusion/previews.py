@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +32,10 @@ from vllm_omni.outputs import Preview
 if TYPE_CHECKING:
     from vllm_omni.diffusion.request import DiffusionRequest
     from vllm_omni.diffusion.steppers import Stepper
+    from vllm_omni.diffusion.steppers.base import PreviewMethod
     from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
-
-PreviewMethod = Literal["latent_rgb", "vae"]
 
 
 def preview_steps(total: int, count: int) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, overload
+from typing import Any, ClassVar, Literal, overload
 
 import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
@@ -29,8 +29,8 @@ from vllm_omni.diffusion.steppers.state import Conditioning, Latents, StepState
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import ImageTask, OmniDiffusionSamplingParams
 
-if TYPE_CHECKING:
-    from vllm_omni.diffusion.previews import PreviewMethod
+PreviewMethod = Literal["latent_rgb", "vae"]
+"""How a stepper's previews become RGB (diffusion/previews.py)."""
 
 
 @overload
@@ -86,7 +86,7 @@ class Stepper(ImageTasks):
     """The tasks it steps (`OmniDiffusionSamplingParams.task`): image tasks as its class's image-to-image and
     inpainting pipelines (``from_pipe``) run them."""
     preview_method: ClassVar[PreviewMethod] = "latent_rgb"
-    """How its previews become RGB (`previews.PreviewMethod`): ``latent_rgb`` projects what `to_vae` gives,
+    """How its previews become RGB (`PreviewMethod`): ``latent_rgb`` projects what `to_vae` gives,
     ``vae`` decodes in full (a stepper without `to_vae`)."""
 
     def __init__(self, pipeline, device: torch.device):
