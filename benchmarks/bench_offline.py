@@ -71,7 +71,7 @@ def _on_one_thread(thread: str, work, *args):
 
 def _load(model: str, dtype: str, edit: Edit | None = None):
     # Imported here, on the thread that runs torch: the main thread of a dedicated-thread process never touches it.
-    from vllm_omni.diffusion.runner import load_pipeline, select_device, select_dtype
+    from vllm_omni.diffusion.pipeline.runner import load_pipeline, select_device, select_dtype
 
     device = select_device(None)
     pipeline = load_pipeline(model, select_dtype(dtype, device), device)

@@ -40,7 +40,7 @@ COMPONENTS = (
     "vae_decode",
     "postprocess",
 )
-"""The components a breakdown reads, in the order they run (`vllm_omni.diffusion.timings`)."""
+"""The components a breakdown reads, in the order they run (`vllm_omni.diffusion.pipeline.timings`)."""
 TARGET = 0.99
 
 

@@ -118,8 +118,8 @@ def _video(**kwargs) -> dict[str, Any]:
 
 
 SCRIPTS: dict[str, Script] = {
-    # As tests/diffusion/test_steppers.py: different steps, joins at different steps, true-CFG negative rows (Flux),
-    # requests with and without classifier-free guidance in one forward, two outputs for one prompt.
+    # As tests/diffusion/families/test_steppers.py: different steps, joins at different steps, true-CFG negative rows
+    # (Flux), requests with and without classifier-free guidance in one forward, two outputs for one prompt.
     "flux": Script(
         [
             Request(0, "A", "a photo of a cat", _image(num_inference_steps=8, guidance_scale=3.5), 1),
@@ -360,7 +360,7 @@ def blocks_alone(stepper, prompt: str, params, seed: int):
     import numpy as np
     import torch
 
-    from vllm_omni.diffusion.steppers.modular import modular_blocks
+    from vllm_omni.diffusion.families.steppers.modular import modular_blocks
 
     modular = modular_blocks(stepper.pipeline).init_pipeline()
     components = {k: v for k, v in stepper.pipeline.components.items() if v is not None}
@@ -381,8 +381,8 @@ def check_steppers(family: str, model: str, dtype_name: str, device) -> dict[str
     """Step mode through the stepper API against the stock pipeline alone, and the stock reference."""
     import torch
 
-    from vllm_omni.diffusion.runner import load_pipeline
-    from vllm_omni.diffusion.steppers import make_stepper
+    from vllm_omni.diffusion.families.steppers import make_stepper
+    from vllm_omni.diffusion.pipeline.runner import load_pipeline
     from vllm_omni.testing.steppers import run_joined
 
     script = SCRIPTS[family]
@@ -445,7 +445,7 @@ def check_engine(family: str, model: str, dtype_name: str, device) -> dict[str, 
     import torch
 
     from vllm_omni import Omni
-    from vllm_omni.diffusion.runner import load_pipeline
+    from vllm_omni.diffusion.pipeline.runner import load_pipeline
 
     requests = ENGINE_SCRIPTS[family]
     devices = str(device.index) if device.type == "cuda" and device.index is not None else None
@@ -464,7 +464,8 @@ def check_engine(family: str, model: str, dtype_name: str, device) -> dict[str, 
         rows.append({"name": r.name, "worst": w, "mean": round(m, 6), "mean_batch": output.metrics["batch_size"]})
         worst, mean = max(worst, w), max(mean, m)
     del pipeline
-    # Component timings on CUDA are CUDA events (vllm_omni.diffusion.timings): each timed, none longer than the request.
+    # Component timings on CUDA are CUDA events (vllm_omni.diffusion.pipeline.timings): each timed, none longer than the
+    # request.
     timed = [o.metrics.get("components") or {} for o in outputs]
     consistent = all(
         c and min(c.values()) > 0 and sum(v for k, v in c.items() if k != "denoise_step") <= o.metrics["exec_ms"]

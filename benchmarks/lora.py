@@ -77,7 +77,7 @@ from engine_workers import Worker
 from step_batching import HERE, _device, _ratio, cached_model
 
 from vllm_omni import AsyncOmni, OmniDiffusionSamplingParams
-from vllm_omni.diffusion.roles import StageAdmission
+from vllm_omni.diffusion.engine.roles import StageAdmission
 
 VARIANTS = ("mixed", "adapter-in-key", "base")
 MODES = ("request", "step")

@@ -113,7 +113,7 @@ def serve_stub(port: int, size: str, busy_ms: float) -> None:
     from PIL import Image
 
     from vllm_omni.config.serving import ServingConfig
-    from vllm_omni.diffusion.model_card import ModelCard
+    from vllm_omni.diffusion.families.model_card import ModelCard
     from vllm_omni.engine.omni_engine import AdmittedParams
     from vllm_omni.engine.stage_runtime import StageHealth
     from vllm_omni.entrypoints.openai.app import build_app

@@ -15,7 +15,7 @@ that the int8 and fp8 kernels see FLUX.1's matrix shapes.
 
 Each mode is one engine (`AsyncOmni`, ``max_num_seqs 4``, request mode, inline) in a worker process of its own
 (`engine_workers`), started and warmed up before any is measured. Per mode: the denoiser's parameter bytes as
-stored (`vllm_omni.diffusion.quantization.parameter_bytes`: a torchao tensor's data and scales, GGUF's packed
+stored (`vllm_omni.diffusion.features.quantization.parameter_bytes`: a torchao tensor's data and scales, GGUF's packed
 blocks), the worker's peak resident memory (``VmHWM`` from ``/proc``: load, warm-up and every run; on CUDA also the
 peak CUDA memory allocated), latency at concurrency 1 (``--requests`` requests one after another) and images/s at
 concurrency 4 (4 closed-loop clients, ``--requests`` in all). Each of the ``--reps`` reps runs every mode in turn,
@@ -81,7 +81,7 @@ def flux_sized(model_dir: str) -> str:
 
 def gguf_file(model: str, qtype: str) -> str:
     """``model``'s transformer as a ``qtype`` GGUF beside it (written once)."""
-    from vllm_omni.diffusion.runner import read_model_index
+    from vllm_omni.diffusion.pipeline.runner import read_model_index
     from vllm_omni.testing.gguf_files import write_gguf
 
     layouts = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "WanTransformer3DModel": "wan"}
@@ -124,8 +124,8 @@ def denoiser_memory(omni, model: str) -> dict:
     """The denoiser's parameter bytes as stored, how the stage holds it, and the CUDA peak so far."""
     import torch
 
-    from vllm_omni.diffusion.quantization import parameter_bytes
-    from vllm_omni.diffusion.runner import loaded_denoisers
+    from vllm_omni.diffusion.features.quantization import parameter_bytes
+    from vllm_omni.diffusion.pipeline.runner import loaded_denoisers
 
     runner = omni.engine.stages[0].replicas[0].engine.runner
     denoisers = [getattr(runner.pipeline, name) for name in loaded_denoisers(runner.pipeline)]

@@ -17,7 +17,7 @@ rollouts/s is those over its wall time. Per N in ``--ns``, with ``logprobs`` on 
 - ``ceiling``: the same work in a plain loop over the stock ``StableDiffusion3Pipeline``, loaded as the engine
   loads it: its ``encode_prompt`` (with the negative prompts), ``prepare_latents`` with one generator per row
   (the engine's seeds), the scheduler's timesteps, then per step one transformer call on the batch of 2N rows
-  (``[uncond, cond]``, as the pipeline runs CFG) and per row the SDE step of `vllm_omni.diffusion.sde`
+  (``[uncond, cond]``, as the pipeline runs CFG) and per row the SDE step of `vllm_omni.diffusion.features.sde`
   (``transition``, the noise from the row's `sde_generator`, ``log_prob`` when asked), its latents kept as the
   trajectory; then the VAE decode and PIL images, as the pipeline ends. It draws what the engine draws: the JSON
   gives the largest |ceiling − engine| log-prob over the first wave of each N (``same_work``).
@@ -116,7 +116,7 @@ class CeilingRollouts:
     """Waves in a plain loop over the stock pipeline, loaded as the engine loads it (device, dtype)."""
 
     def __init__(self, model: str):
-        from vllm_omni.diffusion.runner import load_pipeline, select_device, select_dtype
+        from vllm_omni.diffusion.pipeline.runner import load_pipeline, select_device, select_dtype
 
         device = select_device(None)
         self.pipeline = load_pipeline(model, select_dtype("auto", device), device)
@@ -126,7 +126,7 @@ class CeilingRollouts:
         import torch
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
 
-        from vllm_omni.diffusion.sde import SdeSettings, log_prob, sde_generator, transition
+        from vllm_omni.diffusion.features.sde import SdeSettings, log_prob, sde_generator, transition
 
         p, n, device = self.pipeline, len(rollouts), self.pipeline.device
         settings = SdeSettings(sde_type=SDE["sde_type"], noise_level=SDE["noise_level"], logprobs=logprobs)

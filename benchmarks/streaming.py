@@ -271,8 +271,8 @@ def preview_worker(model: str, family: str, config: dict) -> dict:
     import torch
 
     from vllm_omni.config import OmniDiffusionConfig, resolve_stage_configs
-    from vllm_omni.diffusion import previews as previews_module
-    from vllm_omni.diffusion.engines import make_engine
+    from vllm_omni.diffusion.engine.modes import make_engine
+    from vllm_omni.diffusion.features import previews as previews_module
     from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
     fits: list[float] = []

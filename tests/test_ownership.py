@@ -7,8 +7,8 @@ import pathlib
 import pytest
 
 import vllm_omni
-from vllm_omni.diffusion.request_engine import RequestEngine
-from vllm_omni.diffusion.step_engine import StepEngine
+from vllm_omni.diffusion.engine.request_mode import RequestEngine
+from vllm_omni.diffusion.engine.step_mode import StepEngine
 from vllm_omni.engine.omni_engine import AsyncOmniEngine, OmniEngine
 from vllm_omni.engine.stage_runtime import StageRuntime
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from vllm_omni.version import __version__
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.weights import WeightUpdateGroup
+    from vllm_omni.diffusion.features.weights import WeightUpdateGroup
     from vllm_omni.entrypoints.async_omni import AsyncOmni
     from vllm_omni.entrypoints.omni import Omni
     from vllm_omni.errors import (
@@ -35,7 +35,7 @@ _PUBLIC = {
     "SamplingParamsError": "vllm_omni.errors",
     "StageUnavailableError": "vllm_omni.errors",
     "WeightUpdateError": "vllm_omni.errors",
-    "WeightUpdateGroup": "vllm_omni.diffusion.weights",
+    "WeightUpdateGroup": "vllm_omni.diffusion.features.weights",
 }
 
 # Spelled out (not derived from the table) so that linters and type checkers read it.

@@ -40,8 +40,8 @@ class RequestFailedError(RuntimeError):
 
 
 class NonFiniteOutputError(RequestFailedError):
-    """A request's output holds NaN or inf (`vllm_omni.diffusion.finite`): it is not answered as an image, and the
-    message names the likely cause. Over HTTP a 422: the request was run, and its parameters made no image."""
+    """A request's output holds NaN or inf (`vllm_omni.diffusion.pipeline.finite`): it is not answered as an image, and
+    the message names the likely cause. Over HTTP a 422: the request was run, and its parameters made no image."""
 
 
 class RequestAbortedError(RequestFailedError):

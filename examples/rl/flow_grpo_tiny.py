@@ -13,7 +13,7 @@ Each iteration:
 2. Reward: how close each image's mean colour is to ``TARGET_RGB`` (`reward`), normalised within its group into
    advantages (GRPO).
 3. The trainer, holding its own float32 copy of the denoiser, recomputes the guided velocity of every recorded
-   transition (CFG rows as SD3's pipeline runs them) and its log-prob with `vllm_omni.diffusion.sde.transition`
+   transition (CFG rows as SD3's pipeline runs them) and its log-prob with `vllm_omni.diffusion.features.sde.transition`
    and `log_prob`, the engine's own math. With the trainer's weights still equal to the engine's, that is the
    engine's log-prob again: the train-inference mismatch (max |trainer - engine|), which must stay <= 1e-5.
 4. PPO-clip loss on the ratio exp(new - old), one optimizer step, and ``omni.update_weights`` with the trainer's
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.diffusion.sde import SdeSettings, log_prob, transition
+from vllm_omni.diffusion.features.sde import SdeSettings, log_prob, transition
 
 PROMPTS = ["a red apple on a table", "a sunset over the sea"]
 NEGATIVE_PROMPT = "blurry, low quality"

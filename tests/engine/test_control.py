@@ -10,22 +10,22 @@ from types import SimpleNamespace
 import pytest
 
 import vllm_omni
-from vllm_omni.diffusion.control import HANDLERS, done, failed, handler
-from vllm_omni.diffusion.engine_core import EngineCore
+from vllm_omni.diffusion.engine.control import HANDLERS, done, failed, handler
+from vllm_omni.diffusion.engine.core import EngineCore
 from vllm_omni.engine.replica import Replica, ReplicaLostError
 from vllm_omni.engine.stage_runtime import Answer, StageRuntime, wait
 
 PACKAGE = pathlib.Path(vllm_omni.__file__).parent
 
 VERBS = {
-    "sleep": "vllm_omni.diffusion.sleep",
-    "wake_up": "vllm_omni.diffusion.sleep",
-    "is_sleeping": "vllm_omni.diffusion.sleep",
-    "update_weights": "vllm_omni.diffusion.weights",
-    "init_weight_update_group": "vllm_omni.diffusion.weights",
-    "update_weights_from_distributed": "vllm_omni.diffusion.weights",
-    "load_lora": "vllm_omni.diffusion.lora",
-    "unload_lora": "vllm_omni.diffusion.lora",
+    "sleep": "vllm_omni.diffusion.features.sleep",
+    "wake_up": "vllm_omni.diffusion.features.sleep",
+    "is_sleeping": "vllm_omni.diffusion.features.sleep",
+    "update_weights": "vllm_omni.diffusion.features.weights",
+    "init_weight_update_group": "vllm_omni.diffusion.features.weights",
+    "update_weights_from_distributed": "vllm_omni.diffusion.features.weights",
+    "load_lora": "vllm_omni.diffusion.lora.adapters",
+    "unload_lora": "vllm_omni.diffusion.lora.adapters",
     "start_profile": "vllm_omni.engine.profiler",
     "stop_profile": "vllm_omni.engine.profiler",
 }

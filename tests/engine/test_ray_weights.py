@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.diffusion.weights import named_tensors
+from vllm_omni.diffusion.features.weights import named_tensors
 from vllm_omni.testing.lora import write_lora_with_config
 from vllm_omni.testing.stock import stock_pipeline
 from vllm_omni.testing.trainer import broadcast_from_file, trainer_specs

@@ -23,7 +23,7 @@ async def _last(omni: AsyncOmni, prompt: str, params: OmniDiffusionSamplingParam
 async def test_regional_compile_matches_eager_and_warms_up_its_compile_sizes(tiny_flux, caplog):
     with Omni(tiny_flux, max_num_seqs=2) as eager:
         want = [np.asarray(o.images[0], dtype=np.int16) for o in eager.generate(PROMPTS, _params(64))]
-    with caplog.at_level("INFO", logger="vllm_omni.diffusion.runner"):
+    with caplog.at_level("INFO", logger="vllm_omni.diffusion.pipeline.runner"):
         async with AsyncOmni(tiny_flux, max_num_seqs=2, compile="regional", compile_sizes=["64x64"]) as omni:
             runner = omni.engine.stages[0].replicas[0].engine.runner
             blocks = runner.pipeline.transformer.transformer_blocks

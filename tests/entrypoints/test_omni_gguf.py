@@ -13,7 +13,7 @@ from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.config import DeployConfig, StageDeployConfig
 from vllm_omni.config.cache import cache_hook_config
 from vllm_omni.config.model_source import ModelSourceError
-from vllm_omni.diffusion.gguf import GgufError, is_gguf_module
+from vllm_omni.diffusion.features.gguf import GgufError, is_gguf_module
 from vllm_omni.errors import WeightUpdateError
 from vllm_omni.testing.faults import run_together
 from vllm_omni.testing.gguf_files import stock_gguf_pipeline, write_gguf

@@ -8,7 +8,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.diffusion.runner import load_pipeline
+from vllm_omni.diffusion.pipeline.runner import load_pipeline
 from vllm_omni.testing.faults import run_together
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.diffusion.weights import named_tensors
+from vllm_omni.diffusion.features.weights import named_tensors
 from vllm_omni.errors import WeightUpdateError
 from vllm_omni.testing.faults import run_together
 from vllm_omni.testing.lora import write_random_lora

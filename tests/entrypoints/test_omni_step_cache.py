@@ -11,7 +11,7 @@ import torch
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.config.cache import cache_hook_config
-from vllm_omni.diffusion.runner import load_pipeline
+from vllm_omni.diffusion.pipeline.runner import load_pipeline
 from vllm_omni.testing.faults import run_together
 
 pytestmark = pytest.mark.slow
@@ -92,8 +92,8 @@ def test_each_backend_matches_stock_diffusers_alone_and_in_a_batch_of_four(tiny_
     [(f, b) for f in ("qwen_image", "flux2") for b in BACKENDS if (f, b) != ("flux2", "first_block")],
 )
 def test_a_modular_family_skips_per_request_in_step_mode(family, backend, request):
-    """Qwen-Image and FLUX.2 [klein], stepped by their modular blocks (`vllm_omni.diffusion.steppers.modular`): in a
-    batch of four, each request skips what it skips alone, and each image is stock diffusers' with the same cache
+    """Qwen-Image and FLUX.2 [klein], stepped by their modular blocks (`vllm_omni.diffusion.families.steppers.modular`):
+    in a batch of four, each request skips what it skips alone, and each image is stock diffusers' with the same cache
     config, alone."""
     model, options = request.getfixturevalue(f"tiny_{family}"), BACKENDS[backend]
     want = [_stock(model, prompt, seed, backend, options) for seed, prompt in enumerate(PROMPTS)]

@@ -43,7 +43,7 @@ def _stock(model: str, prompt: str, seed: int, **call) -> np.ndarray:
     return np.asarray(out.frames if hasattr(out, "frames") else out.images)[0]
 
 
-STEPPED = [  # the families step mode runs through their modular blocks (vllm_omni.diffusion.steppers.modular)
+STEPPED = [  # the families step mode runs through their modular blocks (vllm_omni.diffusion.families.steppers.modular)
     ("tiny_qwen_image", "QwenImagePipeline", {}, {"execution_mode": "step"}),
     ("tiny_z_image", "ZImagePipeline", {}, {"execution_mode": "step"}),
     ("tiny_ltx", "LTXPipeline", {"num_frames": 9}, {"execution_mode": "step"}),
@@ -64,7 +64,8 @@ def test_two_requests_batched_equal_stock_diffusers_alone(request, fixture, pipe
         outputs = omni.generate(PROMPTS, [_params(seed, **call) for seed in (1, 2)])
     made = []
     for output, prompt, seed in zip(outputs, PROMPTS, (1, 2), strict=True):
-        # (whether two stepped requests overlap is the engine's timing: tests/diffusion/test_steppers.py shares)
+        # (whether two stepped requests overlap is the engine's timing: tests/diffusion/families/test_steppers.py
+        # shares)
         assert output.error is None and (stepped or output.metrics["batch_size"] == 2)
         (item,) = output.videos if omni.model_card.is_video else output.images
         made.append(np.asarray(item))

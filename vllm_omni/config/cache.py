@@ -2,7 +2,7 @@
 takes.
 
 The resolver checks a stage's ``cache_config`` against its backend here, before anything loads; the engine builds
-the same config from it (`cache_hook_config`) when it enables the cache (``diffusion/step_cache.py``).
+the same config from it (`cache_hook_config`) when it enables the cache (``diffusion/features/step_cache.py``).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def world_size(values: Mapping[str, Any]) -> int:
 
 def sequence_ranks(stage: Any) -> int:
     """The ranks of a resolved stage that split its denoiser's sequence (``ulysses_degree × ring_degree``): a
-    request's tokens must divide by them (`vllm_omni.diffusion.parallel.check_sequence_split`)."""
+    request's tokens must divide by them (`vllm_omni.diffusion.parallel.ranks.check_sequence_split`)."""
     return math.prod(getattr(stage, k) for k in SEQUENCE_KNOBS)
 
 

@@ -1,6 +1,6 @@
 """The quantization knobs (``quantization``, ``quantize_components``; docs/quantization.md) on the config side: their
 values, and the rules the resolver checks before anything loads. What a stage loads quantized, and the checks that
-need the model's files or the device, are `vllm_omni.diffusion.quantization`'s.
+need the model's files or the device, are `vllm_omni.diffusion.features.quantization`'s.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The graph facts of each stage type (`STAGE_TYPES`: what it takes, whether it is final, what runs it) and the
 check of a deploy's stage graph (`check_stage_graph`). A stage type's behaviour when it runs is its role
-(``vllm_omni.diffusion.roles``, ``vllm_omni.llm``)."""
+(``vllm_omni.diffusion.engine.roles``, ``vllm_omni.llm``)."""
 
 from __future__ import annotations
 

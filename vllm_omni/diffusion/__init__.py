@@ -1,1 +1,2 @@
-"""Diffusion engine core: requests, the batching scheduler, the pipeline runner and the engine loop."""
+"""One diffusers stage replica: its engine loop (engine/), the pipeline it runs (pipeline/), per-family facts and
+steppers (families/), LoRA (lora/), several ranks (parallel/) and the features a call adds (features/)."""

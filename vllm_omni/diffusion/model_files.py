@@ -1,7 +1,7 @@
 """The local diffusers folder a `ModelSource` names, made once on the driver so that every stage and Ray replica
 loads the same files: the folder itself, a Hugging Face snapshot (fetched through the hub cache, only what the
 stages load), or a single-file checkpoint (local, or fetched from a repo) converted into a diffusers folder (kept while
-the file is unchanged). A GGUF file is not converted: its folder links to it (`vllm_omni.diffusion.gguf`).
+the file is unchanged). A GGUF file is not converted: its folder links to it (`vllm_omni.diffusion.features.gguf`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 from vllm_omni.config.model_source import ModelSource, ModelSourceError, is_gguf_type, split_hub_file
 from vllm_omni.config.vllm_device import set_device_hint
-from vllm_omni.diffusion.components import DENOISERS
-from vllm_omni.diffusion.gguf import GGUF_SUFFIX, GgufError, check_gguf_file, link_gguf_denoiser
-from vllm_omni.diffusion.roles import ROLES
-from vllm_omni.diffusion.runner import read_model_index
+from vllm_omni.diffusion.engine.roles import ROLES
+from vllm_omni.diffusion.features.gguf import GGUF_SUFFIX, GgufError, check_gguf_file, link_gguf_denoiser
+from vllm_omni.diffusion.pipeline.components import DENOISERS
+from vllm_omni.diffusion.pipeline.runner import read_model_index
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)

@@ -17,8 +17,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.vllm_device import set_device_hint
-from vllm_omni.diffusion.control import failed
-from vllm_omni.diffusion.roles import Admission
+from vllm_omni.diffusion.engine.control import failed
+from vllm_omni.diffusion.engine.roles import Admission
 from vllm_omni.engine.ray_replicas import RayReplica, log_started, start_actors  # first: it imports Ray
 from vllm_omni.engine.replica import ReplicaInfo
 from vllm_omni.errors import RequestAbortedError, RequestFailedError

@@ -19,10 +19,10 @@ from typing import Any
 
 from vllm_omni.config import STAGE_TYPES, LoRAModulePath, StageDeployConfig, engine_torch_threads
 from vllm_omni.config.stage_types import check_stage_graph
-from vllm_omni.diffusion.lora_tensors import LoraTensors
-from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.roles import check_splittable
-from vllm_omni.diffusion.sleep import check_level, check_tags
+from vllm_omni.diffusion.engine.roles import check_splittable
+from vllm_omni.diffusion.families.model_card import ModelCard
+from vllm_omni.diffusion.features.sleep import check_level, check_tags
+from vllm_omni.diffusion.lora.tensors import LoraTensors
 from vllm_omni.engine.replica import ReplicaLostError
 from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime, wait
 from vllm_omni.engine.weight_updates import WeightUpdates
@@ -361,8 +361,8 @@ class OmniEngine:
         return [stage.health() for stage in self.stages]
 
     def sleep(self, level: int = 1) -> None:
-        """Put every replica of every diffusers stage to sleep at ``level`` (diffusion/sleep.py), stage by stage;
-        returns once all sleep, their running batches finished. Requests that arrive meanwhile wait."""
+        """Put every replica of every diffusers stage to sleep at ``level`` (diffusion/features/sleep.py), stage by
+        stage; returns once all sleep, their running batches finished. Requests that arrive meanwhile wait."""
         for stage in self.stages:
             check_level(level, stage.stage_config.cpu_offload, stage.stage_config.quantization)
         with self._sleep_lock:  # one sleep or wake-up at a time, so that every stage ends in the same state

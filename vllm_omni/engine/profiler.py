@@ -18,7 +18,7 @@ import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from vllm_omni.diffusion.control import handler
+from vllm_omni.diffusion.engine.control import handler
 from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ from prometheus_client.metrics_core import Metric
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
-from vllm_omni.diffusion.control import done
-from vllm_omni.diffusion.previews import previews_until
+from vllm_omni.diffusion.engine.control import done
+from vllm_omni.diffusion.features.previews import previews_until
 from vllm_omni.engine.ray_cluster import start_actors  # first: it sets Ray's environment, then imports Ray
 from vllm_omni.engine.ray_updates import CatchUp
 from vllm_omni.engine.replica import EngineReplica, ReplicaInfo, ReplicaLostError
@@ -47,7 +47,7 @@ class _ReplicaActor:
     def __init__(self, model: str, stage_config: StageDeployConfig, replica: int, torch_threads: int | None):
         # This process is ours alone: the forkserver its ranks fork from (a stage of several ranks) imports their
         # stack once, instead of each rank importing it.
-        multiprocessing.set_forkserver_preload(["vllm_omni.diffusion.parallel"])
+        multiprocessing.set_forkserver_preload(["vllm_omni.diffusion.parallel.ranks"])
         od_config = OmniDiffusionConfig.from_stage(model, stage_config, replica, torch_threads)
         self.replica = EngineReplica(od_config, node_id=ray.get_runtime_context().get_node_id())
         self.shutting_down = False

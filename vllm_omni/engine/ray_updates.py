@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from vllm_omni.diffusion.weights import WeightsApplied
+from vllm_omni.diffusion.features.weights import WeightsApplied
 from vllm_omni.engine.replica import ReplicaLostError
 from vllm_omni.logger import init_logger
 

@@ -20,12 +20,12 @@ from PIL import Image
 from prometheus_client.metrics_core import Metric
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.diffusion.control import failed
-from vllm_omni.diffusion.engine_core import EngineCore
-from vllm_omni.diffusion.engines import make_engine
-from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.runner import parse_size
-from vllm_omni.diffusion.weights import pipeline_components
+from vllm_omni.diffusion.engine.control import failed
+from vllm_omni.diffusion.engine.core import EngineCore
+from vllm_omni.diffusion.engine.modes import make_engine
+from vllm_omni.diffusion.families.model_card import ModelCard
+from vllm_omni.diffusion.features.weights import pipeline_components
+from vllm_omni.diffusion.pipeline.runner import parse_size
 from vllm_omni.engine import profiler  # noqa: F401 - its handlers of start_profile and stop_profile (EngineCore.call)
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.config.parallel import sequence_ranks
-from vllm_omni.diffusion.roles import ROLES, Admission, StageAdmission
+from vllm_omni.diffusion.engine.roles import ROLES, Admission, StageAdmission
 from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo, ReplicaLostError
 from vllm_omni.errors import StageUnavailableError
 from vllm_omni.logger import init_logger

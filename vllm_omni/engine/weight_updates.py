@@ -2,8 +2,8 @@
 (`OmniEngine.weights`; docs/rl.md, "Weight updates").
 
 Each replica applies an update on its engine's thread once its requests in progress have finished, before it
-starts another (the ``update_weights`` verb, diffusion/weights.py), so a call returns once every replica serves the
-new weights: a request admitted after it runs on them, a batch already running finishes on the old ones. Updates
+starts another (the ``update_weights`` verb, diffusion/features/weights.py), so a call returns once every replica serves
+the new weights: a request admitted after it runs on them, a batch already running finishes on the old ones. Updates
 are sent one at a time, so every replica applies them in the same order.
 """
 
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from vllm_omni.diffusion.weights import Weights, as_weights, parse_dtype
+from vllm_omni.diffusion.features.weights import Weights, as_weights, parse_dtype
 from vllm_omni.engine.stage_runtime import Answer, StageRuntime, wait
 from vllm_omni.errors import WeightUpdateError
 

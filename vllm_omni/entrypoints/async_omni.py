@@ -7,8 +7,8 @@ import uuid
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
-from vllm_omni.diffusion.previews import previews_until
-from vllm_omni.diffusion.weights import Weights
+from vllm_omni.diffusion.features.previews import previews_until
+from vllm_omni.diffusion.features.weights import Weights
 from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.engine.replica import warm_up_params
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase

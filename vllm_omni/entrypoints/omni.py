@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_omni.diffusion.weights import Weights
+from vllm_omni.diffusion.features.weights import Weights
 from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestFailedError

@@ -39,7 +39,7 @@ FEATURES = (
 
 def _refusal(check: Callable[[], object]) -> str | None:
     """The message of the error ``check`` raises, ``None`` when it raises none."""
-    from vllm_omni.diffusion.lora import LoraLoadError
+    from vllm_omni.diffusion.lora.adapters import LoraLoadError
     from vllm_omni.errors import SamplingParamsError
 
     try:
@@ -69,7 +69,7 @@ def _cache_hooks_refusal(pipeline, denoisers: list) -> str | None:
     import copy
 
     from vllm_omni.config.cache import PER_REQUEST_BACKENDS
-    from vllm_omni.diffusion.step_cache import StepCache, no_cache_hooks
+    from vllm_omni.diffusion.features.step_cache import StepCache, no_cache_hooks
 
     if why := next(filter(None, (no_cache_hooks(type(d)) for d in denoisers)), None):
         return why
@@ -87,13 +87,13 @@ def family_row(build: Callable[[], object]) -> tuple[str, dict[str, str | None],
     served), and the inputs it takes."""
     import torch
 
-    from vllm_omni.diffusion.components import loaded_denoisers
-    from vllm_omni.diffusion.lora import no_lora_loader
-    from vllm_omni.diffusion.model_card import ModelCard
-    from vllm_omni.diffusion.pipeline_facts import ALONE_WITH_IMAGES, check_batchable
-    from vllm_omni.diffusion.roles import DiffusionRole
-    from vllm_omni.diffusion.step_cache import CallCache
-    from vllm_omni.diffusion.steppers import SPLIT, STEP_MODE, make_stepper
+    from vllm_omni.diffusion.engine.roles import DiffusionRole
+    from vllm_omni.diffusion.families.model_card import ModelCard
+    from vllm_omni.diffusion.families.pipeline_facts import ALONE_WITH_IMAGES, check_batchable
+    from vllm_omni.diffusion.families.steppers import SPLIT, STEP_MODE, make_stepper
+    from vllm_omni.diffusion.features.step_cache import CallCache
+    from vllm_omni.diffusion.lora.adapters import no_lora_loader
+    from vllm_omni.diffusion.pipeline.components import loaded_denoisers
 
     pipeline = build()
     card = ModelCard.of(pipeline)

@@ -99,7 +99,7 @@ def stock_gguf_pipeline(folder: str, path: str, dtype: torch.dtype = torch.float
     off. The reference that a served GGUF's images must equal."""
     import diffusers
 
-    from vllm_omni.diffusion.runner import read_model_index
+    from vllm_omni.diffusion.pipeline.runner import read_model_index
 
     index = read_model_index(folder)
     config = diffusers.GGUFQuantizationConfig(compute_dtype=dtype)

@@ -62,7 +62,7 @@ def write_random_lora(
     random weights; ``strength``: see `STRENGTH`. Returns ``path``."""
     import diffusers
 
-    from vllm_omni.diffusion.runner import load_pipeline
+    from vllm_omni.diffusion.pipeline.runner import load_pipeline
 
     pipeline = load_pipeline(model, torch.float32, torch.device("cpu"))
     denoiser_name = "unet" if getattr(pipeline, "unet", None) is not None else "transformer"
@@ -102,7 +102,7 @@ def write_lora_with_config(model: str, path: str, *, seed: int = 0, rank: int = 
     from peft import LoraConfig
     from safetensors.torch import load_file
 
-    from vllm_omni.diffusion.runner import read_model_index
+    from vllm_omni.diffusion.pipeline.runner import read_model_index
 
     plain = write_random_lora(model, os.path.join(path, "plain"), seed=seed, rank=rank)
     tensors = load_file(os.path.join(plain, "pytorch_lora_weights.safetensors"))
@@ -138,7 +138,7 @@ def stock_lora_images(
     """The stock pipeline's output for one request: a fresh pipeline, ``adapters`` (name → path) loaded with
     ``load_lora_weights`` and activated with ``set_adapters(names, weights)`` (no weights: LoRA disabled), called
     alone on ``prompt`` with ``call`` and a CPU generator seeded with ``seed``."""
-    from vllm_omni.diffusion.runner import load_pipeline
+    from vllm_omni.diffusion.pipeline.runner import load_pipeline
 
     pipeline = load_pipeline(model, torch.float32, torch.device("cpu"))
     for name, path in adapters.items():

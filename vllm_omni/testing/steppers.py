@@ -1,5 +1,5 @@
 """Step mode scripted for checks against the stock pipeline: requests join a running batch at given engine steps,
-as they do in the step engine (tests/diffusion/test_steppers.py, benchmarks/gpu_check.py)."""
+as they do in the step engine (tests/diffusion/families/test_steppers.py, benchmarks/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.steppers import Stepper, StepState
+from vllm_omni.diffusion.families.steppers import Stepper, StepState
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 

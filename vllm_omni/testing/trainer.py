@@ -10,7 +10,7 @@ def broadcast_from_file(master_address: str, master_port: int, world_size: int, 
     Run it in its own process (``multiprocessing`` spawn): the engine's call waits for it."""
     from safetensors.torch import load_file
 
-    from vllm_omni.diffusion.weights import WeightUpdateGroup
+    from vllm_omni.diffusion.features.weights import WeightUpdateGroup
 
     group = WeightUpdateGroup(master_address, master_port, rank, world_size)
     for tensor in load_file(path).values():

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.entrypoints.cli.serve import build_serve_config, make_serve_parser, parse_serve_args
 from vllm_omni.entrypoints.openai.image_usage import quality_steps
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
-from vllm_omni.diffusion.lora import LoraLoadError
+from vllm_omni.diffusion.lora.adapters import LoraLoadError
 from vllm_omni.entrypoints.openai.checks import check_api_key
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (

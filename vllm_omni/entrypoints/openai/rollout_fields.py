@@ -1,6 +1,6 @@
 """The request fields of stochastic sampling for RL rollouts ([rl.md](rl.md)), shared by the Images and Videos
-APIs under verl-omni's names, each copied into the request's ``extra_args`` (`vllm_omni.diffusion.sde` checks and
-applies them), and what an answer carries of them: each output's log-probabilities."""
+APIs under verl-omni's names, each copied into the request's ``extra_args`` (`vllm_omni.diffusion.features.sde` checks
+and applies them), and what an answer carries of them: each output's log-probabilities."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from vllm_omni.config import LoRAModulePath, StageDeployConfig
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.runner import read_model_index
+from vllm_omni.diffusion.pipeline.runner import read_model_index
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.image_store import ImageStore
 from vllm_omni.entrypoints.openai.video_jobs import VideoJobs

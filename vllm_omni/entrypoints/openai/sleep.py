@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from vllm_omni.diffusion.sleep import check_level, check_tags
+from vllm_omni.diffusion.features.sleep import check_level, check_tags
 from vllm_omni.entrypoints.openai.checks import check_api_key, check_query
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import ErrorResponse

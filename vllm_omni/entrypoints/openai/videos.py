@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.diffusion.model_card import DEFAULT_VIDEO_FPS
+from vllm_omni.diffusion.families.model_card import DEFAULT_VIDEO_FPS
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,

@@ -1,0 +1,430 @@
+"""BatchScheduler policy: capacity, batch keys, no head-of-line blocking, no starvation, admission wait, LoRA adapters
+per batch, engine calls."""
+
+import threading
+import time
+
+import pytest
+
+from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
+from vllm_omni.diffusion.engine.request import BatchKey, DiffusionRequest
+from vllm_omni.diffusion.engine.scheduler import BatchScheduler
+from vllm_omni.errors import RequestAbortedError, RequestFailedError
+from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+
+def _scheduler(max_num_seqs=4, wait_ms=0.0, **knobs) -> BatchScheduler:
+    return BatchScheduler(
+        OmniDiffusionConfig.from_stage(
+            "unused",
+            StageDeployConfig(
+                max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms, execution_mode="request", **knobs
+            ),
+        )
+    )
+
+
+def _request(name: str, size: int = 32, **params) -> DiffusionRequest:
+    full = OmniDiffusionSamplingParams(height=size, width=size, num_inference_steps=4, **params)
+    return DiffusionRequest.create(name, f"prompt {name}", full, key=BatchKey.of(full))
+
+
+def _ids(batch):
+    return [r.request_id for r in batch]
+
+
+def _run(scheduler: BatchScheduler, batch) -> None:
+    scheduler.finish(batch, [OmniRequestOutput(r.request_id, r.prompt) for r in batch])
+
+
+def test_capacity_is_max_num_seqs():
+    scheduler = _scheduler(max_num_seqs=4)
+    for i in range(6):
+        scheduler.add(_request(f"r{i}"))
+    first = scheduler.schedule(timeout=1)
+    assert _ids(first) == ["r0", "r1", "r2", "r3"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=1)) == ["r4", "r5"]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(size=64),
+        dict(num_outputs_per_prompt=2),
+        dict(guidance_scale=7.0),
+        dict(negative_prompt="blurry"),
+        dict(output_type="np"),
+        dict(extra_args={"max_sequence_length": 32}),
+    ],
+)
+def test_only_requests_with_the_same_key_batch_together(other):
+    scheduler = _scheduler(max_num_seqs=4)
+    scheduler.add(_request("a"))
+    scheduler.add(_request("b", **other))
+    scheduler.add(_request("c"))
+    first = scheduler.schedule(timeout=1)
+    assert _ids(first) == ["a", "c"]  # c is not blocked behind the incompatible b
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=1)) == ["b"]
+
+
+def test_different_seeds_and_prompts_share_a_batch():
+    scheduler = _scheduler(max_num_seqs=4)
+    scheduler.add(_request("a", seed=1))
+    scheduler.add(_request("b", seed=2))
+    assert _ids(scheduler.schedule(timeout=1)) == ["a", "b"]
+
+
+def test_oldest_key_goes_first_so_no_key_starves():
+    scheduler = _scheduler(max_num_seqs=2)
+    scheduler.add(_request("a1"))
+    scheduler.add(_request("big", size=64))
+    for i in range(2, 8):
+        scheduler.add(_request(f"a{i}"))
+    first = scheduler.schedule(timeout=1)
+    assert _ids(first) == ["a1", "a2"]
+    _run(scheduler, first)
+    second = scheduler.schedule(timeout=1)
+    assert _ids(second) == ["big"]  # oldest waiting, although more compatible a* requests wait
+    _run(scheduler, second)
+    assert _ids(scheduler.schedule(timeout=1)) == ["a3", "a4"]
+
+
+def test_without_admission_wait_a_partial_batch_starts_at_once():
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=0)
+    scheduler.add(_request("a"))
+    assert _ids(scheduler.schedule(timeout=0.5)) == ["a"]
+
+
+def test_admission_wait_holds_an_idle_engine_until_the_deadline():
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=300)
+    request = _request("a")
+    scheduler.add(request)
+    due = request.arrival_time + 0.3
+    early = scheduler.schedule(timeout=0.05)  # not due yet, unless a busy machine took longer than that to get here
+    assert early == [] or time.monotonic() >= due
+    batch = early or scheduler.schedule(timeout=30)
+    assert _ids(batch) == ["a"]
+    assert time.monotonic() >= due  # never before the deadline, measured from the arrival, not from a later clock
+
+
+def test_admission_wait_ends_as_soon_as_the_batch_is_full():
+    scheduler = _scheduler(max_num_seqs=3, wait_ms=20_000)
+    scheduler.add(_request("a"))
+
+    def late_arrivals():
+        time.sleep(0.1)
+        scheduler.add(_request("b"))
+        scheduler.add(_request("other", size=64))  # does not fill a's batch
+        scheduler.add(_request("c"))
+
+    threading.Thread(target=late_arrivals).start()
+    started = time.monotonic()
+    assert _ids(scheduler.schedule(timeout=30)) == ["a", "b", "c"]
+    assert time.monotonic() - started < 10  # far below the 20 s deadline
+
+
+def test_no_admission_wait_for_requests_that_queued_behind_a_running_batch():
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=20_000)
+    for name in "abcd":
+        scheduler.add(_request(name))
+    running = scheduler.schedule(timeout=1)
+    scheduler.add(_request("e"))  # arrives while the batch runs
+    _run(scheduler, running)
+    started = time.monotonic()
+    assert _ids(scheduler.schedule(timeout=30)) == ["e"]
+    assert time.monotonic() - started < 10
+
+
+def test_abort_of_a_waiting_request_fails_it_at_once():
+    scheduler = _scheduler()
+    request = _request("a")
+    scheduler.add(request)
+    assert scheduler.abort("a") is True
+    with pytest.raises(RequestAbortedError):
+        request.future.result(timeout=1)
+    assert scheduler.num_waiting == 0
+    assert scheduler.abort("a") is False
+
+
+def test_abort_of_a_running_request_drops_its_result_only():
+    scheduler = _scheduler()
+    a, b = _request("a"), _request("b")
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = scheduler.schedule(timeout=1)
+    assert scheduler.num_running == 2
+    assert scheduler.abort("a") is True
+    _run(scheduler, batch)
+    with pytest.raises(RequestAbortedError):
+        a.future.result(timeout=1)
+    assert b.future.result(timeout=1).request_id == "b"
+    assert scheduler.num_running == 0
+
+
+def test_a_request_cancelled_by_its_caller_is_never_scheduled():
+    scheduler = _scheduler()
+    a, b = _request("a"), _request("b")
+    scheduler.add(a)
+    scheduler.add(b)
+    assert a.future.cancel()
+    assert _ids(scheduler.schedule(timeout=1)) == ["b"]
+
+
+def test_errors_fail_only_their_own_request():
+    scheduler = _scheduler()
+    a, b = _request("a"), _request("b")
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = scheduler.schedule(timeout=1)
+    scheduler.finish(batch, [ValueError("bad prompt"), OmniRequestOutput("b", b.prompt)])
+    with pytest.raises(RequestFailedError, match="request a failed: ValueError: bad prompt"):
+        a.future.result(timeout=1)
+    assert b.future.result(timeout=1).request_id == "b"
+
+
+def test_close_fails_waiting_requests_and_unblocks_schedule():
+    scheduler = _scheduler(wait_ms=20_000)
+    request = _request("a")
+    scheduler.add(request)
+    threading.Timer(0.1, scheduler.close, args=("shutting down",)).start()
+    assert scheduler.schedule() == []
+    with pytest.raises(RequestFailedError, match="shutting down"):
+        request.future.result(timeout=1)
+    with pytest.raises(RuntimeError, match="shut down"):
+        scheduler.add(_request("b"))
+
+
+# LoRA: a batch holds at most max_loras distinct adapters.
+
+
+def _lora_scheduler(max_loras=1, max_num_seqs=4, wait_ms=0.0) -> BatchScheduler:
+    return _scheduler(max_num_seqs=max_num_seqs, wait_ms=wait_ms, enable_lora=True, max_loras=max_loras)
+
+
+def _with(name: str, *adapters: str, **params) -> DiffusionRequest:
+    """A request applying ``adapters`` (as admitted: each with its path)."""
+    return _request(name, lora=[{"name": a, "path": f"/loras/{a}"} for a in adapters], **params)
+
+
+def test_a_batch_holds_at_most_max_loras_adapters_and_the_rest_wait_their_turn():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_with("a1", "a"), _with("b1", "b"), _with("a2", "a")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["a1", "a2"]  # b1 has the same key but a second adapter
+    assert scheduler.adapters_in_use() == {"a"}
+    _run(scheduler, first)
+    assert scheduler.adapters_in_use() == set()
+    assert _ids(scheduler.schedule(timeout=0)) == ["b1"]
+
+
+def test_a_request_left_out_for_its_adapter_is_not_overtaken_by_later_arrivals():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_with("a1", "a"), _with("b1", "b"), _with("a2", "a")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    scheduler.add(_with("a3", "a"))  # arrives while a's batch runs
+    _run(scheduler, first)
+    second = scheduler.schedule(timeout=0)
+    assert _ids(second) == ["b1"]  # the oldest waiting request leads the next batch
+    _run(scheduler, second)
+    assert _ids(scheduler.schedule(timeout=0)) == ["a3"]
+
+
+def test_max_loras_counts_stacked_adapters():
+    scheduler = _lora_scheduler(max_loras=2)
+    for request in (_with("ab", "a", "b"), _with("c", "c"), _with("a", "a"), _with("b", "b")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["ab", "a", "b"]
+    assert scheduler.adapters_in_use() == {"a", "b"}
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["c"]
+
+
+def test_base_requests_join_any_batch():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_with("a1", "a"), _request("base1"), _with("b1", "b"), _request("base2")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["a1", "base1", "base2"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["b1"]
+
+
+def test_a_base_request_at_the_head_batches_with_the_first_adapter():
+    scheduler = _lora_scheduler(max_loras=1)
+    for request in (_request("base"), _with("b1", "b"), _with("c1", "c"), _with("b2", "b")):
+        scheduler.add(request)
+    assert _ids(scheduler.schedule(timeout=0)) == ["base", "b1", "b2"]
+
+
+def test_capacity_still_bounds_a_batch_with_adapters():
+    scheduler = _lora_scheduler(max_loras=1, max_num_seqs=2)
+    for request in (_with("a1", "a"), _with("b1", "b"), _with("a2", "a"), _with("a3", "a")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["a1", "a2"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["b1"]  # the oldest waiting request goes next
+
+
+def test_a_batch_that_left_a_request_out_for_its_adapter_does_not_wait():
+    """Waiting for more requests cannot help a batch that could not take one it had: it starts at once."""
+    scheduler = _lora_scheduler(max_loras=1, wait_ms=600_000)
+    for request in (_with("a1", "a"), _with("b1", "b"), _with("a2", "a")):
+        scheduler.add(request)
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["a1", "a2"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["b1"]  # it queued behind a running batch: no wait either
+
+
+def test_without_a_request_left_out_the_admission_wait_still_holds():
+    scheduler = _lora_scheduler(max_loras=1, wait_ms=600_000)
+    scheduler.add(_with("a1", "a"))
+    scheduler.add(_with("a2", "a"))
+    scheduler.add(_with("big", "b", size=64))  # another key: not left out for its adapter
+    assert scheduler.schedule(timeout=0) == []
+
+
+def test_without_lora_enabled_any_number_of_requests_without_adapters_batch():
+    scheduler = _scheduler(max_num_seqs=8)
+    for i in range(8):
+        scheduler.add(_request(f"r{i}"))
+    assert len(scheduler.schedule(timeout=0)) == 8
+
+
+# Engine calls: run on the engine's thread between batches.
+
+
+def test_a_call_runs_in_run_calls_and_its_result_lands_in_the_future():
+    scheduler = _scheduler()
+    ran = []
+    future = scheduler.call(lambda: ran.append("x") or 42)
+    assert not future.done() and ran == []  # nothing runs it but the engine's thread
+    scheduler.run_calls()
+    assert future.result(timeout=0) == 42 and ran == ["x"]
+    scheduler.run_calls()  # each call runs once
+    assert ran == ["x"]
+
+
+def test_a_failing_call_fails_its_future_only():
+    scheduler = _scheduler()
+
+    def fail():
+        raise ValueError("bad adapter file")
+
+    failing, fine = scheduler.call(fail), scheduler.call(lambda: "ok")
+    scheduler.run_calls()
+    assert isinstance(failing.exception(timeout=0), ValueError)
+    assert str(failing.exception(timeout=0)) == "bad adapter file"
+    assert fine.result(timeout=0) == "ok"
+
+
+def test_a_cancelled_call_does_not_run():
+    scheduler = _scheduler()
+    ran = []
+    future = scheduler.call(lambda: ran.append("x"))
+    assert future.cancel()
+    scheduler.run_calls()
+    assert ran == []
+
+
+def test_a_pending_call_comes_before_a_due_batch():
+    scheduler = _scheduler()
+    scheduler.add(_request("a"))
+    future = scheduler.call(lambda: "loaded")
+    assert scheduler.schedule() == []  # no timeout: returns because a call is pending
+    scheduler.run_calls()
+    assert future.result(timeout=0) == "loaded"
+    assert _ids(scheduler.schedule(timeout=0)) == ["a"]
+
+
+def test_a_call_wakes_an_idle_schedule():
+    scheduler = _scheduler(wait_ms=600_000)
+    scheduler.add(_request("a"))  # not due for ten minutes
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(scheduler.schedule()))
+    waiter.start()
+    future = scheduler.call(lambda: "loaded")
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and result == [[]]
+    scheduler.run_calls()
+    assert future.result(timeout=0) == "loaded"
+    assert scheduler.num_waiting == 1
+
+
+def test_while_paused_no_request_starts_but_calls_run_and_resume_starts_the_waiting_ones():
+    """Sleep: requests that arrive wait (not refused, not lost), the wake-up call still runs, and once resumed they
+    start at once (they have waited already), however long the admission wait."""
+    scheduler = _scheduler(wait_ms=600_000)
+    scheduler.pause(True)
+    scheduler.add(_request("a"))
+    assert scheduler.schedule(timeout=0) == [] and scheduler.num_waiting == 1
+    assert scheduler.state("a")[0] == "waiting"
+    future = scheduler.call(lambda: scheduler.pause(False) or "awake", drain=True)
+    assert scheduler.schedule() == []  # no timeout: returns for the call
+    scheduler.run_calls()
+    assert future.result(timeout=0) == "awake" and not scheduler.paused
+    assert _ids(scheduler.schedule(timeout=0)) == ["a"]
+
+
+def test_resume_wakes_an_idle_schedule():
+    scheduler = _scheduler()
+    scheduler.pause(True)
+    scheduler.add(_request("a"))
+    batches = []
+    waiter = threading.Thread(target=lambda: batches.append(scheduler.schedule()))
+    waiter.start()
+    scheduler.pause(False)
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and [_ids(batch) for batch in batches] == [["a"]]
+
+
+def test_close_fails_pending_calls_and_refuses_new_ones():
+    scheduler = _scheduler()
+    ran = []
+    future = scheduler.call(lambda: ran.append("x"))
+    scheduler.close("shutting down")
+    with pytest.raises(RuntimeError, match="shutting down"):
+        future.result(timeout=0)
+    scheduler.run_calls()
+    assert ran == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        scheduler.call(lambda: None)
+
+
+def test_the_pixel_budget_makes_batches_smaller_than_max_num_seqs():
+    scheduler = _scheduler(max_num_seqs=4, max_batch_pixels=2 * 64 * 64)
+    for i in range(4):
+        scheduler.add(_request(f"big{i}", size=64))
+    for i in range(4):
+        scheduler.add(_request(f"small{i}", size=32))
+    sizes = []
+    while batch := scheduler.schedule(timeout=0):
+        sizes.append(_ids(batch))
+        _run(scheduler, batch)
+    # Two 64x64 fill the budget; four 32x32 are within it, so max_num_seqs bounds them.
+    assert sizes == [["big0", "big1"], ["big2", "big3"], ["small0", "small1", "small2", "small3"]]
+
+
+def test_a_request_larger_than_the_budget_runs_alone_and_n_counts():
+    scheduler = _scheduler(max_num_seqs=4, max_batch_pixels=64 * 64)
+    for i in range(2):
+        scheduler.add(_request(f"n2-{i}", size=64, num_outputs_per_prompt=2))  # 2 × 64 × 64: over the budget
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["n2-0"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["n2-1"]
+
+
+def test_a_batch_that_spent_the_budget_starts_without_the_admission_wait():
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=3_600_000, max_batch_pixels=2 * 32 * 32)
+    scheduler.add(_request("a"))
+    assert scheduler.schedule(timeout=0) == []  # room left: the hour-long admission wait holds it
+    scheduler.add(_request("b"))
+    assert _ids(scheduler.schedule(timeout=0)) == ["a", "b"]  # the budget is spent: waiting cannot fill it more

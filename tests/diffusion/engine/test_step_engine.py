@@ -1,0 +1,139 @@
+"""Step mode end to end through `Omni`: mixed steps share forwards, abort between steps, faults stay local."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni import Omni, OmniDiffusionSamplingParams
+from vllm_omni.errors import RequestAbortedError, SamplingParamsError
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+PROMPTS = ["a photo of a cat", "a red car", "an astronaut riding a horse", "a blue house"]
+
+
+def _params(steps=4, **kwargs) -> OmniDiffusionSamplingParams:
+    return OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=steps, output_type="np", **kwargs)
+
+
+def _until(predicate, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_flux):
+    with Omni(model=tiny_flux, max_num_seqs=4, execution_mode="step") as omni:
+        yield omni
+
+
+def test_requests_with_different_steps_share_forwards_and_match_the_stock_pipeline(omni):
+    assert omni.stage_configs[0].execution_mode == "step"
+    assert omni.stage_configs[0].provenance["execution_mode"] == "python"
+    steps = [6, 3, 8, 5]  # one batch in step mode; four batches in request mode
+    outputs = omni.generate(PROMPTS, [_params(s, seed=i) for i, s in enumerate(steps)])
+    assert [o.error for o in outputs] == [None] * 4
+    assert [o.metrics["steps"] for o in outputs] == steps
+    assert max(o.metrics["batch_size"] for o in outputs) > 1
+    pipeline = omni.engine.stages[0].replicas[0].engine.runner.pipeline
+    for i, output in enumerate(outputs):
+        stock = pipeline(
+            prompt=PROMPTS[i],
+            height=32,
+            width=32,
+            num_inference_steps=steps[i],
+            output_type="np",
+            generator=[torch.Generator("cpu").manual_seed(i)],
+        ).images[0]
+        assert np.abs(np.round(output.images[0] * 255) - np.round(stock * 255)).max() <= 2
+
+
+def test_abort_between_steps_frees_the_slot_and_progress_counts_steps(omni):
+    engine = omni.engine
+    long = engine.add_request("long", PROMPTS[0], _params(1000))
+    _until(lambda: (engine.progress("long") or ("waiting", 0.0))[1] >= 0.002)
+    state, fraction = engine.progress("long")
+    assert state == "running" and 0 < fraction < 1
+    assert engine.abort("long")
+    with pytest.raises(RequestAbortedError):
+        long.result(timeout=30)
+    assert engine.progress("long") is None
+    assert engine.stages[0].replicas[0].engine.scheduler.num_running == 0
+    assert omni.generate(PROMPTS[:1], _params(2))[0].error is None
+
+
+def test_a_failing_request_fails_alone(omni, poison_t5):
+    """A fault injected into the real T5 encoder: only the request holding the poisoned word fails."""
+    poison_t5(omni.engine.stages[0].replicas[0].engine.runner.pipeline, "astronaut")
+    outputs = omni.generate(PROMPTS, _params(seed=0))
+    assert [o.prompt for o in outputs if o.error] == [PROMPTS[2]]
+    assert "RuntimeError: poisoned prompt" in outputs[2].error
+
+
+def test_out_of_memory_in_a_step_splits_the_forward(omni):
+    transformer = omni.engine.stages[0].replicas[0].engine.runner.pipeline.transformer
+
+    def fail_above_two(module, args, kwargs):
+        if kwargs["hidden_states"].shape[0] > 2:
+            raise torch.OutOfMemoryError("simulated: out of memory above 2 rows")
+
+    handle = transformer.register_forward_pre_hook(fail_above_two, with_kwargs=True)
+    try:
+        outputs = omni.generate(PROMPTS, _params(seed=0))
+    finally:
+        handle.remove()
+    assert [o.error for o in outputs] == [None] * 4
+
+
+def test_what_step_mode_cannot_run_is_refused_before_it_runs(omni, tiny_flux):
+    with pytest.raises(SamplingParamsError, match=r"extra_args key 'joint_attention_kwargs' is not supported"):
+        omni.generate(["x"], _params(extra_args={"joint_attention_kwargs": {}}))
+    expected = r"request_batch_max_wait_ms= 5 \(python\) applies to execution_mode 'request' only, but execution_mode="
+    with pytest.raises(ValueError, match=expected):
+        Omni(model=tiny_flux, execution_mode="step", request_batch_max_wait_ms=5)
+
+
+def test_encode_and_decode_on_side_workers_give_the_same_results(tiny_flux):
+    """The CUDA arrangement (encode and decode on worker threads beside the loop), run on the CPU."""
+    from vllm_omni.config import OmniDiffusionConfig, resolve_stage_configs
+    from vllm_omni.diffusion.engine.roles import ROLES
+    from vllm_omni.diffusion.engine.step_mode import StepEngine
+
+    [stage] = resolve_stage_configs(global_knobs={"max_num_seqs": 4, "execution_mode": "step"})
+    engine = StepEngine(OmniDiffusionConfig.from_stage(tiny_flux, stage), ROLES["diffusion"], side_workers=True)
+    threads = []
+    prepare = engine.role.stepper.prepare
+
+    def recording_prepare(*args):
+        threads.append(threading.current_thread().name)
+        return prepare(*args)
+
+    engine.role.stepper.prepare = recording_prepare
+    try:
+        # Straight to the engine, past admission: the parameters are complete already (Flux's default guidance).
+        futures = [
+            engine.add_request(f"r{i}", PROMPTS[i], _params(3 + i, seed=i, guidance_scale=3.5)) for i in range(3)
+        ]
+        while not all(f.done() for f in futures):
+            engine.step(timeout=0.05)
+        outputs = [f.result() for f in futures]
+    finally:
+        engine.close()
+        engine.shutdown()
+    assert threads and all(name.startswith("vllm-omni-encode-0") for name in threads)
+    pipeline = engine.runner.pipeline
+    for i, output in enumerate(outputs):
+        stock = pipeline(
+            prompt=PROMPTS[i],
+            height=32,
+            width=32,
+            num_inference_steps=3 + i,
+            output_type="np",
+            generator=[torch.Generator("cpu").manual_seed(i)],
+        ).images[0]
+        assert np.abs(np.round(output.images[0] * 255) - np.round(stock * 255)).max() <= 2

@@ -1,0 +1,1 @@
+"""One replica's engine loop: requests, batch scheduler, request and step modes, control verbs."""

@@ -1,0 +1,397 @@
+"""Batch schedulers: which waiting requests run together, and when (not to be confused with the diffusers noise
+schedulers that the steppers drive).
+
+`BatchScheduler` is the request-level policy (``execution_mode: request``);
+`StepBatchScheduler` the step-level one (``execution_mode: step``, see its docstring).
+
+- Capacity is ``od_config.stage.max_num_seqs`` requests per batch, and at most
+  ``od_config.stage.max_batch_pixels`` of ``width × height × frames × n`` summed over
+  them when set (a request larger than that runs alone). The budget only makes
+  batches smaller: the oldest request always goes first.
+- Only requests with the same `BatchKey` share a batch. The oldest waiting
+  request's key goes first, so no key starves, and requests with other keys
+  never block it (no head-of-line blocking).
+- Lifecycle: the scheduler owns every request from `add` to `finish`, where its
+  future is resolved: its output, `RequestFailedError` or `RequestAbortedError`.
+  A future cancelled by its caller while waiting is dropped at scheduling time;
+  one that is scheduled is marked running, so from then on only `abort` stops it.
+- Admission wait: when the oldest waiting request arrived at an idle engine,
+  the batch starts once it is full or ``request_batch_max_wait_ms`` after that
+  arrival, whichever comes first. Requests that queued behind a running batch
+  start as soon as it finishes: they have waited already.
+- LoRA: a batch (in step mode, the requests running and being encoded) uses at
+  most ``max_loras`` distinct adapters, so every adapter it needs is resident.
+- Engine calls (`call`): work that must run on the engine's thread between
+  batches or steps (loading an adapter) wakes the scheduler and runs first. A
+  draining call (new weights, sleep) runs once the requests in progress have
+  finished, and no request starts (nor, in step mode, begins encoding) before
+  it has run: a batch finishes on the weights it started with.
+- Sleep (`pause`): while paused no request starts (nor begins encoding); requests that arrive wait, and calls
+  still run, so that the wake-up (a call) can resume it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine.request import DiffusionRequest
+from vllm_omni.errors import RequestAbortedError, RequestFailedError
+from vllm_omni.outputs import OmniRequestOutput, StageOutput
+
+
+def adapters_of(requests: Iterable[DiffusionRequest]) -> set[str]:
+    """The names of the LoRA adapters ``requests`` apply."""
+    return {selection.name for request in requests for selection in request.params.lora}
+
+
+class BatchScheduler:
+    def __init__(self, od_config: OmniDiffusionConfig):
+        self.capacity = od_config.stage.max_num_seqs
+        self.max_pixels = od_config.stage.max_batch_pixels
+        self.max_wait_s = od_config.stage.request_batch_max_wait_ms / 1000.0
+        self.max_loras = od_config.stage.max_loras
+        self._waiting: list[DiffusionRequest] = []
+        self._running: list[DiffusionRequest] = []
+        self._calls: list[_Call] = []
+        self._cond = threading.Condition()
+        self._idle_since = time.monotonic()
+        self._closed = False
+        self.paused = False
+        """Whether the engine sleeps: no request starts until `pause` (False)."""
+
+    def call(self, fn: Callable[[], Any], *, drain: bool = False) -> Future:
+        """Run ``fn`` on the engine's thread at the next batch or step boundary; the future holds its result.
+        ``drain``: at the first boundary with no request in progress, and no request starts before it has run."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the diffusion engine is shut down")
+            self._calls.append(_Call(fn, future, drain))
+            self._cond.notify_all()
+        return future
+
+    @property
+    def _draining(self) -> bool:
+        """Whether a draining call waits: no request may start until it has run."""
+        return any(call.drain for call in self._calls)
+
+    def pause(self, paused: bool) -> None:
+        """Sleep (True) or serve again (False; the requests that waited meanwhile start at once)."""
+        with self._cond:
+            self.paused, self._idle_since = paused, time.monotonic()
+            self._cond.notify_all()
+
+    def _due_calls(self) -> list[_Call]:
+        """The pending calls that may run now (a draining one once nothing is in progress)."""
+        busy = bool(self._in_progress())
+        return [call for call in self._calls if not (call.drain and busy)]
+
+    def run_calls(self) -> None:
+        """Run the pending `call` functions that are due (the engine's thread, at a boundary), in order."""
+        with self._cond:
+            calls = self._due_calls()
+            self._calls = [call for call in self._calls if call not in calls]
+        for fn, future, _ in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the caller's future says why
+                    future.set_exception(exc)
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapters of the requests past scheduling: what an adapter load must not evict."""
+        with self._cond:
+            return adapters_of(self._in_progress())
+
+    def fits(self, batch: list[DiffusionRequest], request: DiffusionRequest) -> bool:
+        """Whether ``request`` may join ``batch`` within the pixel budget (the first request always may)."""
+        return not batch or self.max_pixels is None or sum(r.pixels for r in batch) + request.pixels <= self.max_pixels
+
+    def _fitting(self, candidates: list[DiffusionRequest], in_use: set[str]) -> tuple[list[DiffusionRequest], bool]:
+        """The oldest ``candidates`` that fit beside ``in_use`` adapters, up to capacity and the pixel budget; and
+        whether waiting cannot make the batch fuller (one was left out for its adapters, or the budget is spent)."""
+        chosen: list[DiffusionRequest] = []
+        adapters, left_out = set(in_use), False
+        for request in candidates:
+            if len(chosen) == self.capacity:
+                break
+            if not self.fits(chosen, request):
+                return chosen, True
+            wanted = adapters | adapters_of([request])
+            if len(wanted) > self.max_loras:
+                left_out = True
+                continue
+            chosen.append(request)
+            adapters = wanted
+        # Requests that share a key have the same size: one more like the last would not fit, so none would.
+        spent = bool(chosen) and not self.fits(chosen, chosen[-1])
+        return chosen, left_out or spent
+
+    def add(self, request: DiffusionRequest) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the diffusion engine is shut down")
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> bool:
+        """Fail a waiting request now, or flag a running one (its batch finishes, `finish` drops it)."""
+        with self._cond:
+            for i, request in enumerate(self._waiting):
+                if request.request_id == request_id:
+                    _fail(self._waiting.pop(i), RequestAbortedError(request_id))
+                    return True
+            for request in self._in_progress():
+                if request.request_id == request_id:
+                    request.aborted = True
+                    return True
+        return False
+
+    def state(self, request_id: str) -> tuple[str, DiffusionRequest] | None:
+        """``("waiting" | "running", request)`` for a request in flight, else ``None``."""
+        with self._cond:
+            for state, requests in (("waiting", self._waiting), ("running", self._in_progress())):
+                for request in requests:
+                    if request.request_id == request_id:
+                        return state, request
+        return None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def schedule(self, timeout: float | None = None) -> list[DiffusionRequest]:
+        """Block until a batch is due and return it; ``[]`` after ``timeout`` seconds or on `close`."""
+        give_up = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                wait = None if give_up is None else give_up - now
+                self._waiting = [r for r in self._waiting if not r.future.cancelled()]
+                if self._calls:
+                    return []
+                if self._waiting and not self.paused:
+                    head = self._waiting[0]
+                    batch, left_out = self._fitting([r for r in self._waiting if r.key == head.key], set())
+                    start_at = head.arrival_time + self.max_wait_s if head.arrival_time >= self._idle_since else now
+                    if len(batch) == self.capacity or left_out or now >= start_at:
+                        chosen = set(map(id, batch))
+                        self._waiting = [r for r in self._waiting if id(r) not in chosen]
+                        self._running = [r for r in batch if r.future.set_running_or_notify_cancel()]
+                        if self._running:
+                            return self._running
+                        continue
+                    wait = start_at - now if wait is None else min(wait, start_at - now)
+                if wait is not None and wait <= 0:
+                    return []
+                self._cond.wait(wait)
+        return []
+
+    def finish(
+        self, batch: list[DiffusionRequest], outputs: list[OmniRequestOutput | StageOutput | BaseException]
+    ) -> None:
+        """Resolve each request's future with its output; the engine is idle from now on."""
+        with self._cond:
+            self._running = []
+            self._idle_since = time.monotonic()
+        for request, output in zip(batch, outputs, strict=True):
+            _resolve(request, output)
+
+    def close(self, reason: str, *, include_running: bool = False) -> None:
+        """Stop scheduling and fail every request still waiting with ``reason``; with ``include_running``
+        (the engine loop died) the running ones too."""
+        with self._cond:
+            self._closed = True
+            failed, self._waiting = self._waiting, []
+            calls, self._calls = self._calls, []
+            if include_running:
+                failed += self._in_progress()
+            self._cond.notify_all()
+        for request in failed:
+            _fail(request, RequestFailedError(request.request_id, reason))
+        for _, future, _ in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(reason))
+
+    def _in_progress(self) -> list[DiffusionRequest]:
+        """Requests past scheduling and not yet finished."""
+        return list(self._running)
+
+
+def _resolve(request: DiffusionRequest, output: OmniRequestOutput | StageOutput | BaseException) -> None:
+    """Resolve a scheduled request's future: its output, `RequestAbortedError` or `RequestFailedError`."""
+    if request.future.done():  # failed already by `close(include_running=True)`
+        return
+    if request.aborted:
+        request.future.set_exception(RequestAbortedError(request.request_id))
+    elif isinstance(output, RequestFailedError):  # the engine's own failure of it (`NonFiniteOutputError`)
+        request.future.set_exception(output)
+    elif isinstance(output, BaseException):
+        request.future.set_exception(RequestFailedError(request.request_id, f"{type(output).__name__}: {output}"))
+    else:
+        request.future.set_result(output)
+
+
+def _fail(request: DiffusionRequest, error: RequestFailedError) -> None:
+    """Fail a request, unless it is done already or its caller has cancelled it while it waited."""
+    if request.future.done():
+        return
+    if request.future.running() or request.future.set_running_or_notify_cancel():
+        with contextlib.suppress(InvalidStateError):  # resolved meanwhile by another thread
+            request.future.set_exception(error)
+
+
+class _Call(NamedTuple):
+    """A function to run on the engine's thread (`BatchScheduler.call`)."""
+
+    fn: Callable[[], Any]
+    future: Future
+    drain: bool
+
+
+@dataclass
+class StepPlan:
+    """What the step engine does at one step boundary."""
+
+    to_prepare: list[DiffusionRequest] = field(default_factory=list)
+    """Waiting requests to hand to the encode worker now."""
+    batch: list[DiffusionRequest] = field(default_factory=list)
+    """The running requests: one denoiser forward for all of them."""
+    dropped: list[DiffusionRequest] = field(default_factory=list)
+    """Running requests aborted since the last step; their slots are free again."""
+
+
+class StepBatchScheduler(BatchScheduler):
+    """Step-level policy: requests join and leave the running batch at denoising-step boundaries.
+
+    - At every boundary, waiting requests whose prompt is encoded join the running
+      batch, oldest first, while it holds fewer than ``max_num_seqs`` requests
+      and the next one fits the pixel budget.
+    - Only requests with the same key share the running batch (what must match
+      inside one forward: size, frames, text length). Steps and guidance may differ.
+    - Fairness: when the oldest waiting request needs another key, the running key
+      stops admitting and drains; the oldest key starts once it is empty. So a
+      request waits at most for the requests that were running when it arrived.
+    - Encoding runs ahead of admission: at most ``max_num_seqs`` waiting requests
+      are encoded (or being encoded) at a time, oldest first.
+    - An abort of a running request frees its slot at the next boundary; one of a
+      request that is being decoded drops its result.
+    """
+
+    def __init__(self, od_config: OmniDiffusionConfig):
+        super().__init__(od_config)
+        self._finishing: list[DiffusionRequest] = []
+
+    def _in_progress(self) -> list[DiffusionRequest]:
+        """Running, decoding, and on an encode worker: a draining call waits for those too."""
+        return self._running + self._finishing + [r for r in self._waiting if r.preparing and r.state is None]
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapters of the running requests and of those encoded or being encoded."""
+        with self._cond:
+            return adapters_of(self._running + [r for r in self._waiting if r.preparing])
+
+    @property
+    def has_unfinished(self) -> bool:
+        with self._cond:
+            return bool(self._running or self._finishing)
+
+    def plan(self, timeout: float | None = None) -> StepPlan:
+        """Block until there is work (an encode to start, a batch to step, an abort) and return it.
+
+        With requests running it never blocks: the running batch is stepped at once.
+        """
+        give_up = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._waiting = [r for r in self._waiting if not r.future.cancelled()]
+                plan = StepPlan(dropped=[r for r in self._running if r.aborted])
+                self._running = [r for r in self._running if not r.aborted]
+                self._admit()
+                plan.batch = list(self._running)
+                budget = self.capacity - sum(r.preparing for r in self._waiting)
+                in_use = adapters_of(self._running + [r for r in self._waiting if r.preparing])
+                for request in self._waiting:
+                    if budget <= 0 or self._draining or self.paused:
+                        break
+                    if not request.preparing:
+                        wanted = in_use | adapters_of([request])
+                        if len(wanted) > self.max_loras:
+                            break  # oldest first: it is prepared once the adapters in use leave room
+                        in_use = wanted
+                        request.preparing = True
+                        plan.to_prepare.append(request)
+                        budget -= 1
+                if (
+                    plan.to_prepare
+                    or plan.batch
+                    or plan.dropped
+                    or self._due_calls()
+                    or (self._closed and not self._finishing)
+                ):
+                    return plan
+                wait = None if give_up is None else give_up - time.monotonic()
+                if wait is not None and wait <= 0:
+                    return plan
+                self._cond.wait(wait)
+
+    def _admit(self) -> None:
+        """Move encoded waiting requests into the running batch (the policy of the class docstring)."""
+        if not self._waiting or self._draining or self.paused:
+            return
+        key = self._running[0].key if self._running else self._waiting[0].key
+        for request in list(self._waiting):
+            if (
+                len(self._running) >= self.capacity
+                or request.key != key
+                or request.state is None
+                or not self.fits(self._running, request)
+            ):
+                break
+            self._waiting.remove(request)
+            if request.future.set_running_or_notify_cancel():
+                self._running.append(request)
+
+    def prepared(self, request: DiffusionRequest, state) -> bool:
+        """Attach the encoded ``state``; False (and nothing attached) if the request left the queue meanwhile."""
+        with self._cond:
+            if not any(r is request for r in self._waiting):
+                return False
+            request.state = state
+            self._cond.notify_all()
+            return True
+
+    def fail_waiting(self, request: DiffusionRequest, error: BaseException) -> None:
+        """Fail a waiting request on its own (its encoding failed)."""
+        with self._cond:
+            self._waiting = [r for r in self._waiting if r is not request]
+            self._cond.notify_all()
+        _fail(request, RequestFailedError(request.request_id, f"{type(error).__name__}: {error}"))
+
+    def retire(self, requests: list[DiffusionRequest]) -> None:
+        """Denoising is done for ``requests``: they leave the running batch and are decoded."""
+        with self._cond:
+            done = set(map(id, requests))
+            self._running = [r for r in self._running if id(r) not in done]
+            self._finishing += requests
+            self._cond.notify_all()
+
+    def complete(self, request: DiffusionRequest, output: OmniRequestOutput | StageOutput | BaseException) -> None:
+        """Resolve a request that was running or decoding with its output (or error)."""
+        with self._cond:
+            self._running = [r for r in self._running if r is not request]
+            self._finishing = [r for r in self._finishing if r is not request]
+            self._cond.notify_all()
+        request.state = None
+        _resolve(request, output)

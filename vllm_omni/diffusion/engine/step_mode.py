@@ -1,0 +1,142 @@
+"""The step engine (``execution_mode: step``): requests join and leave the running batch between denoising steps.
+
+Each `step` is one step boundary: start the encodes the scheduler asks for, drop aborted requests, run
+one denoiser forward over every running request, move each along its own schedule (`denoise_step`, the same
+step the request engine's denoising loop takes), and hand those that finished to the decoder. How a request
+begins and ends is its stage role's: a ``diffusion`` stage encodes and decodes, a ``denoise`` stage starts from
+the encoded prompt and hands the final latents on.
+
+On CUDA, text encoding and VAE decoding run on two worker threads beside this loop, so a request that
+joins or leaves does not stall the requests in flight: all three threads queue work on the default
+stream, the GPU interleaves it, and the loop thread never waits for an encode or a decode. On the CPU
+they run on the loop thread between steps instead: there they would share the loop's cores, and each
+extra OpenMP master thread made every forward ~40 % slower (docs/performance.md), which costs more than
+the stall.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.diffusion.engine.core import EngineCore
+from vllm_omni.diffusion.engine.denoise import denoise_step, run_isolated
+from vllm_omni.diffusion.engine.request import DiffusionRequest
+from vllm_omni.diffusion.engine.scheduler import StepBatchScheduler
+from vllm_omni.errors import RequestAbortedError
+from vllm_omni.logger import init_logger
+from vllm_omni.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.engine.roles import StageRole
+
+logger = init_logger(__name__)
+
+
+class StepEngine(EngineCore):
+    """Step mode: one denoiser forward per step over the running requests (module docstring)."""
+
+    scheduler: StepBatchScheduler
+
+    def __init__(self, od_config: OmniDiffusionConfig, role: type[StageRole], *, side_workers: bool | None = None):
+        """``side_workers``: encode and decode on worker threads beside the loop; ``None``: on CUDA only."""
+        super().__init__(od_config, StepBatchScheduler(od_config), role)
+        if side_workers is None:
+            side_workers = self.runner.device.type == "cuda"
+        stage = od_config.stage.stage_id
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"vllm-omni-encode-{stage}") if side_workers else None
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vllm-omni-decode-{stage}") if side_workers else None
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether requests are still denoising or decoding (the loop runs until they are done)."""
+        return self.scheduler.has_unfinished
+
+    def step(self, timeout: float | None = None) -> int:
+        """One step boundary and one forward; returns how many requests it stepped (0 if none in ``timeout``)."""
+        self.scheduler.run_calls()
+        plan = self.scheduler.plan(timeout)
+        for request in plan.to_prepare:
+            _run_on(self._encoder, self._begin, request)
+        for request in plan.dropped:
+            self.scheduler.complete(request, RequestAbortedError(request.request_id))
+        batch = plan.batch
+        if not batch:
+            return 0
+        self.metrics.batch_num_requests.observe(len(batch))
+        with self.metrics.batch_execution_time.time(), self.timer.recording(batch):
+            for request, error in denoise_step(batch, self.role.stepping, self._on_oom_split, self.role.previews):
+                self.scheduler.complete(request, error)
+        done = [request for request in batch if request.state is not None and request.state.done]
+        if done:
+            self.scheduler.retire(done)
+            _run_on(self._decoder, self._finish, done)
+        return len(batch)
+
+    def _begin(self, request: DiffusionRequest) -> None:
+        """The request's denoising state from its role (on the encode worker, where there is one)."""
+        request.started_time = time.monotonic()
+        self.metrics.queue_time.observe(request.started_time - request.arrival_time)
+        try:
+            with torch.inference_mode(), self.timer.recording([request]):
+                self.runner.load_adapters([request], keep=self.scheduler.adapters_in_use())
+                state = self.role.begin(request)
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            logger.warning("encoding request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
+            self.scheduler.fail_waiting(request, exc)
+            return
+        request.total_steps = len(state.timesteps)
+        self.scheduler.prepared(request, state)  # dropped if aborted, cancelled or shut down meanwhile
+
+    def _finish(self, requests: list[DiffusionRequest]) -> None:
+        """The outputs of requests whose denoising is done (on the decode worker, where there is one)."""
+        outputs = run_isolated(
+            self._end,
+            requests,
+            what="decode of request",
+            name=lambda r: r.request_id,
+            on_oom_split=self.runner.release_cached_memory,
+        )
+        for request, output in zip(requests, outputs, strict=True):
+            self.scheduler.complete(request, output)
+
+    def _end(self, requests: list[DiffusionRequest]) -> list:
+        with torch.inference_mode(), self.timer.recording(requests):
+            results = self.role.end(requests)
+        finished = time.monotonic()
+        self.timer.log_batch(self.od_config.stage.stage_id, requests)
+        return [
+            self.output(
+                request,
+                result,
+                RequestMetrics(
+                    batch_size=round(request.state.batch_total / max(request.state.forwards, 1), 2),
+                    steps=request.state.forwards,
+                    queue_ms=(request.started - request.arrival_time) * 1000.0,
+                    exec_ms=(finished - request.started) * 1000.0,
+                    seed=request.seed,
+                    replica=self.od_config.replica,
+                    weights_version=self.weights_version,
+                ),
+            )
+            for request, result in zip(requests, results, strict=True)
+        ]
+
+    def shutdown(self) -> None:
+        """Stop the encode and decode workers once the loop has stopped (pending decodes finish first)."""
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True, cancel_futures=True)
+        if self._decoder is not None:  # the two exist together
+            self._decoder.shutdown(wait=True)
+
+
+def _run_on(worker: ThreadPoolExecutor | None, fn, *args) -> None:
+    """``fn(*args)`` on ``worker``, or here and now without one."""
+    if worker is None:
+        fn(*args)
+    else:
+        worker.submit(fn, *args)

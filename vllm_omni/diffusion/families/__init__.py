@@ -1,0 +1,1 @@
+"""What each pipeline family takes and how it steps: model cards, pipeline facts, steppers."""

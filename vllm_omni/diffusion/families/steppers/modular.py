@@ -1,0 +1,398 @@
+"""Step mode for the families that diffusers ships as modular pipelines: the family's own blocks run each request,
+and only the denoiser call is shared.
+
+A modular pipeline (``diffusers.modular_pipelines``) splits a family into blocks: the text encoder, the steps before
+the denoising loop (inputs, initial latents, timesteps, position inputs), the loop, whose sub-blocks are one step
+(``before_denoiser``, the ``denoiser`` with its guider, ``after_denoiser``), and the decoder. `ModularStepper` runs
+a request's blocks up to the loop when it joins, and each engine step runs its loop's sub-blocks for every request
+with that request's own scheduler and guider. The denoiser calls of all requests in a step are one forward:
+
+1. each request's ``before_denoiser`` and ``denoiser`` run with `DenoiserCalls` standing in for the denoiser,
+   which records the call's arguments and answers zeros shaped like its input (the answers are thrown away);
+2. the recorded calls are concatenated row-wise into as few forwards as their arguments allow (`batched`);
+3. the same sub-blocks run again, each call answered with its rows of the batch: the guider combines them as the
+   family's maintainers wrote it (Qwen-Image's norm rescale included);
+4. ``after_denoiser`` (the scheduler's update) runs per request, in `advance`.
+
+A split pipeline runs the same blocks in three stages: ``encode`` the ones that read a text encoder (what they
+made is `Conditioning.blocks`), ``denoise`` the rest up to the loop and the loop, ``decode`` the blocks after it
+(with what they read of the request's state besides the latents: `Latents.blocks`), in one call for the requests
+whose inputs to them can be put together. Previews decode with those blocks too.
+
+A request that samples stochastically (``sde_type``, RL rollouts) takes its `SdeSampler.step` after the family's
+update: the update keeps the scheduler's own step index, and in the request's window the sampler's latents replace
+the Euler step's, as request mode's `sde_sampling` replaces them around the stock pipeline's ``scheduler.step``.
+
+The family's blocks are the ones diffusers maps its pipeline class to; what it adds is a table entry
+(`MODULAR_FAMILIES`, in modular_families.py): how a request's parameters become its guider, and what its blocks
+cannot take. Image tasks (the hand-written steppers' ``image`` and ``inpaint``) are refused for these families in
+step mode: diffusers' modular image-to-image blocks do not compute what the stock image pipelines do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import diffusers
+import torch
+from diffusers.guiders import ClassifierFreeGuidance
+from diffusers.modular_pipelines import PipelineState
+
+from vllm_omni.diffusion.families.model_card import ModelCard
+from vllm_omni.diffusion.families.pipeline_facts import schedule_index
+from vllm_omni.diffusion.families.steppers.base import Stepper, fresh_noise_scheduler, generators_for
+from vllm_omni.diffusion.families.steppers.denoiser_calls import DenoiserCalls, batched, joined
+from vllm_omni.diffusion.families.steppers.modular_families import MODULAR_FAMILIES
+from vllm_omni.diffusion.families.steppers.state import Conditioning, Latents, StepState
+from vllm_omni.diffusion.features.sde import EMBEDDING_NAMES, SDE_ARGS, record_first_step
+from vllm_omni.diffusion.pipeline.components import TEXT_ENCODERS
+from vllm_omni.errors import SamplingParamsError
+from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+
+def modular_blocks(pipeline) -> Any:
+    """The modular blocks of ``pipeline``'s family as diffusers maps a pipeline to them (``XPipeline`` →
+    ``XModularPipeline``, or the variant its config names: a step-distilled FLUX.2 [klein], a two-expert Wan); given
+    a class name, its default variant."""
+    from diffusers.modular_pipelines.modular_pipeline import MODULAR_PIPELINE_MAPPING
+
+    class_name = pipeline if isinstance(pipeline, str) else type(pipeline).__name__
+    name = class_name.removesuffix("Pipeline") + "ModularPipeline"
+    config = None if isinstance(pipeline, str) else dict(pipeline.config)
+    for map_fn in MODULAR_PIPELINE_MAPPING.values():
+        if map_fn(None) == name:
+            name = map_fn(config)
+            break
+    return getattr(diffusers, getattr(diffusers, name).default_blocks_name)()
+
+
+class RequestComponents:
+    """The modular pipeline's components as one request's blocks see them: its own scheduler (which keeps a step
+    index and, for multistep solvers, history) and guider (its scale and step), and `DenoiserCalls` for the
+    denoiser; everything else is the shared pipeline's. The pipeline's properties are read over this view, so that
+    what they derive from the guider (``requires_unconditional_embeds``) is the request's."""
+
+    def __init__(self, modular, scheduler, guider, denoisers: dict[str, DenoiserCalls | _Unloaded]):
+        self._modular, self.scheduler, self.guider = modular, scheduler, guider
+        vars(self).update(denoisers)  # under the denoiser's component name: transformer, unet
+
+    def __getattr__(self, name: str) -> Any:
+        found = inspect.getattr_static(type(self._modular), name, None)
+        return found.__get__(self) if isinstance(found, property) else getattr(self._modular, name)
+
+
+@dataclass(frozen=True)
+class _Unloaded:
+    """The denoiser of a stage that does not load it, as blocks that read only its dtype see it (HunyuanVideo 1.5's
+    text-encoder blocks cast to it): the stage's own dtype, which its denoise stage runs when it has the same."""
+
+    name: str
+    dtype: torch.dtype
+
+    def __getattr__(self, attr: str) -> Any:
+        raise AttributeError(f"{self.name} is not loaded in this stage (its blocks asked for {attr!r})")
+
+
+@dataclass(eq=False)
+class ModularStepState(StepState):
+    """A request stepped by its family's modular blocks: `StepState` plus the blocks' own state."""
+
+    loop: Any = None
+    """The ``BlockState`` of its denoising loop (latents, embeddings, timesteps, position inputs)."""
+    pipeline: PipelineState | None = None
+    """The pipeline state its blocks before the loop left, which its decoder blocks read (Flux.2's ``latent_ids``,
+    LTX's ``num_frames``)."""
+    components: RequestComponents | None = None
+    """Its view of the pipeline's components."""
+
+
+def _modular(state: StepState) -> ModularStepState:
+    """``state`` as the modular stepper made it (`ModularStepper.start`)."""
+    assert isinstance(state, ModularStepState), "a modular stepper steps the states it started"
+    return state
+
+
+class _LoopStarted(Exception):
+    """Raised by a loop's first step in `_loop_start`, carrying the loop's block state."""
+
+
+def _raise_at_first_step(components, block_state, **_: Any):
+    raise _LoopStarted(block_state)
+
+
+def _fill(block, state: PipelineState, inputs: dict[str, Any]) -> None:
+    """Each input ``block`` names that ``state`` does not hold yet, from ``inputs`` or its default, as
+    ``ModularPipeline.__call__`` fills the state."""
+    for param in block.inputs:
+        if param.name is not None and param.name not in state.values:
+            state.set(param.name, inputs.get(param.name, param.default), param.kwargs_type)
+
+
+def _loop_start(loop, components, state: PipelineState) -> Any:
+    """The ``BlockState`` of ``loop`` as its own ``__call__`` has it at its first step: the wrapper's set-up before
+    its loop (Qwen-Image's ``additional_cond_kwargs``) is the family's, so it runs, and the loop is the engine's."""
+    loop.loop_step = _raise_at_first_step  # on the stepper's own copy of the family's loop block
+    _fill(loop, state, {})
+    try:
+        loop(components, state)
+    except _LoopStarted as started:
+        return started.args[0]
+    raise ValueError(f"{type(loop).__name__} ran no step: its request has no timesteps")
+
+
+_PARAM_INPUTS = (
+    "height",
+    "width",
+    "num_frames",
+    "num_inference_steps",
+    "num_images_per_prompt",
+    "num_videos_per_prompt",
+)
+"""The block inputs a request's parameters give (`ModularStepper._inputs`) besides its prompts and generator."""
+
+
+def _is_loop(block) -> bool:
+    return isinstance(block, diffusers.modular_pipelines.LoopSequentialPipelineBlocks)
+
+
+def _encodes_text(block) -> bool:
+    return any(spec.name in TEXT_ENCODERS for spec in block.expected_components)
+
+
+def _on_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return [_on_device(v, device) for v in value] if isinstance(value, list) else value
+
+
+class ModularStepper(Stepper):
+    """Any family of `MODULAR_FAMILIES`, stepped by its modular blocks (see the module's docstring)."""
+
+    pipeline_classes = tuple(MODULAR_FAMILIES)
+    preview_method = "vae"  # its latents are the family's packed layout, which only its decoder blocks unpack
+    extra_args = SDE_ARGS.union(*(f.extra_args for f in MODULAR_FAMILIES.values()))
+
+    def __init__(self, pipeline, device: torch.device):
+        super().__init__(pipeline, device)
+        self.family = MODULAR_FAMILIES[type(pipeline).__name__]
+        blocks = modular_blocks(pipeline).get_execution_blocks(prompt="")
+        leaves = list(blocks.sub_blocks.values())
+        loop = next(i for i, b in enumerate(leaves) if _is_loop(b))
+        # A copy: diffusers' block classes share their sub-block instances, and `_loop_start` sets this one's step.
+        self.loop, self.after = copy.copy(leaves[loop]), leaves[loop + 1 :]
+        # The encode stage: the blocks that read a text encoder; the rest before the loop start a request.
+        self.encode_blocks = [b for b in leaves[:loop] if _encodes_text(b)]
+        self.start_blocks = [b for b in leaves[:loop] if not _encodes_text(b)]
+        self.encoded = {out.name: out.kwargs_type for b in self.encode_blocks for out in b.intermediate_outputs}
+        """What the encode blocks hand on (`Conditioning.blocks`), with the kind of input each is."""
+        self.decoded = [param.name for b in self.after for param in b.inputs if param.name]  # the decoder's inputs
+        required = {param.name for param in self.loop.inputs if param.required}
+        self.encodes_negatives = any(name.startswith("negative_") and name in required for name in self.encoded)
+        """Whether its loop takes negative embeddings even unguided (LTX: its guider then ignores them), so that
+        every prompt is encoded with its negative."""
+        names = list(self.loop.sub_blocks)
+        update = next(i for i, name in enumerate(names) if name.startswith("after_denoiser"))
+        self.predict_blocks = [self.loop.sub_blocks[name] for name in names[:update]]
+        self.update_blocks = [self.loop.sub_blocks[name] for name in names[update:]]
+        self.loop.set_progress_bar_config(disable=True)  # its loop is the engine's
+        self.modular = blocks.init_pipeline()
+        self.guider = getattr(pipeline, "guider", None) or ClassifierFreeGuidance()
+        """What each request's guider is a copy of: the pipeline's own where it has one."""
+        self.modular.update_components(**{k: v for k, v in pipeline.components.items() if v is not None})
+        self.denoiser_name = "transformer" if "transformer" in pipeline.components else "unet"
+        """The component the family's blocks call the denoiser by."""
+        self.input_name = (
+            None if self.denoiser is None else next(iter(inspect.signature(self.denoiser.forward).parameters))
+        )
+        """The denoiser's first argument, whose length is a call's row count."""
+
+    @classmethod
+    @functools.cache  # read at each admission that asks for previews; the blocks of a class never change
+    def request_mode_previews_refusal(cls, pipeline_name: str) -> str | None:
+        # A preview decodes with the family's decoder blocks; in request mode it has only the latents and the
+        # request's parameters, not what the blocks before the loop made.
+        leaves = list(modular_blocks(pipeline_name).get_execution_blocks(prompt="").sub_blocks.values())
+        given, needs = {"latents", "output_type", *_PARAM_INPUTS}, set()
+        for block in leaves[next(i for i, b in enumerate(leaves) if _is_loop(b)) + 1 :]:
+            needs |= {p.name for p in block.inputs if p.required and p.name not in given}
+            given |= {out.name for out in block.intermediate_outputs}
+        if not needs:
+            return None
+        return f"in execution_mode 'request': its decoder blocks read {', '.join(sorted(needs))}; use 'step'"
+
+    @classmethod
+    def check_params(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> None:
+        super().check_params(card, params)
+        if MODULAR_FAMILIES[card.pipeline_name].one_output_per_prompt and params.num_outputs_per_prompt > 1:
+            raise SamplingParamsError(
+                "num_outputs_per_prompt",
+                f"num_outputs_per_prompt must be 1 for {card.pipeline_name} in execution_mode 'step' or split into "
+                f"stages (its modular blocks make one output per prompt), got {params.num_outputs_per_prompt}; "
+                "serve it with execution_mode 'request' for more",
+            )
+
+    @classmethod
+    def key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
+        return (params.height, params.width, params.num_frames)
+
+    @classmethod
+    def encode_key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
+        return ()  # `encode` runs each request's blocks alone, with its own guider: any requests share a batch
+
+    def _inputs(self, prompt: str | None, params: OmniDiffusionSamplingParams, seed: int | None) -> dict[str, Any]:
+        n = params.num_outputs_per_prompt
+        sizes = (params.height, params.width, params.num_frames, params.num_inference_steps, n, n)
+        inputs = {
+            **dict(zip(_PARAM_INPUTS, sizes, strict=True)),
+            "prompt": prompt,
+            "negative_prompt": params.negative_prompt,
+            "generator": None if seed is None else generators_for(seed, n),
+            "output_type": params.output_type,
+            **{k: v for k, v in params.extra_args.items() if k in self.family.extra_args},
+        }
+        return {k: v for k, v in inputs.items() if v is not None}  # unset: the block's default
+
+    @staticmethod
+    def _run(blocks: list, components, state: PipelineState, inputs: dict[str, Any]) -> PipelineState:
+        """``blocks`` in order on ``state``, with each input they name that is not set yet taken from ``inputs`` or
+        its default (as ``ModularPipeline.__call__`` fills the state)."""
+        for block in blocks:
+            _fill(block, state, inputs)
+            components, state = block(components, state)
+        return state
+
+    def _components(self, params: OmniDiffusionSamplingParams) -> RequestComponents:
+        """The request's own view of the components: its guider, its scheduler, the denoiser stand-in."""
+        guider = copy.copy(self.guider)  # not a new one: each guider's __init__ logs that guiders are experimental
+        if self.family.guidance is not None:
+            scale = self.family.guidance(params)
+            guider.guidance_scale = scale or 1.0
+            if scale is None:
+                guider.disable()
+        scheduler = fresh_noise_scheduler(self.pipeline, self.card.scheduler_overrides(params))
+        calls: dict[str, DenoiserCalls | _Unloaded]
+        if self.denoiser is None or self.input_name is None:  # an encode or decode stage (the two go together)
+            loaded = self.pipeline.components.items()
+            dtype = next((c.dtype for n, c in loaded if n in TEXT_ENCODERS and c is not None), self.pipeline.vae.dtype)
+            calls = {self.denoiser_name: _Unloaded(self.denoiser_name, dtype)}
+        else:
+            calls = {self.denoiser_name: DenoiserCalls(self.denoiser, self.input_name)}
+        return RequestComponents(self.modular, scheduler, guider, calls)
+
+    def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
+        """Each prompt through the family's text-encoder blocks, alone (their calls take one request's prompts)."""
+        conditionings = []
+        for prompt, request in zip(prompts, params, strict=True):
+            components = self._components(request)
+            if self.encodes_negatives:  # a guider that guides, whatever the request's scale
+                components.guider = copy.copy(self.guider)
+                components.guider.enable()
+            with torch.no_grad(), self._adapters(text=[request.lora]):
+                inputs = self._inputs(prompt, request, None)
+                state = self._run(self.encode_blocks, components, PipelineState(), inputs)
+            conditionings.append(Conditioning({}, None, {}, blocks={name: state.get(name) for name in self.encoded}))
+        return conditionings
+
+    def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
+        """The family's blocks before its loop, from the encoded prompt: inputs, noise, timesteps, positions."""
+        components, state = self._components(params), PipelineState()
+        assert conditioning.blocks is not None, "a modular family's encode stage hands on its blocks' outputs"
+        for name, value in conditioning.blocks.items():
+            state.set(name, _on_device(value, self.device), self.encoded[name])
+        with torch.no_grad():
+            state = self._run(self.start_blocks, components, state, self._inputs(None, params, seed))
+            loop = _loop_start(self.loop, components, state)
+        # Its denoiser inputs are its loop's (cond, uncond and shared stay empty).
+        blocks = {"loop": loop, "pipeline": state, "components": components}
+        return ModularStepState(params, loop.latents, components.scheduler, loop.timesteps, {}, None, {}, **blocks)
+
+    def _sub_blocks(self, state: ModularStepState, blocks: list) -> None:
+        components = state.components
+        for block in blocks:
+            components, state.loop = block(components, state.loop, i=state.step, t=state.timestep)
+
+    def predict(self, steps: list[StepState]) -> list[torch.Tensor]:
+        states = [_modular(state) for state in steps]
+        denoiser, input_name = self.denoiser, self.input_name
+        assert denoiser is not None and input_name is not None, "the stage that steps loads the denoiser"
+        calls = []
+        for state in states:
+            recorder = getattr(state.components, self.denoiser_name)
+            recorder.calls, recorder.answers = [], None
+            self._sub_blocks(state, self.predict_blocks)
+            calls += [(state, call) for call in recorder.calls]
+            if state.sde is not None and state.step == 0:  # the text inputs its denoiser sees, as request mode
+                seen = [{k: v for k, v in call.items() if k in EMBEDDING_NAMES} for call in recorder.calls]
+                record_first_step([state.sde], seen, state.params.num_outputs_per_prompt)
+        answers: list[Any] = [None] * len(calls)
+        for group in batched([call for _, call in calls], input_name):
+            members = [calls[i] for i in group]
+            counts = [len(call[input_name]) for _, call in members]
+            kwargs = joined([call for _, call in members], counts)
+            adapters = [state.params.lora for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
+            caches = [state.cache for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
+            for state, _ in members:
+                state.cache.timestep = float(state.timestep)
+            cached = contextlib.nullcontext() if self.step_cache is None else self.step_cache.rows(caches)
+            with self._adapters(denoiser=adapters), cached:
+                output = denoiser(**kwargs)[0]
+            start = 0
+            for index, n in zip(group, counts, strict=True):
+                answers[index] = output[start : start + n]
+                start += n
+        for state in states:
+            getattr(state.components, self.denoiser_name).answers = [
+                answers[i] for i, (s, _) in enumerate(calls) if s is state
+            ]
+        predictions = []
+        for state in states:
+            self._sub_blocks(state, self.predict_blocks)
+            predictions.append(state.loop.noise_pred)
+        return predictions
+
+    def advance(self, steps: list[StepState], predictions: list[torch.Tensor]) -> None:
+        for state, prediction in zip(map(_modular, steps), predictions, strict=True):
+            assert state.components is not None, "set by start"
+            x, scheduler = state.loop.latents, state.components.scheduler
+            index = schedule_index(scheduler, state.timestep)
+            state.loop.noise_pred = prediction
+            self._sub_blocks(state, self.update_blocks)
+            if state.sde is not None:
+                taken = state.sde.step(x, prediction, state.timestep, scheduler.sigmas, index)
+                if taken is not None:
+                    state.loop.latents = taken.to(state.loop.latents.dtype)
+            state.latents = state.loop.latents
+            state.step += 1
+
+    def decode_inputs(self, state: StepState) -> dict[str, Any] | None:
+        """What its decoder blocks read of the request's state besides the latents (`Latents.blocks`)."""
+        pipeline_state = _modular(state).pipeline
+        assert pipeline_state is not None, "set by start"
+        made = pipeline_state.values
+        return {name: made[name] for name in self.decoded if name != "latents" and made.get(name) is not None}
+
+    def decode(self, states: list[Latents] | list[StepState]) -> list[list[Any]]:
+        """The requests' latents through the family's decoder blocks: one call for the requests whose decoder inputs
+        can be put together as a step's denoiser calls are (`batched`: per-row tensors such as FLUX.2's
+        ``latent_ids`` concatenated, any other input equal), where the family decodes batches."""
+        requests = []
+        for state in states:
+            known = state.blocks if isinstance(state, Latents) else self.decode_inputs(state)
+            inputs = self._inputs(None, state.params, None) | (known or {}) | {"latents": state.latents}
+            requests.append({name: inputs[name] for name in self.decoded if name in inputs})
+        outputs: list[list[Any]] = [[] for _ in states]
+        for group in batched(requests, "latents") if self.family.batched_decode else [[i] for i in range(len(states))]:
+            rows = [len(requests[i]["latents"]) for i in group]
+            with torch.no_grad():
+                decoded = self._run(
+                    self.after, self.modular, PipelineState(), joined([requests[i] for i in group], rows)
+                )
+            items = list(decoded.get("images" if states[group[0]].params.num_frames is None else "videos"))
+            for i, n in zip(group, rows, strict=True):
+                outputs[i], items = items[:n], items[n:]
+        return outputs

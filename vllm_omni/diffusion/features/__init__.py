@@ -1,0 +1,1 @@
+"""What a stage adds to its pipeline: previews, SDE, step cache, quantization, GGUF, sleep, weights."""

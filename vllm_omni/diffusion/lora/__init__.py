@@ -1,0 +1,1 @@
+"""LoRA adapters applied per row: loading, residency, adapters given as tensors."""

@@ -1,0 +1,1 @@
+"""One pipeline call on several ranks: the rank group, CFG-parallel, VAE patch parallel."""

@@ -1,0 +1,383 @@
+"""Device work: load a diffusers pipeline and run one pipeline call per batch."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from vllm_omni.config import OmniDiffusionConfig
+from vllm_omni.config.cache import WHOLE_CALL_BACKENDS
+from vllm_omni.diffusion.engine.request import DiffusionRequest
+from vllm_omni.diffusion.families.model_card import ENGINE_ARGS, ModelCard
+from vllm_omni.diffusion.families.steppers.base import fresh_noise_scheduler
+from vllm_omni.diffusion.features.gguf import gguf_components, load_gguf_component
+from vllm_omni.diffusion.features.previews import Previews
+from vllm_omni.diffusion.features.quantization import QuantizationPlan
+from vllm_omni.diffusion.features.sde import sde_sampling
+from vllm_omni.diffusion.features.step_cache import CallCache, RequestCache, StepCache
+from vllm_omni.diffusion.lora.adapters import LoraAdapters
+from vllm_omni.diffusion.parallel.ranks import RankGroup, check_on_ranks
+from vllm_omni.diffusion.pipeline.components import loaded_denoisers
+from vllm_omni.diffusion.pipeline.finite import watch_outputs
+from vllm_omni.diffusion.pipeline.image_inputs import fitted_inputs
+from vllm_omni.diffusion.pipeline.timings import install as install_timings
+from vllm_omni.diffusion.pipeline.timings import pipeline_call, step_end
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def select_device(devices: str | None) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(devices.split(",")[0]) if devices else 0)
+    if devices is not None:
+        raise ValueError(f"devices={devices!r} names CUDA devices, but CUDA is not available here; leave devices unset")
+    return torch.device("cpu")
+
+
+def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def read_model_index(model: str) -> dict[str, Any]:
+    """The folder's ``model_index.json`` (its pipeline class and components)."""
+    path = os.path.join(model, "model_index.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model {model!r} is not a diffusers folder: it has no model_index.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_pipeline(
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    skips: tuple[str, ...] = (),
+    cpu_offload: str = "none",
+    quantization: QuantizationPlan | None = None,
+):
+    """The pipeline on ``device`` (or offloaded to the CPU, moving to ``device`` to run), without the components
+    named in ``skips``, its components quantized as ``quantization`` plans (`QuantizationPlan`)."""
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    # transformers loads a model's weights on a pool of worker threads unless this is set: torch ops on other
+    # threads than the engine's (see EngineReplica), whose OpenMP teams slow every later forward.
+    os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
+    components = read_model_index(model)
+    skipped = {name: None for name in skips if name in components}
+    # A GGUF denoiser loads from its file, quantized (vllm_omni.diffusion.features.gguf); the pipeline takes it as it
+    # is.
+    held_as_gguf = gguf_components(model, components)
+    ggufs = {
+        name: load_gguf_component(model, name, components[name][1], dtype)
+        for name in held_as_gguf
+        if name not in skipped
+    }
+    # DiffusionPipeline.from_pretrained loads an optional component (Wan's transformer) from the folder even when it
+    # is passed or skipped; the pipeline's own class does not, and a GGUF denoiser's folder holds no weights.
+    loader = getattr(diffusers, components["_class_name"]) if held_as_gguf else DiffusionPipeline
+    quantized = {} if quantization is None else {"quantization_config": quantization.pipeline_config()}
+    pipeline = loader.from_pretrained(model, dtype=dtype, local_files_only=True, **skipped, **ggufs, **quantized)
+    pipeline.set_progress_bar_config(disable=True)
+    if quantization is not None:
+        quantization.apply(pipeline)
+    if cpu_offload == "none":
+        return pipeline.to(device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"cpu_offload={cpu_offload!r} moves weights from CPU memory to a GPU while they run, and this stage runs "
+            "on the CPU (no CUDA device): set cpu_offload to 'none'"
+        )
+    offload = pipeline.enable_model_cpu_offload if cpu_offload == "model" else pipeline.enable_sequential_cpu_offload
+    offload(device=device)
+    return pipeline
+
+
+def set_vae_memory(pipeline, tiling: bool, slicing: bool) -> None:
+    """diffusers' VAE tiling and slicing, as the stage's ``vae_tiling`` / ``vae_slicing`` ask; refused where the
+    VAE lacks them."""
+    vae = getattr(pipeline, "vae", None)
+    for knob, wanted, method in (("vae_tiling", tiling, "enable_tiling"), ("vae_slicing", slicing, "enable_slicing")):
+        if not wanted:
+            continue
+        if vae is None or not hasattr(vae, method):
+            raise ValueError(
+                f"{knob}=True: the VAE of {type(pipeline).__name__} ({type(vae).__name__}) has no {method}; "
+                f"set {knob} to false"
+            )
+        getattr(vae, method)()
+
+
+def parse_size(size: str) -> tuple[int, int, int | None]:
+    """``WxH`` or ``WxHxF`` (a `compile_sizes` entry) as ``(width, height, frames)``."""
+    width, height, *frames = map(int, size.split("x"))
+    return width, height, frames[0] if frames else None
+
+
+def compile_denoisers(pipeline, mode: str) -> list[str]:
+    """torch.compile the pipeline's denoisers in place (``regional``: diffusers' ``compile_repeated_blocks``);
+    returns their names. Compilation itself happens on the first forward of each shape."""
+    names = loaded_denoisers(pipeline)
+    for name in names:
+        module = getattr(pipeline, name)
+        if mode == "full":
+            module.compile()
+        elif not getattr(module, "_repeated_blocks", None):
+            raise ValueError(
+                f"compile='regional': {type(module).__name__} lists no repeated blocks for diffusers' "
+                "compile_repeated_blocks; use compile 'full'"
+            )
+        else:
+            module.compile_repeated_blocks()
+    return names
+
+
+class DiffusionRunner:
+    """A loaded pipeline, its parameter defaults and checks, and one pipeline call per batch."""
+
+    def __init__(self, od_config: OmniDiffusionConfig, skips: tuple[str, ...] = ()):
+        """``skips``: the components the stage does not load (its role's)."""
+        self.device = select_device(od_config.stage.devices)
+        self.dtype = select_dtype(od_config.stage.dtype, self.device)
+        started = time.perf_counter()
+        self.group = RankGroup.of_stage(od_config, self.dtype)
+        """The replica's ranks when the stage's parallel degrees ask for several: each batch's call runs on them,
+        and the pipeline here (in CPU memory) only answers for the model; ``None``: the call runs here."""
+        self.quantization = QuantizationPlan.of(od_config.model, od_config.stage, self.device, self.dtype, skips)
+        """What the stage holds quantized (``quantization``, or a folder saved quantized)."""
+        self.pipeline = load_pipeline(
+            od_config.model,
+            self.dtype,
+            self.device if self.group is None else torch.device("cpu"),
+            skips,
+            od_config.stage.cpu_offload,
+            self.quantization,
+        )
+        set_vae_memory(self.pipeline, od_config.stage.vae_tiling, od_config.stage.vae_slicing)
+        watch_outputs(self.pipeline)  # a request whose pixels are not finite fails (`EngineCore.output`)
+        self.step_cache: StepCache | CallCache | None = None
+        """The step cache on the denoisers (``cache_backend``): diffusers' hooks run per request, or cache-dit per
+        call of one request; ``None``: no step cache."""
+        if od_config.stage.cache_backend != "none":
+            denoisers = [getattr(self.pipeline, name) for name in loaded_denoisers(self.pipeline)]
+            if od_config.stage.cache_backend in WHOLE_CALL_BACKENDS:
+                self.step_cache = CallCache(denoisers, od_config.stage.cache_config)
+            else:
+                self.step_cache = StepCache(
+                    self.pipeline, denoisers, od_config.stage.cache_backend, od_config.stage.cache_config
+                )
+        self.compiled: set[tuple[int, int, int | None]] | None = None
+        """The sizes the compiled denoiser has been asked for (warm-up ones first); ``None``: not compiled."""
+        if od_config.stage.compile != "none":
+            names = compile_denoisers(self.pipeline, od_config.stage.compile)
+            self.compiled = {parse_size(size) for size in od_config.stage.compile_sizes}
+            logger.info(
+                "Compiling %s (%s) of stage %d", ", ".join(names), od_config.stage.compile, od_config.stage.stage_id
+            )
+        self.card = ModelCard.of(self.pipeline)
+        """What admission needs of the pipeline."""
+        self.timed = od_config.stage.component_timings
+        """Whether its components are hooked for `timings.ComponentTimer` (``component_timings``)."""
+        if self.timed:
+            install_timings(self.pipeline)
+        self._pipelines = {self.card.pipeline_name: self.pipeline}
+        """The pipelines run so far by class name: the loaded one, and its image variants (`ModelCard.variants`)
+        built on its components when a request first needs one."""
+        self.lora = (
+            LoraAdapters(self.pipeline, od_config.stage.max_loras, od_config.stage.max_lora_rank, self.dtype)
+            if od_config.stage.lora_enabled
+            else None
+        )
+        """The LoRA adapters resident in the pipeline; ``None`` when the stage serves none."""
+        for module in od_config.stage.lora_modules:  # each is checked now; the last max_loras stay resident
+            assert self.lora is not None, "adapters given enable LoRA"
+            self.lora.load(module.name, module.path)
+        logger.info(
+            "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s); quantized: %s",
+            self.card.pipeline_name,
+            od_config.model,
+            self.device,
+            self.dtype,
+            time.perf_counter() - started,
+            od_config.stage.stage_id,
+            od_config.stage.stage_type,
+            self.quantization.describe(),
+        )
+
+    def note_size(self, params) -> None:
+        """Log the first request of a size the compiled denoiser was not warmed up for: it compiles on first use."""
+        if self.compiled is None:
+            return
+        size = (params.width, params.height, params.num_frames)
+        if size not in self.compiled:
+            self.compiled.add(size)
+            shown = "x".join(str(n) for n in size if n is not None)
+            logger.info("Stage compiles the denoiser for %s on first use (not in compile_sizes)", shown)
+
+    def load_adapters(self, requests: Iterable[DiffusionRequest], keep: Iterable[str] = ()) -> None:
+        """Make the adapters of ``requests`` resident, evicting only adapters outside ``keep`` (those of the
+        requests in flight) and theirs."""
+        wanted = {s.name: s.path for request in requests for s in request.params.lora}
+        if wanted:
+            assert self.lora is not None, "requests name adapters only where the stage serves them"
+            protected = set(keep) | set(wanted)
+            for name, path in wanted.items():
+                assert path is not None, "the engine sets an adapter's path when it admits the request"
+                self.lora.load(name, path, protected)
+
+    def run(self, batch: list[DiffusionRequest], previews: Previews | None = None) -> list[list[Any]]:
+        """One pipeline call for the whole batch: each request's ``num_outputs_per_prompt`` images (or videos, each
+        a list of frames); raises if the call raises. ``previews`` makes the partial images its requests ask for."""
+        params = batch[0].params  # the batch key makes these equal across the batch
+        card = self.card.for_task(params.task)
+        n = params.num_outputs_per_prompt
+        # An instruction-edit or image-to-video model gets one row per output (prompt, image, generator): it pairs
+        # images with rows by tiling, and cannot repeat its image embeddings per prompt.
+        conditioned = params.image is not None and not card.noises_its_image and card.max_images == 1
+        rows = n if conditioned else 1
+        # One CPU generator per request, the same object for each of its n images: diffusers
+        # draws each row's noise from its own generator, so a request's noise does not
+        # depend on the batch it lands in (nor on the device).
+        generators = [torch.Generator("cpu").manual_seed(r.seed) for r in batch]
+        kwargs: dict[str, Any] = dict(
+            prompt=[r.prompt for r in batch for _ in range(rows)],
+            num_inference_steps=params.num_inference_steps,
+            output_type=params.output_type,
+            generator=[g for g in generators for _ in range(n)],
+            **params.extra_args,
+        )
+        if "height" in card.call_args:  # SD's image-to-image keeps its input's size, which is the request's
+            kwargs.update(height=params.height, width=params.width)
+        if "max_area" in card.call_args:  # Kontext sizes its output by area (at the requested aspect ratio)
+            assert params.height is not None and params.width is not None, "complete params"
+            kwargs["max_area"] = params.height * params.width
+        if params.image is not None:
+            kwargs.update(self._image_args(card, batch))
+        if params.num_frames is not None:
+            kwargs["num_frames"] = params.num_frames
+        if params.guidance_scale is not None:
+            kwargs["guidance_scale"] = params.guidance_scale
+        if card.outputs_arg is not None:
+            kwargs[card.outputs_arg] = n // rows
+        if params.negative_prompt is not None:
+            kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch for _ in range(rows)]
+        adapters: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.lora is not None:  # the prompt rows of the text encoders, the latent rows of the denoiser
+            text = [r.params.lora for r in batch for _ in range(rows)]
+            adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
+        cached: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.step_cache is not None:  # each request's own cache state, for this call only
+            caches = [RequestCache(enabled=r.params.cache, steps=r.params.num_inference_steps) for r in batch]
+            cached = self.step_cache.rows([cache for cache in caches for _ in range(n)])
+        pipeline = self._pipeline(card)
+        config = {arg: kwargs.pop(arg) for arg in card.config_args if arg in kwargs}
+        for arg in ENGINE_ARGS:  # the batch's scheduler has its flow_shift; the SDE keys are `sde_sampling`'s
+            kwargs.pop(arg, None)
+        with _configured(pipeline, config, card.scheduler_overrides(params)), sde_sampling(pipeline, batch) as sde:
+            if self.group is not None:
+                check_on_ranks(batch, pipeline is not self.pipeline, config, card.scheduler_overrides(params), sde)
+            watching = contextlib.nullcontext() if previews is None else previews.watching(pipeline.scheduler, batch)
+            with adapters, cached, watching as make_previews:
+                if "callback_on_step_end" in card.call_args and self.group is None:  # the ranks call no callback
+                    kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
+                with pipeline_call():
+                    result = pipeline(**kwargs) if self.group is None else self.group.call(**kwargs)
+        for request, sampler in zip(batch, sde, strict=True):
+            request.trajectory = None if sampler is None else sampler.trajectory()
+        # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
+        items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
+        if len(items) != len(batch) * n:
+            raise RuntimeError(
+                f"{self.card.pipeline_name} returned {len(items)} outputs for {len(batch)} x {n} requested"
+            )
+        return [items[i * n : (i + 1) * n] for i in range(len(batch))]
+
+    def _pipeline(self, card: ModelCard):
+        """The pipeline of ``card``: the loaded one, or an image variant sharing its components (no weight copied)."""
+        if card.pipeline_name not in self._pipelines:
+            import diffusers
+
+            variant = getattr(diffusers, card.pipeline_name).from_pipe(self.pipeline)
+            variant.set_progress_bar_config(disable=True)
+            watch_outputs(variant)
+            if self.timed:  # its processors are its own; its modules are hooked already
+                install_timings(variant)
+            self._pipelines[card.pipeline_name] = variant
+        return self._pipelines[card.pipeline_name]
+
+    @staticmethod
+    def _image_args(card: ModelCard, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        """The input images of a batch: one per output row, or those of the request alone in its call."""
+        params, n = batch[0].params, batch[0].params.num_outputs_per_prompt
+        assert params.image is not None, "called for a batch with input images"
+        if card.noises_its_image:  # at the output size, as step mode takes it
+            inputs = [fitted_inputs(r.params) for r in batch]
+            args: dict[str, Any] = {"image": [images[0] for images, _ in inputs for _ in range(n)]}
+            if params.mask_image is not None:
+                args["mask_image"] = [mask for _, mask in inputs for _ in range(n)]
+            steps, strength = params.num_inference_steps, params.strength
+            assert steps is not None and strength is not None, "complete params"
+            for request in batch:
+                request.total_steps = steps - card.strength_offset(steps, strength)
+            return args | {"strength": params.strength}
+        if not card.batches_images:  # the batch key keeps such a request alone
+            images = [image.convert("RGB") for image in params.image]
+            return {"image": images if card.max_images > 1 else images[0]}
+        # An instruction-edit model sizes its input itself.
+        rows = []
+        for r in batch:
+            assert r.params.image is not None, "a batch shares its task"
+            rows += [r.params.image[0].convert("RGB") for _ in range(n)]
+        return {"image": rows}
+
+    def release_cached_memory(self) -> None:
+        """Give the allocator's cached blocks back after an out-of-memory error, before a retry."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @staticmethod
+    def _on_step_end(batch: list[DiffusionRequest], make_previews: Callable[[], None] | None):
+        """Track each request's progress and make the previews due; stop early once every request of the batch
+        was aborted."""
+
+        def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
+            step_end()
+            for request in batch:
+                request.steps_done = step + 1
+            if make_previews is not None:
+                make_previews()
+            if all(request.aborted for request in batch):
+                pipeline._interrupt = True  # diffusers' loops skip the remaining steps
+            return callback_kwargs
+
+        return on_step_end
+
+
+@contextlib.contextmanager
+def _configured(pipeline, config: dict[str, Any], scheduler_overrides: dict[str, Any]) -> Iterator[None]:
+    """The pipeline with ``config`` (a batch's `ModelCard.config_args`) set in its config, and a noise scheduler of
+    its own with ``scheduler_overrides`` (`ModelCard.scheduler_overrides`), for one call; then as it was: the next
+    batch may ask for other values."""
+    before = {name: pipeline.config[name] for name in config}
+    scheduler = pipeline.scheduler
+    if config:
+        pipeline.register_to_config(**config)
+    if scheduler_overrides:
+        pipeline.scheduler = fresh_noise_scheduler(pipeline, scheduler_overrides)
+    try:
+        yield
+    finally:
+        pipeline.scheduler = scheduler
+        if before:
+            pipeline.register_to_config(**before)
