@@ -61,7 +61,7 @@ def test_a_single_file_sd_checkpoint_gives_the_folders_images_and_is_converted_o
         assert os.path.dirname(folder) == str(vllm_cache)
         _assert_same(_images(omni), sd_images)
     converted = os.path.getmtime(os.path.join(folder, "model_index.json"))
-    with caplog.at_level("INFO", logger="vllm_omni.diffusion.model_files"), Omni(checkpoint, model_config=tiny_sd):
+    with caplog.at_level("INFO", logger="vllm_omni.model_sources.files"), Omni(checkpoint, model_config=tiny_sd):
         pass
     assert os.path.getmtime(os.path.join(folder, "model_index.json")) == converted
     assert f"using its diffusers folder {folder}" in caplog.text

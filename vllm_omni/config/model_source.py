@@ -2,7 +2,7 @@
 checkpoint, local or in a repo), with vLLM's hub flags; checked at construction, before anything is read or
 downloaded.
 
-`vllm_omni.diffusion.model_files` turns it into the local diffusers folder every stage loads.
+`vllm_omni.model_sources.files` turns it into the local diffusers folder every stage loads.
 """
 
 from __future__ import annotations

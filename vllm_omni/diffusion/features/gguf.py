@@ -1,11 +1,12 @@
 """GGUF denoisers: a ``.gguf`` file (city96's Flux, SD3, Wan, Qwen-Image GGUFs) holds one denoiser's weights,
 quantized, in its original checkpoint's key layout.
 
-GGUF-quantized weights cannot be saved as a diffusers folder, so the folder `model_files.single_file_folder` makes
-for one holds the base model's other components (linked) and, in the denoiser's subfolder, its ``config.json`` and a
-link to the ``.gguf`` itself. Every stage and replica that loads the denoiser loads it from that file, with diffusers'
-``from_single_file`` and ``GGUFQuantizationConfig(compute_dtype=<the stage's dtype>)``: the weights stay quantized
-(``GGUFParameter``, bytes) and each layer dequantizes its own on every forward.
+GGUF-quantized weights cannot be saved as a diffusers folder, so the folder
+`vllm_omni.model_sources.files.single_file_folder` makes for one holds the base model's other components (linked) and,
+in the denoiser's subfolder, its ``config.json`` and a link to the ``.gguf`` itself. Every stage and replica that loads
+the denoiser loads it from that file, with diffusers' ``from_single_file`` and
+``GGUFQuantizationConfig(compute_dtype=<the stage's dtype>)``: the weights stay quantized (``GGUFParameter``, bytes) and
+each layer dequantizes its own on every forward.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The component names of the pipelines served here, in one place: what a stage loads or skips (`roles`), what a
-download fetches (`vllm_omni.diffusion.model_files`) and which LoRA rows a component reads (`lora.adapters`) all name
+download fetches (`vllm_omni.model_sources.files`) and which LoRA rows a component reads (`lora.adapters`) all name
 them from here."""
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")

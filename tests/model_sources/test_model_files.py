@@ -13,7 +13,7 @@ from huggingface_hub import snapshot_download
 from safetensors.torch import load_file
 
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
-from vllm_omni.diffusion.model_files import local_model_folder
+from vllm_omni.model_sources.files import local_model_folder
 from vllm_omni.testing.hub import LocalHub, hub_online
 
 REPO = "tiny-org/flux"
@@ -95,7 +95,7 @@ def test_offline_what_is_not_cached_is_a_clear_error(cache, repo, revision):
 _DOWNLOAD = """
 import json, sys
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
-from vllm_omni.diffusion.model_files import local_model_folder
+from vllm_omni.model_sources.files import local_model_folder
 for repo, revision, token, stages, *base in json.loads(sys.argv[1]):
     sys.stdin.readline()  # the test's go: it counts the hub's downloads between calls
     try:
@@ -187,7 +187,7 @@ def test_a_real_hub_repo_downloads_only_its_pipeline_files(tmp_path):
     """diffusers' own tiny test pipeline from huggingface.co, into an empty cache."""
     code = (
         "from vllm_omni.config.model_source import ModelSource\n"
-        "from vllm_omni.diffusion.model_files import local_model_folder\n"
+        "from vllm_omni.model_sources.files import local_model_folder\n"
         "print(local_model_folder(ModelSource('hf-internal-testing/tiny-stable-diffusion-pipe'), ['diffusion']))\n"
     )
     env = os.environ | {"HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path)}
