@@ -114,9 +114,9 @@ def serve_stub(port: int, size: str, busy_ms: float) -> None:
 
     from vllm_omni.config.serving import ServingConfig
     from vllm_omni.diffusion.families.model_card import ModelCard
-    from vllm_omni.engine.omni_engine import AdmittedParams
-    from vllm_omni.engine.stage_runtime import StageHealth
     from vllm_omni.entrypoints.openai.app import build_app
+    from vllm_omni.orchestrator.omni_engine import AdmittedParams
+    from vllm_omni.orchestrator.stage_runtime import StageHealth
     from vllm_omni.outputs import OmniRequestOutput, RequestMetrics
 
     width, height = map(int, size.split("x"))

@@ -227,7 +227,7 @@ def ray_cluster():
     ``--ray-address`` or a deploy YAML's ``ray_address``. A fixture holding its CPUs is module- or package-scoped,
     so that the next user finds them free."""
     pytest.importorskip("ray")
-    import vllm_omni.engine.ray_cluster  # noqa: F401 - first: it sets the environment that the raylets read
+    import vllm_omni.orchestrator.ray_cluster  # noqa: F401 - first: it sets the environment that the raylets read
 
     # isort: split
     import ray

@@ -9,8 +9,8 @@ import pytest
 import vllm_omni
 from vllm_omni.diffusion.engine.request_mode import RequestEngine
 from vllm_omni.diffusion.engine.step_mode import StepEngine
-from vllm_omni.engine.omni_engine import AsyncOmniEngine, OmniEngine
-from vllm_omni.engine.stage_runtime import StageRuntime
+from vllm_omni.orchestrator.omni_engine import AsyncOmniEngine, OmniEngine
+from vllm_omni.orchestrator.stage_runtime import StageRuntime
 
 PACKAGE = pathlib.Path(vllm_omni.__file__).parent
 RESOLVER = PACKAGE / "config" / "resolver.py"

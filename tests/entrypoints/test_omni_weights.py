@@ -164,7 +164,8 @@ def test_a_component_other_than_the_transformer_updates_too(omni, restore):
 
 
 def test_update_weights_runs_its_torch_ops_on_the_engine_thread_only(omni, original, restore):
-    """tests/engine/test_torch_thread.py's check, around an update: its copies run where the engine's work does."""
+    """tests/orchestrator/test_torch_thread.py's check, around an update: its copies run where the engine's work
+    does."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile, record_function
 

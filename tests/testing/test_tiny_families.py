@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
-from vllm_omni.engine.replica import warm_up_params
+from vllm_omni.orchestrator.replica import warm_up_params
 from vllm_omni.testing.stock import stock_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -1,6 +1,6 @@
 """vLLM's profiler settings (``--profiler-config``, ``profiler_config=``) as vllm-omni takes them: vLLM's own
 `vllm.config.ProfilerConfig`, imported when a value is checked (vLLM takes seconds to import, and this package's
-configuration stays light), and checked for what the diffusion engines can record (engine/profiler.py)."""
+configuration stays light), and checked for what the diffusion engines can record (orchestrator/profiler.py)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_omni.diffusion.features.weights import Weights
-from vllm_omni.engine.omni_engine import AdmittedParams
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestFailedError
+from vllm_omni.orchestrator.omni_engine import AdmittedParams
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 

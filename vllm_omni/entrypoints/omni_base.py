@@ -20,15 +20,15 @@ from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.profiler import profiler_config as checked_profiler_config
 from vllm_omni.config.resolver import check_model, check_model_folder
 from vllm_omni.diffusion.lora.tensors import LoraTensors
-from vllm_omni.engine.engine_profiler import EngineProfiler
-from vllm_omni.engine.omni_engine import AdmittedParams, OmniEngine
 from vllm_omni.logger import init_logger
 from vllm_omni.model_sources.files import local_model_folder
+from vllm_omni.orchestrator.engine_profiler import EngineProfiler
+from vllm_omni.orchestrator.omni_engine import AdmittedParams, OmniEngine
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.families.model_card import ModelCard
-    from vllm_omni.engine.stage_runtime import StageHealth
+    from vllm_omni.orchestrator.stage_runtime import StageHealth
 
 logger = init_logger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 class LlmActor:
     """One replica: an ``AsyncLLM`` built from the stage's ``engine_args`` with the stage's ``max_num_seqs``.
-    Its methods answer what `vllm_omni.engine.ray_replicas.RayReplica` asks of a replica actor."""
+    Its methods answer what `vllm_omni.orchestrator.ray_replicas.RayReplica` asks of a replica actor."""
 
     def __init__(self, index: int, stage: dict[str, Any]):
         import ray

@@ -11,7 +11,7 @@ DIFFUSERS_STAGE_TYPES = sorted(t for t, spec in STAGE_TYPES.items() if spec.runs
 
 def test_every_diffusers_stage_type_has_a_role_and_no_role_is_unreachable():
     """The stage types that run a diffusers pipeline have a role here; an llm stage runs on vLLM's engine
-    (vllm_omni.engine.llm_replicas) and has none."""
+    (vllm_omni.orchestrator.llm_replicas) and has none."""
     assert set(ROLES) == set(DIFFUSERS_STAGE_TYPES)
     for stage_type, role in ROLES.items():
         assert role.stage_type == stage_type

@@ -4,7 +4,7 @@ the one table `EngineCore.call` looks a verb up in, filled by the module of each
 A handler takes the `EngineCore` first, then the verb's arguments, and answers a `Future` (the work it queues on
 the engine's thread with ``core.scheduler.call``, or an answer already known: `done`); it may raise at once for
 arguments it refuses. The feature modules import this one, never `core` (which imports them, so that the
-table is full once the engine exists; the process profiler's handlers are `engine/profiler.py`'s, registered when
+table is full once the engine exists; the process profiler's handlers are `orchestrator/profiler.py`'s, registered when
 the replica module imports it). A verb travels the same way at every layer: ``OmniEngine`` (its policy across
 stages) → ``StageRuntime.call`` → ``Replica.call`` → (Ray: the actor's ``engine_call``) → ``EngineCore.call``.
 """

@@ -20,8 +20,8 @@ from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
-    from vllm_omni.engine.omni_engine import AdmittedParams
     from vllm_omni.entrypoints.openai.server_state import ServerState
+    from vllm_omni.orchestrator.omni_engine import AdmittedParams
 
 
 logger = init_logger(__name__)

@@ -46,7 +46,7 @@ from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask
 
 if TYPE_CHECKING:
-    from vllm_omni.engine.omni_engine import AdmittedParams
+    from vllm_omni.orchestrator.omni_engine import AdmittedParams
 
 
 class _ImagesRoute(APIRoute):

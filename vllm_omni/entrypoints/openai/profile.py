@@ -11,12 +11,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from vllm_omni.engine.profiler import ProfilerStateError
 from vllm_omni.entrypoints.openai.checks import check_api_key, check_query
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import ErrorResponse
 from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.logger import init_logger
+from vllm_omni.orchestrator.profiler import ProfilerStateError
 
 logger = init_logger(__name__)
 

@@ -23,12 +23,12 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.engine.control import done
 from vllm_omni.diffusion.features.previews import previews_until
-from vllm_omni.engine.ray_cluster import start_actors  # first: it sets Ray's environment, then imports Ray
-from vllm_omni.engine.ray_updates import CatchUp
-from vllm_omni.engine.replica import EngineReplica, ReplicaInfo, ReplicaLostError
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.orchestrator.ray_cluster import start_actors  # first: it sets Ray's environment, then imports Ray
+from vllm_omni.orchestrator.ray_updates import CatchUp
+from vllm_omni.orchestrator.replica import EngineReplica, ReplicaInfo, ReplicaLostError
 from vllm_omni.outputs import Preview, StageOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 

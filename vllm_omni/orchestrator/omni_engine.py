@@ -23,12 +23,12 @@ from vllm_omni.diffusion.engine.roles import check_splittable
 from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.diffusion.features.sleep import check_level, check_tags
 from vllm_omni.diffusion.lora.tensors import LoraTensors
-from vllm_omni.engine.replica import ReplicaLostError
-from vllm_omni.engine.stage_runtime import StageHealth, StageRuntime, wait
-from vllm_omni.engine.weight_updates import WeightUpdates
 from vllm_omni.errors import RequestAbortedError, SamplingParamsError, StageUnavailableError, UnknownLoraError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.orchestrator.replica import ReplicaLostError
+from vllm_omni.orchestrator.stage_runtime import StageHealth, StageRuntime, wait
+from vllm_omni.orchestrator.weight_updates import WeightUpdates
 from vllm_omni.outputs import IgnoredField, Preview, StageMetrics, across_stages
 from vllm_omni.sampling_params import MAX_SEED, LoraSelection, OmniDiffusionSamplingParams
 

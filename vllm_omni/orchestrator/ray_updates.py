@@ -12,8 +12,8 @@ from typing import Any
 import ray
 
 from vllm_omni.diffusion.features.weights import WeightsApplied
-from vllm_omni.engine.replica import ReplicaLostError
 from vllm_omni.logger import init_logger
+from vllm_omni.orchestrator.replica import ReplicaLostError
 
 logger = init_logger(__name__)
 

@@ -26,9 +26,9 @@ from vllm_omni.diffusion.engine.modes import make_engine
 from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.diffusion.features.weights import pipeline_components
 from vllm_omni.diffusion.pipeline.runner import parse_size
-from vllm_omni.engine import profiler  # noqa: F401 - its handlers of start_profile and stop_profile (EngineCore.call)
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
+from vllm_omni.orchestrator import profiler  # noqa: F401 - its handlers of start_profile and stop_profile (EngineCore.call)
 from vllm_omni.outputs import Preview
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 

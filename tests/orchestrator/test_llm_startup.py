@@ -31,7 +31,7 @@ def test_an_llm_stage_without_python_executable_is_refused_before_any_actor_star
     if torch.cuda.is_available():
         pytest.skip("a GPU host: the server's own vLLM runs the llm stage")
     from vllm_omni import Omni
-    from vllm_omni.engine import llm_replicas
+    from vllm_omni.orchestrator import llm_replicas
 
     def no_actors(*args, **kwargs):
         raise AssertionError("an llm replica actor was started")

@@ -1,5 +1,5 @@
 """`EngineProfiler`: vLLM's ``start_profile`` / ``stop_profile`` over every engine process of a deploy, each
-recorded by its own torch profiler (engine/profiler.py)."""
+recorded by its own torch profiler (orchestrator/profiler.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 from vllm_omni.config import STAGE_TYPES
 from vllm_omni.config.profiler import profiling
 from vllm_omni.config.vllm_device import set_device_hint
-from vllm_omni.engine.profiler import PROCESS_PROFILER, ProfilerStateError, trace_name
-from vllm_omni.engine.replica import Replica, ReplicaLostError
 from vllm_omni.logger import init_logger
+from vllm_omni.orchestrator.profiler import PROCESS_PROFILER, ProfilerStateError, trace_name
+from vllm_omni.orchestrator.replica import Replica, ReplicaLostError
 
 if TYPE_CHECKING:
     from vllm.config import ProfilerConfig
 
-    from vllm_omni.engine.stage_runtime import StageRuntime
+    from vllm_omni.orchestrator.stage_runtime import StageRuntime
 
 logger = init_logger(__name__)
 

@@ -5,7 +5,7 @@ replica's actor. Started with ``profile_all_threads``, it records every thread o
 included, whichever thread started it (a profiler of one thread would miss the engine's work); on stop it writes
 one trace file with torch's ``tensorboard_trace_handler`` (``NAME.TIMESTAMP.pt.trace.json.gz``), which Perfetto
 (ui.perfetto.dev), ``chrome://tracing`` and TensorBoard's profiler plugin open. `EngineProfiler`
-(engine/engine_profiler.py) starts and stops those of every engine process together; a Ray replica's through the
+(orchestrator/engine_profiler.py) starts and stops those of every engine process together; a Ray replica's through the
 control verbs ``start_profile`` and ``stop_profile`` (`EngineCore.call`), whose handlers are here (registered when
 the replica module imports this one: the diffusion layer imports nothing above it).
 """

@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 
-from vllm_omni.engine.replica import EngineReplica, Replica
+from vllm_omni.orchestrator.replica import EngineReplica, Replica
 
 
 def _members(cls) -> dict[str, object]:
@@ -26,7 +26,7 @@ def test_the_protocol_declares_every_method_the_stage_uses():
 def test_each_replica_kind_has_every_method_of_the_protocol_with_its_signature(backend):
     if backend == "ray":
         pytest.importorskip("ray")
-        from vllm_omni.engine.ray_replicas import RayReplica as cls
+        from vllm_omni.orchestrator.ray_replicas import RayReplica as cls
     else:
         cls = EngineReplica
     members = _members(cls)

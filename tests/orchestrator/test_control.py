@@ -12,8 +12,8 @@ import pytest
 import vllm_omni
 from vllm_omni.diffusion.engine.control import HANDLERS, done, failed, handler
 from vllm_omni.diffusion.engine.core import EngineCore
-from vllm_omni.engine.replica import Replica, ReplicaLostError
-from vllm_omni.engine.stage_runtime import Answer, StageRuntime, wait
+from vllm_omni.orchestrator.replica import Replica, ReplicaLostError
+from vllm_omni.orchestrator.stage_runtime import Answer, StageRuntime, wait
 
 PACKAGE = pathlib.Path(vllm_omni.__file__).parent
 
@@ -26,8 +26,8 @@ VERBS = {
     "update_weights_from_distributed": "vllm_omni.diffusion.features.weights",
     "load_lora": "vllm_omni.diffusion.lora.adapters",
     "unload_lora": "vllm_omni.diffusion.lora.adapters",
-    "start_profile": "vllm_omni.engine.profiler",
-    "stop_profile": "vllm_omni.engine.profiler",
+    "start_profile": "vllm_omni.orchestrator.profiler",
+    "stop_profile": "vllm_omni.orchestrator.profiler",
 }
 
 
@@ -124,7 +124,7 @@ def test_wait_logs_a_lost_replica_and_raises_the_first_other_error_once_all_answ
 
 def test_an_llm_replica_refuses_the_lora_verbs():
     pytest.importorskip("ray")
-    from vllm_omni.engine.llm_replicas import LlmReplica
+    from vllm_omni.orchestrator.llm_replicas import LlmReplica
 
     replica = LlmReplica.__new__(LlmReplica)  # no actor: the refusal makes no call
     replica._stage = SimpleNamespace(stage_id=0)

@@ -1,4 +1,4 @@
-"""One torch profiler per process (engine/profiler.py): started on a thread of its own, it records the work of an
+"""One torch profiler per process (orchestrator/profiler.py): started on a thread of its own, it records the work of an
 engine thread that was running before it started, and writes one trace file; a second start and a stop without a
 start are refused."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from vllm_omni.config.profiler import profiler_config
-from vllm_omni.engine.engine_profiler import EngineProfiler
-from vllm_omni.engine.profiler import ProcessProfiler, ProfilerStateError, trace_name
+from vllm_omni.orchestrator.engine_profiler import EngineProfiler
+from vllm_omni.orchestrator.profiler import ProcessProfiler, ProfilerStateError, trace_name
 
 
 @pytest.fixture

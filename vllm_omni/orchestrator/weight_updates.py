@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm_omni.diffusion.features.weights import Weights, as_weights, parse_dtype
-from vllm_omni.engine.stage_runtime import Answer, StageRuntime, wait
 from vllm_omni.errors import WeightUpdateError
+from vllm_omni.orchestrator.stage_runtime import Answer, StageRuntime, wait
 
 
 class WeightUpdates:

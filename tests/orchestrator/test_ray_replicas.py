@@ -221,7 +221,7 @@ def test_a_profile_writes_one_trace_per_replica_process_with_its_engine_work(omn
     """vLLM's start_profile / stop_profile over Ray: each actor records its own process and writes its trace, named
     after its host, pid and replica. This process runs no engine and ``ignore_frontend`` leaves it out."""
     from vllm_omni.config.profiler import profiler_config
-    from vllm_omni.engine.engine_profiler import EngineProfiler
+    from vllm_omni.orchestrator.engine_profiler import EngineProfiler
 
     config = profiler_config({"profiler": "torch", "torch_profiler_dir": str(tmp_path), "ignore_frontend": True})
     profiler = EngineProfiler(omni.engine.stages, config)

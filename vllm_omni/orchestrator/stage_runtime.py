@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from vllm_omni.config import STAGE_TYPES, OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.config.parallel import sequence_ranks
 from vllm_omni.diffusion.engine.roles import ROLES, Admission, StageAdmission
-from vllm_omni.engine.replica import EngineReplica, Replica, ReplicaInfo, ReplicaLostError
 from vllm_omni.errors import StageUnavailableError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.orchestrator.replica import EngineReplica, Replica, ReplicaInfo, ReplicaLostError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
-    from vllm_omni.engine.llm_replicas import LlmAdmission
+    from vllm_omni.orchestrator.llm_replicas import LlmAdmission
 
 logger = init_logger(__name__)
 
@@ -99,12 +99,12 @@ class StageRuntime:
         self.replicas: Sequence[Replica]
         admission: LlmAdmission | StageAdmission | None = None
         if STAGE_TYPES[stage_config.stage_type].runs == "vllm":
-            from vllm_omni.engine.llm_replicas import LlmAdmission, start_llm_replicas
+            from vllm_omni.orchestrator.llm_replicas import LlmAdmission, start_llm_replicas
 
             self.replicas, self._release_backend = start_llm_replicas(stage_config)
             admission = LlmAdmission()
         elif stage_config.distributed_executor_backend == "ray":
-            from vllm_omni.engine.ray_replicas import start_replicas
+            from vllm_omni.orchestrator.ray_replicas import start_replicas
 
             by_reference = next_stage is not None and next_stage.distributed_executor_backend == "ray"
             self.replicas, self._release_backend = start_replicas(model, stage_config, by_reference, torch_threads)
@@ -197,7 +197,7 @@ class StageRuntime:
         store once, so that each actor reads that one copy rather than one pickle per call."""
         if self.stage_config.distributed_executor_backend != "ray":
             return value
-        from vllm_omni.engine.ray_updates import shared
+        from vllm_omni.orchestrator.ray_updates import shared
 
         return shared(value)
 

@@ -19,11 +19,11 @@ from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.vllm_device import set_device_hint
 from vllm_omni.diffusion.engine.control import failed
 from vllm_omni.diffusion.engine.roles import Admission
-from vllm_omni.engine.ray_replicas import RayReplica, log_started, start_actors  # first: it imports Ray
-from vllm_omni.engine.replica import ReplicaInfo
 from vllm_omni.errors import RequestAbortedError, RequestFailedError
 from vllm_omni.llm import actor as llm_actor
 from vllm_omni.metrics.prometheus import EngineMetrics
+from vllm_omni.orchestrator.ray_replicas import RayReplica, log_started, start_actors  # first: it imports Ray
+from vllm_omni.orchestrator.replica import ReplicaInfo
 from vllm_omni.outputs import RequestMetrics, StageOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 

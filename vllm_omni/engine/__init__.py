@@ -1,1 +1,0 @@
-"""Engine: `AsyncOmniEngine` routes requests to one `StageRuntime` per stage."""
