@@ -1,5 +1,5 @@
 #!/bin/sh
-# The browser tests (`pytest -m browser`, tests/entrypoints/openai/test_playground.py) drive Debian's Chromium
+# The browser tests (`pytest -m browser`, tests/entrypoints/openai/admin/test_playground.py) drive Debian's Chromium
 # through its chromedriver. `make install` runs this: on a fresh machine it installs both with apt; when both are
 # there it exits at once, so a ready machine pays nothing.
 set -eu

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server on uvicorn: serve until SIGTERM/SIGINT, drain, and give the exit code.
 
-The app is built in `app.py`; each API has its own module (`images.py`, `videos.py`, `chat.py`, `models.py`,
-`health.py`).
+The app is built in `app.py`; each API has its own folder (`images/`, `videos/`, `chat/`, each with its
+`api_router.py`), and the operator's routes are in `admin/` (`models.py`, `health.py`, ...).
 """
 
 from __future__ import annotations

@@ -14,18 +14,18 @@ from vllm_omni.config import StageDeployConfig
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.profiler import profiling
 from vllm_omni.config.serving import ServingConfig
+from vllm_omni.entrypoints.openai.admin.health import build_health_router
+from vllm_omni.entrypoints.openai.admin.models import build_models_router
+from vllm_omni.entrypoints.openai.admin.playground import build_playground_router
+from vllm_omni.entrypoints.openai.admin.profile import build_profile_router
+from vllm_omni.entrypoints.openai.admin.sleep import build_sleep_router, dev_mode
 from vllm_omni.entrypoints.openai.admission import WARNING
-from vllm_omni.entrypoints.openai.chat import build_chat_router
+from vllm_omni.entrypoints.openai.chat.api_router import build_chat_router
 from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
-from vllm_omni.entrypoints.openai.health import build_health_router
-from vllm_omni.entrypoints.openai.images import build_images_router
-from vllm_omni.entrypoints.openai.models import build_models_router
-from vllm_omni.entrypoints.openai.playground import build_playground_router
-from vllm_omni.entrypoints.openai.profile import build_profile_router
+from vllm_omni.entrypoints.openai.images.api_router import build_images_router
 from vllm_omni.entrypoints.openai.server_state import ServerState, load_and_warm_up
-from vllm_omni.entrypoints.openai.sleep import build_sleep_router, dev_mode
 from vllm_omni.entrypoints.openai.uploads import UPLOAD_PATHS, upload_body_limit
-from vllm_omni.entrypoints.openai.videos import build_videos_router
+from vllm_omni.entrypoints.openai.videos.api_router import build_videos_router
 
 
 class BodyLimitMiddleware:

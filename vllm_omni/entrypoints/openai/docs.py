@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from vllm_omni.doc_tables import default, field_type, meaning, regenerate, replace_between
-from vllm_omni.entrypoints.openai.openai_models import OPENAI_IMAGE_MODELS
+from vllm_omni.entrypoints.openai.images.openai_models import OPENAI_IMAGE_MODELS
 from vllm_omni.entrypoints.openai.protocol import (
     ImageEditRequest,
     ImageGenerationRequest,

@@ -16,8 +16,8 @@ from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.diffusion.pipeline.runner import read_model_index
 from vllm_omni.entrypoints.async_omni import AsyncOmni
-from vllm_omni.entrypoints.openai.image_store import ImageStore
-from vllm_omni.entrypoints.openai.video_jobs import VideoJobs
+from vllm_omni.entrypoints.openai.images.image_store import ImageStore
+from vllm_omni.entrypoints.openai.videos.video_jobs import VideoJobs
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.metrics.tracing import RequestTrace, RequestTracer

@@ -25,12 +25,12 @@ from vllm_omni.entrypoints.openai.checks import (
     check_request,
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
-from vllm_omni.entrypoints.openai.edit_form import FILE_FIELDS, edit_form_schema, read_edit_form
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.image_files import MEDIA_TYPES, encode_images, files_response
-from vllm_omni.entrypoints.openai.image_stream import failure, image_events
-from vllm_omni.entrypoints.openai.image_usage import quality_steps, response_fields
-from vllm_omni.entrypoints.openai.openai_models import openai_size, with_openai_defaults
+from vllm_omni.entrypoints.openai.images.edit_form import FILE_FIELDS, edit_form_schema, read_edit_form
+from vllm_omni.entrypoints.openai.images.image_files import MEDIA_TYPES, encode_images, files_response
+from vllm_omni.entrypoints.openai.images.image_stream import failure, image_events
+from vllm_omni.entrypoints.openai.images.image_usage import quality_steps, response_fields
+from vllm_omni.entrypoints.openai.images.openai_models import openai_size, with_openai_defaults
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageData,

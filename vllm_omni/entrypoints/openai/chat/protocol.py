@@ -1,5 +1,5 @@
 """Request and response shapes of ``POST /v1/chat/completions`` for a diffusion model, in upstream vllm-omni's
-shape (`chat.py`)."""
+shape (`api_router.py`)."""
 
 from __future__ import annotations
 

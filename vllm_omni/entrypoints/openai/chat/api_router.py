@@ -20,9 +20,7 @@ from fastapi.routing import APIRoute
 from PIL import Image
 from pydantic import BaseModel, ValidationError
 
-from vllm_omni.entrypoints.openai import images as images_api
-from vllm_omni.entrypoints.openai import videos as videos_api
-from vllm_omni.entrypoints.openai.chat_protocol import (
+from vllm_omni.entrypoints.openai.chat.protocol import (
     ChatAnswer,
     ChatChoice,
     ChatCompletionRequest,
@@ -33,6 +31,7 @@ from vllm_omni.entrypoints.openai.chat_protocol import (
 )
 from vllm_omni.entrypoints.openai.checks import check_api_key, check_query, check_sides
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.images import api_router as images_api
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageEditRequest,
@@ -41,6 +40,7 @@ from vllm_omni.entrypoints.openai.protocol import (
 )
 from vllm_omni.entrypoints.openai.request_fields import api_names
 from vllm_omni.entrypoints.openai.uploads import decode_image
+from vllm_omni.entrypoints.openai.videos import api_router as videos_api
 from vllm_omni.metrics import prometheus as metrics
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from vllm_omni.entrypoints.openai.checks import (
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
-from vllm_omni.entrypoints.openai.image_stream import failure
+from vllm_omni.entrypoints.openai.images.image_stream import failure
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
     VideoDeleted,
@@ -36,7 +36,7 @@ from vllm_omni.entrypoints.openai.protocol import (
 )
 from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.uploads import form_files, read_images
-from vllm_omni.entrypoints.openai.video_jobs import VideoJob, encode_mp4, encode_png
+from vllm_omni.entrypoints.openai.videos.video_jobs import VideoJob, encode_mp4, encode_png
 from vllm_omni.errors import RequestFailedError, StageUnavailableError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -246,8 +246,8 @@ async def accept(
     sync: bool = False,
 ) -> AdmittedParams:
     """The request checked, its ``input_reference`` read (``read_image``, only once the checks passed: an image
-    model is refused before any file is decoded) and its parameters admitted (on the loop, as in images.py), timing
-    each phase; ``sync``: answered at once, with no job to show previews on."""
+    model is refused before any file is decoded) and its parameters admitted (on the loop, as in images/api_router.py),
+    timing each phase; ``sync``: answered at once, with no job to show previews on."""
     _check(state, body, task="image" if read_image else "text")
     for field, why in (("partial_images", "previews of a running job"), ("logprobs", "its log_probs")):
         if sync and getattr(body, field):

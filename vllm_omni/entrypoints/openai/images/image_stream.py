@@ -14,8 +14,8 @@ from fastapi import Request
 
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
-from vllm_omni.entrypoints.openai.image_files import encode_images
-from vllm_omni.entrypoints.openai.image_usage import response_fields
+from vllm_omni.entrypoints.openai.images.image_files import encode_images
+from vllm_omni.entrypoints.openai.images.image_usage import response_fields
 from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
 from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.server_state import ServerState

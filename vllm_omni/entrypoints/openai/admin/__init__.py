@@ -1,0 +1,1 @@
+"""The operator's routes: health, metrics, served models and LoRA, sleep, profiling, playground."""

@@ -1,0 +1,1 @@
+"""Chat completions of a diffusion model: an adapter onto the Images and Videos APIs."""

@@ -1,0 +1,1 @@
+"""OpenAI's Images API: generations, edits, and the image files and urls they hand out."""
