@@ -124,7 +124,7 @@ def _build_tiny_qwen_edit(pipeline_class):
     text_encoder = _qwen2_5_vl_text_encoder(tokenizer)
     z_dim = 4
     vae = AutoencoderKLQwenImage(
-        base_dim=8,  # 8 channels throughout: the ~1024x1024 px encode of each input image is most of a call
+        base_dim=4,  # 4 channels throughout: the ~1024x1024 px encode of each input image is most of a call
         z_dim=z_dim,
         # x8 spatially (the pipeline reads 2 ** len(temperal_downsample)), as the real VAE: the input image is
         # always encoded at ~1024x1024 px, so that makes 128x128 latents, 4096 image tokens
