@@ -3,6 +3,7 @@
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -295,6 +296,7 @@ def test_the_real_vllm_cli_serves_with_enforce_eager(tiny_flux):
     with RemoteOmniServer(tiny_flux, ["--enforce-eager"], cli=True) as server:
         assert httpx.get(server.url_for("health")).status_code == 200
         assert (
-            "--enforce-eager: vLLM flag(s) that have no effect on a diffusion server; ignored" in server.log.read_text()
+            "--enforce-eager: vLLM flag(s) that have no effect on a diffusion server; ignored"
+            in Path(server.log_path).read_text()
         )
     assert server.returncode == 0

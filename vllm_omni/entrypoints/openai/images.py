@@ -67,7 +67,7 @@ class _ImagesRoute(APIRoute):
                 response = await handler(request)
             except RequestValidationError as exc:
                 metrics.image_requests.labels("invalid").inc()
-                raise _named(exc) from None
+                raise _named(exc, await request.body()) from None
             if response.status_code == 200 and not isinstance(response, StreamingResponse):  # a stream: at its end
                 timer.mark("response")
                 timer.observe("images")
@@ -76,11 +76,12 @@ class _ImagesRoute(APIRoute):
         return timed
 
 
-def _named(exc: RequestValidationError) -> RequestValidationError:
+def _named(exc: RequestValidationError, body: bytes) -> RequestValidationError:
     """A request without a body (FastAPI: the body is missing) is refused as ``{}`` is: naming the first required
-    field it lacks (``prompt``), whatever the body's shape."""
+    field it lacks (``prompt``). (A JSON ``null`` is a body that is not an object.)"""
     errors = exc.errors()
-    if errors and errors[0].get("type") == "missing" and tuple(errors[0].get("loc", ())) == ("body",):
+    missing = errors and errors[0].get("type") == "missing" and tuple(errors[0].get("loc", ())) == ("body",)
+    if missing and not body.strip():
         try:
             ImageGenerationRequest.model_validate({})
         except ValidationError as empty:
