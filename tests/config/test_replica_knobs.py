@@ -55,9 +55,7 @@ def test_several_replicas_inline_is_refused_naming_both_knobs():
     )
 
 
-@pytest.mark.parametrize(
-    "knob,value", [("ray_address", "auto"), ("num_cpus", 2), ("num_gpus", 1), ("placement_strategy", "SPREAD")]
-)
+@pytest.mark.parametrize("knob,value", [("ray_address", "auto"), ("num_cpus", 2), ("placement_strategy", "SPREAD")])
 def test_a_ray_knob_with_the_inline_backend_is_refused(knob, value):
     with pytest.raises(
         ValueError, match=rf"{knob}= {value!r} \(python\) applies to distributed_executor_backend 'ray' only"
@@ -121,3 +119,13 @@ def test_a_backend_vllm_knows_but_omni_does_not_is_refused_naming_the_flag(tmp_p
         _serve(["--distributed-executor-backend", "mp"], tmp_path)
     assert excinfo.value.code == 2
     assert "--distributed-executor-backend 'mp': Input should be 'inline' or 'ray'" in capsys.readouterr().err
+
+
+def test_num_gpus_of_an_inline_stage_is_its_device_count():
+    """Upstream vllm-omni's per-stage device count: accepted where it equals the ranks (the product of the parallel
+    degrees), refused naming both otherwise (docs/scaling.md)."""
+    assert _resolve(knobs={"num_gpus": 1, "distributed_executor_backend": "inline"}).num_gpus == 1
+    with pytest.raises(ValueError, match=r"num_gpus= 2 \(python\) is the replica's device count.*give num_gpus 1"):
+        _resolve(knobs={"num_gpus": 2, "distributed_executor_backend": "inline"})
+    with pytest.raises(ValueError, match=r"num_gpus= 0.5 \(python\) is the replica's device count"):
+        _resolve(knobs={"num_gpus": 0.5})

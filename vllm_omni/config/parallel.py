@@ -50,6 +50,14 @@ def check_parallel(stage_id: int, values: Mapping[str, Any], written: Callable[.
     """The parallel knobs together, against the devices given and, when ``folder`` (the model's diffusers folder)
     is known, against the model; ValueError naming each knob as it was written."""
     world = world_size(values)
+    num_gpus = values["num_gpus"]
+    if values["distributed_executor_backend"] == "inline" and num_gpus is not None and num_gpus != world:
+        degrees = " x ".join(written(k) for k in PARALLEL_KNOBS if values[k] > 1) or "the parallel degrees (all 1)"
+        raise ValueError(
+            f"stage {stage_id}: {written('num_gpus')} is the replica's device count, one per rank, but {degrees} "
+            f"make {world} rank(s): give num_gpus {world}, or set ulysses_degree, ring_degree, cfg_parallel_size "
+            f"or vae_patch_parallel_size so that their product is {num_gpus:g}"
+        )
     if world == 1:
         return
     given = " x ".join(written(k) for k in PARALLEL_KNOBS if values[k] > 1)
@@ -59,7 +67,6 @@ def check_parallel(stage_id: int, values: Mapping[str, Any], written: Callable[.
             f"stage {stage_id}: {given} make {world} ranks per replica, one device each, but {written('devices')} "
             f"gives {len(devices.split(','))}: list {world} devices or lower the degrees"
         )
-    num_gpus = values["num_gpus"]
     if values["distributed_executor_backend"] == "ray" and num_gpus is not None and 0 < num_gpus < world:
         raise ValueError(
             f"stage {stage_id}: {given} make {world} ranks per replica, one GPU each, but {written('num_gpus')} "

@@ -299,7 +299,8 @@ def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Map
                 f"stage {stage_id}: {written('num_replicas')} needs Ray, but {backend}: "
                 "set distributed_executor_backend to 'ray' (or leave it unset), or num_replicas to 1"
             )
-        given = [written(k) for k in RAY_ONLY_KNOBS if provenance[k] != "default"]
+        # num_gpus is an inline stage's device count too (upstream's --num-gpus), checked by check_parallel
+        given = [written(k) for k in RAY_ONLY_KNOBS if provenance[k] != "default" and k != "num_gpus"]
         if given:
             raise ValueError(
                 f"stage {stage_id}: {', '.join(given)} applies to distributed_executor_backend 'ray' only, "

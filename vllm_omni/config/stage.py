@@ -97,8 +97,10 @@ class StageDeployConfig(BaseModel):
     """CPUs Ray reserves for each replica. On the CPU the replica runs this many torch threads. ``ray`` only."""
 
     num_gpus: Annotated[float | None, Knob("ray")] = Field(default=None, ge=0)
-    """GPUs Ray reserves for each replica (fractions share a GPU). Unset: 1 when the cluster has GPUs, else 0.
-    ``ray`` only."""
+    """Devices of each replica. With ``ray``: the GPUs Ray reserves for each replica (fractions share a GPU); unset,
+    1 when the cluster has GPUs, else 0. With ``inline`` (upstream vllm-omni's ``--num-gpus``): the replica's device
+    count, which must equal its ranks, the product of the parallel degrees (``ulysses_degree × ring_degree ×
+    cfg_parallel_size × vae_patch_parallel_size``); a mismatch is refused naming both ([scaling](scaling.md))."""
 
     placement_strategy: Annotated[PlacementStrategy, Knob("ray")] = "PACK"
     """How the placement group that reserves the replicas spreads over nodes: ``SPREAD`` puts them on different
@@ -128,6 +130,11 @@ class StageDeployConfig(BaseModel):
     vae_patch_parallel_size: Annotated[int, Knob("decoding")] = Field(default=1, ge=1)
     """Ranks that decode spatial patches of each image with the VAE, stitched as the same tiling on one rank
     (AutoencoderKL: Flux, SD3, SD, SDXL)."""
+
+    trust_remote_code: Annotated[bool, Knob("pipeline", flag="vllm")] = False
+    """Load the pipeline's own code from its folder (a custom pipeline or component class named in
+    ``model_index.json``): passed to diffusers' ``from_pretrained`` as ``trust_remote_code``. vLLM's
+    ``--trust-remote-code``. Not on ``llm`` stages (vLLM's goes into ``engine_args``)."""
 
     tensor_parallel_size: Annotated[int, Knob("pipeline", flag="vllm")] = 1
     """vLLM's ``--tensor-parallel-size``: accepted as 1 only, as diffusion stages do not shard weights (an ``llm``
@@ -356,8 +363,9 @@ def knob_applies(knob: str, stage: StageDeployConfig | dict) -> bool:
     """Whether ``knob`` means something for ``stage`` (a config, or resolved values with ``stage_type``)."""
     get = stage.get if isinstance(stage, dict) else lambda name: getattr(stage, name)
     scope = KNOBS[knob].scope
-    if scope == "ray":
-        return get("distributed_executor_backend") == "ray"
+    if scope == "ray":  # an inline stage's num_gpus, when given, is its device count (`check_parallel`)
+        given = knob == "num_gpus" and get("num_gpus") is not None
+        return get("distributed_executor_backend") == "ray" or given
     if scope not in STAGE_TYPES_OF_SCOPE:
         return True
     if get("stage_type") not in STAGE_TYPES_OF_SCOPE[scope]:

@@ -3,6 +3,7 @@
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -256,4 +257,46 @@ def test_a_video_model_serves_and_the_images_api_refuses_it(tiny_wan):
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "model_not_supported"
         assert "is a video model; this API serves image models only" in response.json()["error"]["message"]
+    assert server.returncode == 0
+
+
+def test_trust_remote_code_is_vllms_flag_and_a_stage_knob(parser, tiny_flux):
+    _, stages, _ = _config(parser, [tiny_flux, "--trust-remote-code"])
+    assert (stages[0].trust_remote_code, stages[0].provenance["trust_remote_code"]) == (True, "cli")
+    _, stages, _ = _config(parser, [tiny_flux])
+    assert (stages[0].trust_remote_code, stages[0].provenance["trust_remote_code"]) == (False, "default")
+
+
+def test_num_gpus_is_an_inline_stages_device_count(parser, tiny_flux, capsys):
+    """Upstream's --num-gpus: the product of the parallel degrees, given with them; a mismatch names both."""
+    _, stages, _ = _config(parser, [tiny_flux, "--num-gpus", "2", "--ulysses-degree", "2"])
+    stage = stages[0]
+    assert (stage.num_gpus, stage.provenance["num_gpus"], stage.distributed_executor_backend) == (2, "cli", "inline")
+    assert "num_gpus=2.0 (cli)" in stage.describe()
+    assert "num_gpus" not in _config(parser, [tiny_flux])[1][0].describe()  # unset: not an inline stage's knob
+    error = _error(parser, [tiny_flux, "--num-gpus", "2"], capsys)
+    assert "--num-gpus 2.0 (cli) is the replica's device count, one per rank, but the parallel degrees" in error
+    assert "give num_gpus 1, or set ulysses_degree, ring_degree, cfg_parallel_size or vae_patch_parallel_size" in error
+    error = _error(parser, [tiny_flux, "--num-gpus", "4", "--ulysses-degree", "2"], capsys)
+    assert "--ulysses-degree 2 (cli) make 2 rank(s): give num_gpus 2" in error
+
+
+def test_vllm_flags_with_no_effect_here_are_accepted_with_a_log_line(parser, tiny_flux, caplog):
+    """Upstream's docs pass --enforce-eager (and --gpu-memory-utilization ...): accepted, logged as doing nothing."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="vllm_omni.entrypoints.cli.serve"):
+        _config(parser, [tiny_flux, "--enforce-eager", "--gpu-memory-utilization", "0.5"])
+    assert "--enforce-eager, --gpu-memory-utilization: vLLM flag(s) that have no effect on a diffusion server" in (
+        caplog.text
+    )
+
+
+def test_the_real_vllm_cli_serves_with_enforce_eager(tiny_flux):
+    with RemoteOmniServer(tiny_flux, ["--enforce-eager"], cli=True) as server:
+        assert httpx.get(server.url_for("health")).status_code == 200
+        assert (
+            "--enforce-eager: vLLM flag(s) that have no effect on a diffusion server; ignored"
+            in Path(server.log_path).read_text()
+        )
     assert server.returncode == 0

@@ -177,7 +177,7 @@ NASTY = [
     ("xml", b"<prompt>cat</prompt>", "application/xml", 400, None),
     ("form", b"prompt=cat", "application/x-www-form-urlencoded", 400, None),
     ("no content type", _json(GOOD), None, 400, None),
-    ("empty body", b"", "application/json", 400, None),
+    ("empty body", b"", "application/json", 400, "prompt"),
     ("deep nesting", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json", 400, None),
     (
         "NaN guidance",
@@ -226,7 +226,8 @@ NASTY = [
         200,
         None,
     ),
-    ("unknown field", _json(GOOD | {"complexity": "high"}), "application/json", 400, "complexity"),
+    ("unknown field", _json(GOOD | {"sharpness": "high"}), "application/json", 400, "sharpness"),
+    ("openai field ignored here", _json(GOOD | {"complexity": "high"}), "application/json", 200, None),
 ]
 
 

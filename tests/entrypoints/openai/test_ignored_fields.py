@@ -7,6 +7,7 @@ are replayed as they send their requests."""
 
 import base64
 import io
+import json
 import re
 
 import av
@@ -296,3 +297,149 @@ def test_strict_fields_refuses_video_fields_naming_them(strict_wan, fields, para
     for path in ("/v1/videos", "/v1/videos/sync"):
         response = post(strict_wan, path, json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+# OpenAI's SDK: every field of its request types is served here or reported as ignored, never refused as unknown.
+
+SDK_SAMPLES = {
+    "n": 1,
+    "size": "32x32",
+    "quality": "low",
+    "response_format": "b64_json",
+    "output_format": "jpeg",
+    "background": "opaque",
+    "partial_images": 0,  # previews need stream; 0 is served without one
+    "svg": {},
+    "seconds": "4",
+}
+"""A value of each SDK field that this server takes (its sizes, not OpenAI's 1024x1024); a field not listed gets
+one from its type (`_sample`)."""
+
+
+def _sample(name: str, kind) -> object:
+    """A value for the SDK field ``name`` of type ``kind``: `SDK_SAMPLES`', else its first literal, else by type."""
+    import typing
+
+    if name in SDK_SAMPLES:
+        return SDK_SAMPLES[name]
+    args = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+    for arg in args:
+        if typing.get_origin(arg) is typing.Literal:
+            return typing.get_args(arg)[0]
+    return 1 if int in args else "user-1" if str in args else "x"
+
+
+def _sdk_fields(params) -> dict[str, object]:
+    """The SDK TypedDict's fields and their types (its required and optional keys)."""
+    import typing
+
+    hints = typing.get_type_hints(params)
+    assert set(hints) == params.__required_keys__ | params.__optional_keys__
+    return hints
+
+
+def _served(model, name: str) -> bool:
+    """A declared field of the request model that acts (not one it accepts and ignores, `Ignored`)."""
+    from vllm_omni.entrypoints.openai.request_fields import Ignored
+
+    info = model.model_fields.get(name)
+    return info is not None and not any(isinstance(m, Ignored) for m in info.metadata)
+
+
+def test_every_openai_images_field_is_served_or_reported_as_ignored(flux_server):
+    """Each field of openai-python's ``ImageGenerateParams`` and ``ImageEditParams``, sent alone with a value this
+    server takes: accepted (200); a field that changes nothing here (``style``, ``moderation``, ``input_fidelity``,
+    ``output_compression`` with png, ...) with a ``Warning`` naming it; never ``unknown_parameter``."""
+    from openai.types import image_edit_params, image_generate_params
+
+    from vllm_omni.entrypoints.openai.images.edit_form import FILE_FIELDS
+    from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
+
+    source = io.BytesIO()
+    noise_image(4, size=32).save(source, format="PNG")
+    png = source.getvalue()
+    mask = io.BytesIO()
+    noise_image(4, size=32).convert("RGBA").save(mask, format="PNG")  # opaque: nothing to repaint, but a mask
+    base = {"num_inference_steps": 2, "seed": 1}
+    checked = []
+    for params, model, path in (
+        (image_generate_params.ImageGenerateParamsBase, ImageGenerationRequest, "/v1/images/generations"),
+        (image_edit_params.ImageEditParamsBase, ImageEditRequest, "/v1/images/edits"),
+    ):
+        for name, kind in _sdk_fields(params).items():
+            if name in ("prompt", "image"):  # sent with every request
+                continue
+            value = flux_server.model if name == "model" else _sample(name, kind)
+            if path.endswith("edits"):
+                files = [("image", ("in.png", png, "image/png"))]
+                data = {"prompt": "a fox", **{k: str(v) for k, v in base.items()}}
+                if name in ("mask", "markup"):  # files
+                    files.append((name, (f"{name}.png", mask.getvalue(), "image/png")))
+                else:
+                    data[name] = json.dumps(value) if isinstance(value, dict) else str(value)
+                response = post(flux_server, path, files=files, data=data)
+            else:
+                response = post(flux_server, path, json={"prompt": "a fox", "size": "32x32", **base, name: value})
+            assert response.status_code == 200, (path, name, response.text)
+            why = warned(response)
+            if (_served(model, name) or name in FILE_FIELDS) and name != "output_compression":  # with png: ignored
+                assert name not in why, (path, name, why)
+            else:
+                assert name in why, (path, name, response.headers.get("warning"))
+            checked.append((path, name))
+    assert ("/v1/images/edits", "input_fidelity") in checked and ("/v1/images/generations", "style") in checked
+
+
+def test_every_openai_videos_field_is_served(wan_server):
+    """Each field of openai-python's ``VideoCreateParams`` is a field of the Videos API (``input_reference``: an
+    image-to-video model's file, which this text-to-video model refuses as such, not as unknown)."""
+    from openai.types import video_create_params
+
+    from vllm_omni.entrypoints.openai.protocol import VideoGenerationRequest
+
+    png = io.BytesIO()
+    noise_image(4, size=32).save(png, format="PNG")
+    for name, kind in _sdk_fields(video_create_params.VideoCreateParams).items():
+        body = {"prompt": "a cat", "size": "32x32", "num_frames": 5, "num_inference_steps": 2, "fps": 8}
+        if name == "input_reference":
+            files = {"input_reference": ("in.png", png.getvalue(), "image/png")}
+            response = post(wan_server, "/v1/videos/sync", files=files, data={k: str(v) for k, v in body.items()})
+            error = response.json()["error"]
+            assert (response.status_code, error["param"], error["code"]) == (400, "model", "model_not_supported")
+            continue
+        if name == "seconds":  # instead of num_frames: 4 s at 1 fps is 5 frames on Wan
+            body = {**{k: v for k, v in body.items() if k != "num_frames"}, "fps": 1}
+        if name == "size":
+            body.pop("size")
+        value = wan_server.model if name == "model" else _sample(name, kind)
+        response = post(wan_server, "/v1/videos/sync", json={**body, name: value})
+        assert response.status_code == 200, (name, response.text)
+        assert _served(VideoGenerationRequest, name) and "warning" not in response.headers, name
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"output_format": "png", "output_compression": 50}, "output_compression"),
+        ({"style": "vivid"}, "style"),
+        ({"moderation": "low"}, "moderation"),
+    ],
+)
+def test_strict_fields_refuses_openais_fields_that_change_nothing(strict_flux, fields, param):
+    response = post(strict_flux, "/v1/images/generations", json={"prompt": "a fox", **FAST, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value") and "--strict-fields" in error["message"]
+
+
+def test_input_fidelity_of_an_edit_is_warned_and_refused_under_strict_fields(flux_server, strict_flux):
+    source = io.BytesIO()
+    noise_image(4, size=32).save(source, format="PNG")
+    files = {"image": ("in.png", source.getvalue(), "image/png")}
+    form = {"prompt": "a blue square", "num_inference_steps": "2", "seed": "3", "input_fidelity": "high"}
+    count = ignored_count(flux_server, "images", "input_fidelity")
+    response = post(flux_server, "/v1/images/edits", files=files, data=form)
+    assert list(warned(response)) == ["input_fidelity"] and image(response)
+    assert ignored_count(flux_server, "images", "input_fidelity") == count + 1
+    refused = post(strict_flux, "/v1/images/edits", files=files, data=form)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_fidelity", refused.text

@@ -21,10 +21,10 @@ def test_every_field_has_one_row_with_its_docstring(model):
 
 def test_the_edit_table_has_the_fields_the_edit_declares_and_names_the_others():
     *own, others = docs.edit_fields_table().splitlines()[2:]
-    assert [row.split("`")[1] for row in own] == ["size", "strength"]
+    assert [row.split("`")[1] for row in own] == ["size", "strength", "input_fidelity", "markup"]
     assert "0.6 for image-to-image" in own[1]
     assert others.endswith("| | | As for generations. |")
-    assert others.count("`") // 2 == len(ImageEditRequest.model_fields) - 2
+    assert others.count("`") // 2 == len(ImageEditRequest.model_fields) - 4
 
 
 def test_a_stale_table_is_refused(tmp_path, monkeypatch, capsys):

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import io
 import json
+import re
 import socket
 import threading
 import urllib.parse
@@ -79,6 +80,8 @@ def test_response_format_file_answers_the_image_bytes(flux):
     single = _post(flux[1], "/v1/images/generations", json={**body, "response_format": "file"})
     assert single.headers["content-type"] == "image/png"
     assert single.content == base64.b64decode(b64)
+    # Saved under the request's id with the format's extension (upstream's), a quoted filename (RFC 6266).
+    assert re.fullmatch(r'attachment; filename="img-[0-9a-f]{32}\.png"', single.headers["content-disposition"])
 
     several = _post(
         flux[1],
@@ -86,6 +89,7 @@ def test_response_format_file_answers_the_image_bytes(flux):
         json={**body, "n": 2, "response_format": "file", "output_format": "jpeg"},
     )
     assert several.headers["content-type"] == "application/zip"
+    assert re.fullmatch(r'attachment; filename="img-[0-9a-f]{32}\.zip"', several.headers["content-disposition"])
     with zipfile.ZipFile(io.BytesIO(several.content)) as archive:
         assert archive.namelist() == ["image_0.jpeg", "image_1.jpeg"]
         assert all(Image.open(archive.open(name)).format == "JPEG" for name in archive.namelist())
@@ -99,10 +103,50 @@ def test_output_format_is_case_insensitive_and_jpg_is_jpeg(flux, given, pil_form
     assert image.format == pil_format
 
 
-def test_png_with_output_compression_names_the_formats_that_take_it(flux):
-    body = {"prompt": "a fox", "output_format": "png", "output_compression": 50, **FAST}
-    error = _error(_post(flux[1], "/v1/images/generations", json=body))
-    assert error["param"] == "output_compression" and "jpeg and webp" in error["message"]
+def test_png_with_output_compression_is_answered_with_a_warning(flux):
+    """OpenAI's SDK tests send output_compression with png, and upstream accepts it: the png (lossless) is the one
+    made without it, and the Warning names it and the formats it acts on (test_ignored_fields: --strict-fields)."""
+    body = {"prompt": "a fox", "output_format": "png", **FAST}
+    response = _post(flux[1], "/v1/images/generations", json={**body, "output_compression": 50})
+    assert response.status_code == 200, response.text
+    plain = _post(flux[1], "/v1/images/generations", json=body)
+    assert response.json()["data"][0]["b64_json"] == plain.json()["data"][0]["b64_json"]
+    warning = response.headers["warning"]
+    assert warning.startswith('299 - "output_compression ignored: ') and "jpeg and webp" in warning
+    assert "warning" not in plain.headers
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "headers"),
+    [
+        ("/v1/images/generations", b"", {"Content-Type": "application/json"}),
+        ("/v1/images/generations", b"", {}),
+        ("/v1/images/generations", b"{}", {"Content-Type": "application/json"}),
+        ("/v1/images/edits", b"", {}),
+        ("/v1/images/edits", b"", {"Content-Type": "multipart/form-data; boundary=x"}),
+        ("/v1/images/edits", b"size=32x32", {"Content-Type": "application/x-www-form-urlencoded"}),
+    ],
+)
+def test_a_missing_prompt_is_named_whatever_the_images_body(flux, path, content, headers):
+    """An empty body, ``{}`` or a form without the field: the 400 names ``prompt`` (OpenAI's envelope)."""
+    error = _error(_post(flux[1], path, content=content, headers=headers))
+    assert (error["param"], error["code"]) == ("prompt", "missing_required_parameter"), error
+
+
+@pytest.mark.parametrize("path", ["/v1/videos", "/v1/videos/sync"])
+@pytest.mark.parametrize(
+    ("content", "headers"),
+    [
+        (b"", {"Content-Type": "application/json"}),
+        (b"", {}),
+        (b"{}", {"Content-Type": "application/json"}),
+        (b"", {"Content-Type": "multipart/form-data; boundary=x"}),
+        (b"size=32x32", {"Content-Type": "application/x-www-form-urlencoded"}),
+    ],
+)
+def test_a_missing_prompt_is_named_whatever_the_videos_body(wan, path, content, headers):
+    error = _error(_post(wan[1], path, content=content, headers=headers))
+    assert (error["param"], error["code"]) == ("prompt", "missing_required_parameter"), error
 
 
 def test_true_cfg_scale_with_a_negative_prompt_changes_the_image(flux):
@@ -175,7 +219,11 @@ def test_videos_sync_answers_the_mp4_of_the_same_job(wan):
     assert sync.status_code == 200 and sync.headers["content-type"] == "video/mp4"
     job = _post(base, "/v1/videos", json={"prompt": "a cat", **VIDEO}).json()
     assert came_true(lambda: httpx.get(f"{base}/v1/videos/{job['id']}", timeout=60).json()["status"] == "completed")
-    content = httpx.get(f"{base}/v1/videos/{job['id']}/content", timeout=60).content
+    download = httpx.get(f"{base}/v1/videos/{job['id']}/content", timeout=60)
+    assert download.headers["content-disposition"] == f'attachment; filename="{job["id"]}.mp4"'
+    thumbnail = httpx.get(f"{base}/v1/videos/{job['id']}/content", params={"variant": "thumbnail"}, timeout=60)
+    assert thumbnail.headers["content-disposition"] == f'attachment; filename="{job["id"]}.png"'
+    content = download.content
     synced, queued = _frames(sync.content), _frames(content)
     assert len(synced) == len(queued) == VIDEO["num_frames"]
     # x264's output is not bit-reproducible on a loaded machine: the same frames, on average.

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import queue
 import socket
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -154,9 +155,9 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
     devices = setup["devices"].split(",") if setup["devices"] else range(world)
     device = torch.device("cuda", int(devices[rank])) if cuda else torch.device("cpu")
     try:
-        pipeline = DiffusionPipeline.from_pretrained(setup["model"], dtype=setup["dtype"], local_files_only=True).to(
-            device
-        )
+        pipeline = DiffusionPipeline.from_pretrained(
+            setup["model"], dtype=setup["dtype"], local_files_only=True, trust_remote_code=setup["trust_remote_code"]
+        ).to(device)
         pipeline.set_progress_bar_config(disable=True)
         ulysses, ring, cfg = setup["ulysses_degree"], setup["ring_degree"], setup["cfg_parallel_size"]
         if setup["vae_patch_parallel_size"] > 1:
@@ -187,6 +188,28 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
         dist.destroy_process_group()
 
 
+MAIN_REIMPORTED = 87
+"""A rank's exit code when it was started while it imported the main script again (`check_not_bootstrapping`)."""
+
+
+def _unguarded(script: str) -> str:
+    return (
+        f"the ranks of a parallel stage start from a forkserver, which imports the main script {script} again in "
+        "each rank, and the script made an Omni (or a RankGroup) as it was imported: put the code that runs it under "
+        '`if __name__ == "__main__":` (as vLLM\'s workers need too; docs/scaling.md)'
+    )
+
+
+def check_not_bootstrapping() -> None:
+    """In a process that multiprocessing is still starting, which is importing the main script again (a script
+    without an ``if __name__ == "__main__":`` guard), end it at once with `MAIN_REIMPORTED`, naming the cause and
+    the fix, rather than start processes that Python refuses there; the group's owner names them too."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        main = getattr(sys.modules.get("__main__"), "__file__", "<the main module>")
+        print(f"RuntimeError: {_unguarded(main)}", file=sys.stderr, flush=True)
+        os._exit(MAIN_REIMPORTED)
+
+
 class RankGroup:
     """One replica's ranks: the product of the degrees, one process each, each with the pipeline of ``model`` loaded
     at ``dtype`` and its denoisers (or its VAE decode) split over the group. `call` runs one pipeline call on all of
@@ -205,7 +228,9 @@ class RankGroup:
         torch_threads: int | None = 1,
         timeout_s: float = 300.0,
         devices: str | None = None,
+        trust_remote_code: bool = False,
     ):
+        check_not_bootstrapping()
         if ring_degree > 1 and not torch.cuda.is_available():
             raise ValueError(
                 "ring_degree needs an attention backend that returns the log-sum-exp of its blocks, and none of "
@@ -233,6 +258,7 @@ class RankGroup:
             torch_threads=torch_threads,
             timeout_s=timeout_s,
             devices=devices,
+            trust_remote_code=trust_remote_code,
         )
         # Forked from this process's forkserver, a process that has run no torch op (no OpenMP team and no CUDA
         # context is forked). Its preload, where the process set one (the tests' forkserver
@@ -273,6 +299,7 @@ class RankGroup:
             dtype=dtype,
             torch_threads=None if threads is None else max(1, threads // world),
             devices=stage.devices,
+            trust_remote_code=stage.trust_remote_code,
         )
 
     def _receive(self, what: str) -> Any:
@@ -288,11 +315,15 @@ class RankGroup:
                 pass
             dead = [rank for rank, p in enumerate(self._ranks) if p.exitcode is not None and rank not in answers]
             if dead:
+                reimported = any(self._ranks[rank].exitcode == MAIN_REIMPORTED for rank in dead)
                 self.close(wait=False)
                 errors = [value for status, value in answers.values() if status == "error"]
                 self.lost = f"rank(s) {dead} of the group ended before it answered ({what})" + (
                     f": {errors[0]}" if errors else ""
                 )
+                if reimported:
+                    main = getattr(sys.modules.get("__main__"), "__file__", "<the main module>")
+                    self.lost += f": {_unguarded(main)}"
                 raise RuntimeError(self.lost)
         if errors := [value for status, value in answers.values() if status == "error"]:
             raise RuntimeError(f"the group failed ({what}): {answers[0][1] if answers[0][0] == 'error' else errors[0]}")

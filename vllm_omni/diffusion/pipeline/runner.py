@@ -65,9 +65,11 @@ def load_pipeline(
     skips: tuple[str, ...] = (),
     cpu_offload: str = "none",
     quantization: QuantizationPlan | None = None,
+    trust_remote_code: bool = False,
 ):
     """The pipeline on ``device`` (or offloaded to the CPU, moving to ``device`` to run), without the components
-    named in ``skips``, its components quantized as ``quantization`` plans (`QuantizationPlan`)."""
+    named in ``skips``, its components quantized as ``quantization`` plans (`QuantizationPlan`);
+    ``trust_remote_code``: diffusers may run the folder's own pipeline or component code (the stage's knob)."""
     import diffusers
     from diffusers import DiffusionPipeline
 
@@ -88,7 +90,15 @@ def load_pipeline(
     # is passed or skipped; the pipeline's own class does not, and a GGUF denoiser's folder holds no weights.
     loader = getattr(diffusers, components["_class_name"]) if held_as_gguf else DiffusionPipeline
     quantized = {} if quantization is None else {"quantization_config": quantization.pipeline_config()}
-    pipeline = loader.from_pretrained(model, dtype=dtype, local_files_only=True, **skipped, **ggufs, **quantized)
+    pipeline = loader.from_pretrained(
+        model,
+        dtype=dtype,
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+        **skipped,
+        **ggufs,
+        **quantized,
+    )
     pipeline.set_progress_bar_config(disable=True)
     if quantization is not None:
         quantization.apply(pipeline)
@@ -163,6 +173,7 @@ class DiffusionRunner:
             skips,
             od_config.stage.cpu_offload,
             self.quantization,
+            od_config.stage.trust_remote_code,
         )
         set_vae_memory(self.pipeline, od_config.stage.vae_tiling, od_config.stage.vae_slicing)
         watch_outputs(self.pipeline)  # a request whose pixels are not finite fails (`EngineCore.output`)

@@ -21,6 +21,9 @@ from vllm_omni.config.profiler import profiler_config
 from vllm_omni.config.serving import ServingConfig
 from vllm_omni.config.stage import KNOBS
 from vllm_omni.config.vllm_device import set_device_hint
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
 
 # vLLM serve flags that mean something for a diffusion server, by argparse dest.
 # Any other vLLM flag given explicitly is refused rather than silently ignored.
@@ -50,6 +53,22 @@ _USED_VLLM_FLAGS = frozenset(
         "tensor_parallel_size",
         "profiler_config",
         "otlp_traces_endpoint",
+        "trust_remote_code",
+    }
+)
+# vLLM serve flags that upstream vllm-omni's docs pass and that change nothing for a diffusion server (no KV cache,
+# no CUDA graphs, no LLM engine): accepted with a log line saying so, never a start-up error.
+_NO_EFFECT_VLLM_FLAGS = frozenset(
+    {
+        "enforce_eager",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "disable_log_stats",
+        "enable_log_requests",
+        "enable_prefix_caching",
+        "enable_chunked_prefill",
+        "max_num_batched_tokens",
+        "block_size",
     }
 )
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
@@ -152,7 +171,9 @@ def make_serve_parser(prog: str):
         "Omni",
         "Diffusion serving (vllm-omni). Of vLLM's flags above, these are used: "
         + ", ".join("--" + f.replace("_", "-") for f in sorted(_USED_VLLM_FLAGS - {"model_tag"}))
-        + "; any other vLLM flag is refused.",
+        + "; "
+        + ", ".join("--" + f.replace("_", "-") for f in sorted(_NO_EFFECT_VLLM_FLAGS))
+        + " are accepted with no effect; any other vLLM flag is refused.",
     )
     omni.add_argument(
         "--omni", action="store_true", help="Hand the command to vllm-omni (for `vllm serve ... --omni`)."
@@ -231,9 +252,16 @@ def parse_serve_args(parser, argv: list[str]) -> tuple[argparse.Namespace, set[s
 def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, explicit: set[str]):
     """Check the flags and resolve the stage configs; ``parser.error`` (exit 2) names the flag on any problem."""
     omni_dests = {a.dest for group in parser._action_groups if group.title == "Omni" for a in group._group_actions}
-    unused = sorted(a.option_strings[0] for a in parser._actions if a.dest in explicit - _USED_VLLM_FLAGS - omni_dests)
+    unused_dests = explicit - _USED_VLLM_FLAGS - omni_dests
+    unused = sorted(a.option_strings[0] for a in parser._actions if a.dest in unused_dests - _NO_EFFECT_VLLM_FLAGS)
     if unused:
-        parser.error(f"{', '.join(unused)}: vLLM flag(s) that a diffusion server does not use; remove them")
+        parser.error(
+            f"{', '.join(unused)}: vLLM flag(s) that a diffusion server does not use; remove them (accepted with no "
+            f"effect: {', '.join(_no_effect_flags(parser))})"
+        )
+    no_effect = sorted(a.option_strings[0] for a in parser._actions if a.dest in unused_dests & _NO_EFFECT_VLLM_FLAGS)
+    if no_effect:
+        logger.info("%s: vLLM flag(s) that have no effect on a diffusion server; ignored", ", ".join(no_effect))
 
     model = args.model_tag or (args.model if "model" in explicit else None)
     if not model:
@@ -260,7 +288,7 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
     given.update(
         {
             name: getattr(args, name)
-            for name in ("enable_lora", "max_loras", "max_lora_rank", "tensor_parallel_size")
+            for name in ("enable_lora", "max_loras", "max_lora_rank", "tensor_parallel_size", "trust_remote_code")
             if name in explicit
         }
     )
@@ -314,6 +342,11 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
                 f"of stage {stage.stage_id}: full batches could never form"
             )
     return source, stage_configs, serving
+
+
+def _no_effect_flags(parser) -> list[str]:
+    """The vLLM flags accepted with no effect (`_NO_EFFECT_VLLM_FLAGS`), as written."""
+    return sorted(a.option_strings[0] for a in parser._actions if a.dest in _NO_EFFECT_VLLM_FLAGS)
 
 
 def _flag_problem(error) -> str:

@@ -6,6 +6,8 @@ accepted and reported (`report_ignored`), or refused under ``--strict-fields``."
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -17,6 +19,7 @@ from vllm_omni.entrypoints.openai.request_fields import api_names, sampling_fiel
 from vllm_omni.errors import SamplingParamsError, StageUnavailableError, UnknownLoraError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
@@ -80,12 +83,22 @@ def _api_param(body: BaseModel, name: str) -> str:
     return api_names(type(body)).get(name) or API_PARAM.get(name, name)
 
 
-def admit(state: ServerState, body: BaseModel, **computed) -> AdmittedParams:
+def admit(state: ServerState, body: BaseModel, ignored: Sequence[IgnoredField] = (), **computed) -> AdmittedParams:
     """The request's parameters completed once (the model's defaults filled in: ``size: auto``, default steps...,
     and a seed drawn), within the operator's limits; every problem is a 400 naming the API field, and a full queue
     a 429. The parameters are the request's `Sampling` fields (`sampling_fields`) and those its route ``computed``
-    from other fields. It is local work (each stage admits from its model card; no replica is asked), so it runs on
-    the event loop."""
+    from other fields; ``ignored``: the request's fields that the route knows have no effect here (OpenAI's
+    `Ignored` fields, ``output_compression`` with ``png``), named as the API names them, reported with the model's
+    own (`report_ignored`) or, under ``--strict-fields``, refused first. It is local work (each stage admits from
+    its model card; no replica is asked), so it runs on the event loop."""
+    if ignored and state.serving.strict_fields:
+        first = ignored[0]
+        raise APIError(
+            400,
+            f"{first.param} has no effect on this server: {first.reason}; leave it out (--strict-fields)",
+            param=first.param,
+            code="invalid_value",
+        )
     try:
         admitted = state.loaded_omni.admit(OmniDiffusionSamplingParams(**sampling_fields(body), **computed))
     except ValidationError as exc:  # beyond what any model accepts, e.g. a side over 16384 px
@@ -99,6 +112,8 @@ def admit(state: ServerState, body: BaseModel, **computed) -> AdmittedParams:
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
     except StageUnavailableError as exc:
         raise APIError(503, f"Service unavailable: {exc}", code="service_unavailable") from None
+    if ignored:
+        admitted = dataclasses.replace(admitted, ignored=(*ignored, *admitted.ignored))
     check_limits(admitted.params, state.serving)
     if state.loaded_omni.num_waiting >= state.serving.max_waiting_requests:
         raise APIError(

@@ -33,6 +33,7 @@ _WRITTEN_AS = {
     bool: "boolean",
     LoraChoice: "object",
     list[LoraChoice]: "list",
+    dict[str, Any]: "object",
 }
 """JSON's names of the types (as OpenAI's API reference writes them)."""
 

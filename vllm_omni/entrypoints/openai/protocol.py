@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from vllm_omni.config.serving import QualityLevel
-from vllm_omni.entrypoints.openai.request_fields import Sampling
+from vllm_omni.entrypoints.openai.request_fields import Ignored, Sampling
 from vllm_omni.entrypoints.openai.rollout_fields import RolloutFields
 from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, LoraChoice
 
@@ -64,22 +64,46 @@ class ImageGenerationRequest(RolloutFields):
     response_format: Literal["b64_json", "url", "file"] = "b64_json"
     """``b64_json`` and ``url`` as in OpenAI (``url``: a link to the image store); ``file`` (upstream vllm-omni's):
     the answer is the image itself, with its media type, or for ``n`` > 1 a zip (``application/zip``) of
-    ``image_0.png``, ``image_1.png``, ..."""
+    ``image_0.png``, ``image_1.png``, ..., as a download: ``Content-Disposition: attachment;
+    filename="<request id>.<png|jpeg|webp|zip>"``."""
     output_format: Literal["png", "jpeg", "webp"] = "png"
     """Encoding of the images; case-insensitive, and ``jpg`` is ``jpeg``."""
     output_compression: StrictInt | None = Field(default=None, ge=0, le=100)
-    """Quality for ``jpeg`` and ``webp`` only (given with ``png``: 400 naming the formats that take it). Unset:
-    quality 100."""
+    """Quality for ``jpeg`` and ``webp``; with ``png``, a lossless format, it is
+    [ignored](#ignored-fields-and---strict-fields) (a ``Warning``), as upstream vllm-omni accepts it. Unset: quality
+    100."""
     quality: Literal["auto", "low", "medium", "high", "standard", "hd"] = "auto"
     """The number of denoising steps ([quality](#quality-usage-and-openais-other-image-fields)): ``standard`` is
     ``medium``, ``hd`` and ``auto`` are ``high``; ``num_inference_steps`` wins over it."""
     background: Literal["auto", "opaque", "transparent"] = "auto"
     """The served pipelines make opaque RGB images: ``transparent`` is a 400 naming ``background``."""
-    style: Literal["vivid", "natural"] | None = None
-    """DALL·E 3's style: accepted, changes nothing."""
-    moderation: Literal["auto", "low"] = "auto"
-    """Accepted: no moderation model runs here ([OpenAI's other image
-    fields](#quality-usage-and-openais-other-image-fields))."""
+    style: Annotated[
+        Literal["vivid", "natural"] | None, Ignored("DALL-E 3's style: the served model takes no style")
+    ] = None
+    """DALL·E 3's style: accepted and [ignored](#ignored-fields-and---strict-fields) (a ``Warning``): the served
+    model takes no style."""
+    moderation: Annotated[
+        Literal["auto", "low"],
+        Ignored("no moderation model runs on this server: nothing is filtered, whatever it says"),
+    ] = "auto"
+    """Accepted and [ignored](#ignored-fields-and---strict-fields) when given (a ``Warning``): no moderation model
+    runs here ([OpenAI's other image fields](#quality-usage-and-openais-other-image-fields))."""
+    complexity: Annotated[
+        Literal["low", "medium", "high"] | None, Ignored("the served model has no complexity setting")
+    ] = None
+    """OpenAI's: accepted and [ignored](#ignored-fields-and---strict-fields) (a ``Warning``)."""
+    frame_count: Annotated[
+        StrictInt | None, Ignored("this server makes still images (output_format png, jpeg or webp), not animations")
+    ] = Field(default=None, ge=1)
+    """OpenAI's (animated images): accepted and [ignored](#ignored-fields-and---strict-fields) (a ``Warning``)."""
+    frame_duration_ms: Annotated[
+        StrictInt | None, Ignored("this server makes still images (output_format png, jpeg or webp), not animations")
+    ] = Field(default=None, ge=1)
+    """OpenAI's (animated images): accepted and [ignored](#ignored-fields-and---strict-fields) (a ``Warning``)."""
+    svg: Annotated[
+        dict[str, Any] | str | None, Ignored("this server makes raster images (output_format png, jpeg or webp)")
+    ] = None
+    """OpenAI's (SVG output): accepted and [ignored](#ignored-fields-and---strict-fields) (a ``Warning``)."""
     safety_identifier: str | None = Field(default=None, max_length=64)
     """An end user's stable id, logged with the request id when the request completes."""
     user: str | None = None
@@ -166,6 +190,16 @@ class ImageEditRequest(ImageGenerationRequest):
     """Extension: how far the image is noised. The request runs ``int(num_inference_steps × strength)`` steps; a
     strength that leaves none is a 400. [Ignored](#ignored-fields-and---strict-fields) by models that take no strength
     (instruction-edit models). Unset: 0.6 for image-to-image, 1.0 for inpainting."""
+
+    input_fidelity: Annotated[
+        Literal["high", "low"] | None,
+        Ignored("the served model has no input-fidelity setting: strength sets how far an edit departs from its image"),
+    ] = None
+    """OpenAI's: accepted and [ignored](#ignored-fields-and---strict-fields) (a ``Warning``); ``strength`` is how
+    far an edit departs from its input image here."""
+    markup: Annotated[str | None, Ignored("the served model takes no markup image")] = None
+    """OpenAI's (a file): accepted and [ignored](#ignored-fields-and---strict-fields) (a ``Warning``); its file is
+    not read."""
 
     _lora_from_form = field_validator("lora", mode="before")(lora_from_form)
 

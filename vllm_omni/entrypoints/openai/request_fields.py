@@ -1,5 +1,6 @@
-"""What a request field of the generation APIs declares besides its type (`Sampling`), and what admission, error
-messages and the chat adapter read of those declarations (`sampled`, `api_names`, `sampling_fields`)."""
+"""What a request field of the generation APIs declares besides its type (`Sampling`, `Ignored`), and what
+admission, error messages and the chat adapter read of those declarations (`sampled`, `api_names`,
+`sampling_fields`, `ignored_fields`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
+
+from vllm_omni.outputs import IgnoredField
 
 
 @dataclass(frozen=True)
@@ -56,3 +59,33 @@ def sampling_fields(body: BaseModel) -> dict[str, Any]:
         elif value is not None:  # unset: left out, so the pipeline call keeps its own default
             extra_args[marker.name or name] = value
     return {**fields, "extra_args": extra_args}
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """What makes a request field one of OpenAI's that has no effect on this server (``Annotated[T, Ignored(why)]``):
+    accepted so that clients that send it work, and, when a request sets it, reported as every field the model would
+    not use is (the ``Warning`` header, the log line and ``vllm_omni:ignored_fields_total``), or refused under
+    ``--strict-fields`` (docs/serving.md, "Ignored fields")."""
+
+    reason: str
+    """Why it changes nothing here: the ``Warning``'s text, and the refusal's under ``--strict-fields``."""
+
+
+@functools.cache
+def _ignored(model: type[BaseModel]) -> dict[str, Ignored]:
+    return {
+        name: marker
+        for name, info in model.model_fields.items()
+        for marker in info.metadata
+        if isinstance(marker, Ignored)
+    }
+
+
+def ignored_fields(body: BaseModel) -> list[IgnoredField]:
+    """The request's `Ignored` fields that it set (to anything but null), named as the API names them."""
+    return [
+        IgnoredField(name, marker.reason)
+        for name, marker in _ignored(type(body)).items()
+        if name in body.model_fields_set and getattr(body, name) is not None
+    ]

@@ -137,7 +137,7 @@ def test_transparent_background_is_refused_naming_background(client):
 @pytest.mark.parametrize(
     "fields,param,code",
     [
-        ({"complexity": "high"}, "complexity", "unknown_parameter"),
+        ({"sharpness": "high"}, "sharpness", "unknown_parameter"),
         ({"quality": "xhigh"}, "quality", "invalid_value"),
         ({"style": "bold"}, "style", "invalid_value"),
         ({"moderation": "high"}, "moderation", "invalid_value"),

@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from PIL import Image
 from pydantic import ValidationError
-from starlette.datastructures import FormData
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
@@ -38,11 +38,13 @@ from vllm_omni.entrypoints.openai.protocol import (
     ImageGenerationRequest,
     ImageGenerationResponse,
 )
+from vllm_omni.entrypoints.openai.request_fields import ignored_fields
 from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.entrypoints.openai.uploads import form_files, openai_mask, read_images
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.metrics import prometheus as metrics
+from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask
 
 if TYPE_CHECKING:
@@ -63,15 +65,28 @@ class _ImagesRoute(APIRoute):
             timer.mark("parse")
             try:
                 response = await handler(request)
-            except RequestValidationError:
+            except RequestValidationError as exc:
                 metrics.image_requests.labels("invalid").inc()
-                raise
+                raise _named(exc, await request.body()) from None
             if response.status_code == 200 and not isinstance(response, StreamingResponse):  # a stream: at its end
                 timer.mark("response")
                 timer.observe("images")
             return response
 
         return timed
+
+
+def _named(exc: RequestValidationError, body: bytes) -> RequestValidationError:
+    """A request without a body (FastAPI: the body is missing) is refused as ``{}`` is: naming the first required
+    field it lacks (``prompt``). (A JSON ``null`` is a body that is not an object.)"""
+    errors = exc.errors()
+    missing = errors and errors[0].get("type") == "missing" and tuple(errors[0].get("loc", ())) == ("body",)
+    if missing and not body.strip():
+        try:
+            ImageGenerationRequest.model_validate({})
+        except ValidationError as empty:
+            return RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in empty.errors()])
+    return exc
 
 
 _TIMER = "vllm_omni.phase_timer"
@@ -103,13 +118,6 @@ def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
             param="background",
             code="invalid_value",
         )
-    if body.output_compression is not None and body.output_format == "png":
-        raise APIError(
-            400,
-            "output_compression applies to output_format jpeg and webp only, not png",
-            param="output_compression",
-            code="invalid_value",
-        )
     if body.partial_images and not body.stream:
         raise APIError(
             400, "partial_images are streamed: set stream to true", param="partial_images", code="invalid_value"
@@ -130,6 +138,16 @@ def _check(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
         )
 
 
+def _ignored(body: ImageGenerationRequest) -> list[IgnoredField]:
+    """The request's fields that have no effect here: OpenAI's `Ignored` fields it set, and ``output_compression``
+    with ``png`` (a lossless format; upstream vllm-omni accepts it too)."""
+    ignored = ignored_fields(body)
+    if body.output_compression is not None and body.output_format == "png":
+        why = "output_format png is lossless; output_compression sets the quality of jpeg and webp only"
+        ignored.append(IgnoredField("output_compression", why))
+    return ignored
+
+
 def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "text", **inputs) -> AdmittedParams:
     """The request's complete parameters (model defaults filled in, the steps of its ``quality``, seed drawn), within
     the operator's limits; ``inputs``: an edit's images and mask, for ``task``. Its `Sampling` fields are copied
@@ -139,6 +157,7 @@ def _admit(body: ImageGenerationRequest, state: ServerState, task: ImageTask = "
     return admit(
         state,
         body,
+        _ignored(body),
         height=height,
         width=width,
         num_inference_steps=quality_steps(state, body, task),
@@ -197,7 +216,10 @@ async def edit_image(raw_request: Request) -> ImageGenerationResponse | Response
 
 
 async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse | Response:
-    fields = {k: v for k, v in form.multi_items() if k not in FILE_FIELDS}
+    # OpenAI's ignored file fields (markup) are named by their file, which is not read.
+    fields = {
+        k: (v.filename or k) if isinstance(v, UploadFile) else v for k, v in form.multi_items() if k not in FILE_FIELDS
+    }
     try:
         body = ImageEditRequest.model_validate(fields)
     except ValidationError as exc:  # counted and answered as a JSON body's schema errors are
@@ -276,7 +298,7 @@ async def _respond(
         timer.mark("encoding")
         if body.response_format == "file":
             outcome = "completed"
-            return files_response(files, body.output_format)
+            return files_response(files, body.output_format, request_id)
         # The prompt the images were made from: the llm stage's, or the request's own (as DALL·E 3 answers).
         revised_prompt = output.revised_prompt or body.prompt
         log_probs = output_log_probs(output)

@@ -16,10 +16,16 @@ from vllm_omni.sampling_params import MAX_INPUT_IMAGES
 FILE_FIELDS = ("image", "image[]", "mask")
 """The edit form's file fields (`form_files`)."""
 
+IGNORED_FILE_FIELDS = ("markup",)
+"""OpenAI's file fields that have no effect here: accepted, reported as ignored, never read."""
+
 
 async def read_edit_form(raw_request: Request) -> FormData:
-    """The edit's form, with files only where the form takes files."""
+    """The edit's form, with files only where the form takes files. An empty body is an empty form, so that its
+    refusal names the missing fields as any other form's does."""
     media_type = raw_request.headers.get("content-type", "").lower()
+    if not await raw_request.body():
+        return FormData()
     if not media_type.startswith(("multipart/form-data", "application/x-www-form")):
         raise APIError(400, "send the edit as multipart/form-data (image files and fields)", code="invalid_form")
     try:
@@ -27,7 +33,7 @@ async def read_edit_form(raw_request: Request) -> FormData:
     except StarletteHTTPException as exc:  # a malformed body, or too many files or fields
         raise APIError(400, f"The form could not be read: {exc.detail}", code="invalid_form") from None
     for name, value in form.multi_items():
-        if isinstance(value, UploadFile) and name not in FILE_FIELDS:
+        if isinstance(value, UploadFile) and name not in FILE_FIELDS + IGNORED_FILE_FIELDS:
             known = name in ImageEditRequest.model_fields
             raise APIError(
                 400,
@@ -46,6 +52,7 @@ def edit_form_schema() -> dict[str, Any]:
         "image": {"type": "string", "format": "binary"},
         "image[]": files,
         "mask": {"type": "string", "format": "binary"},
+        "markup": {"type": "string", "format": "binary", "description": schema["properties"]["markup"]["description"]},
         # A form field is text: the adapters arrive as JSON.
         "lora": {"type": "string", "description": 'LoRA adapters as JSON: {"name": ..., "scale": ...} or a list'},
     }

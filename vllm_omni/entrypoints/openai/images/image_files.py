@@ -1,11 +1,13 @@
 """The Images API's output files: each image in its requested format (``b64_json``, ``url`` and ``file``), and the
-``response_format: file`` answer (the image, or a zip of several)."""
+``response_format: file`` answer (the image, or a zip of several), and the ``Content-Disposition`` of a download
+(`attachment`)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import urllib.parse
 import zipfile
 from typing import Any, Literal, overload
 
@@ -43,12 +45,24 @@ async def encode_images(images: list, body: ImageGenerationRequest, b64: bool) -
     )
 
 
-def files_response(files: list[bytes], output_format: str) -> Response:
-    """``response_format: file``: the image itself, or a zip of ``image_0.png``, ``image_1.png``, ... for several."""
+def attachment(filename: str) -> dict[str, str]:
+    """The ``Content-Disposition`` header of a download saved as ``filename`` (RFC 6266): ``attachment;
+    filename="..."``, the name a quoted-string (its ``\\`` and ``"`` escaped), and for a name beyond ASCII also
+    ``filename*`` in UTF-8 (RFC 5987), with an ASCII fallback."""
+    ascii_name = filename.encode("ascii", "replace").decode("ascii").replace("\\", "\\\\").replace('"', '\\"')
+    value = f'attachment; filename="{ascii_name}"'
+    if not filename.isascii():
+        value += f"; filename*=UTF-8''{urllib.parse.quote(filename, safe='')}"
+    return {"Content-Disposition": value}
+
+
+def files_response(files: list[bytes], output_format: str, name: str) -> Response:
+    """``response_format: file``: the image itself, or a zip of ``image_0.png``, ``image_1.png``, ... for several,
+    as an attachment named ``<name>.<png|jpeg|webp|zip>`` (``name``: the request's id)."""
     if len(files) == 1:
-        return Response(files[0], media_type=MEDIA_TYPES[output_format])
+        return Response(files[0], media_type=MEDIA_TYPES[output_format], headers=attachment(f"{name}.{output_format}"))
     archive = io.BytesIO()
     with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zipped:  # the images are compressed already
         for i, data in enumerate(files):
             zipped.writestr(f"image_{i}.{output_format}", data)
-    return Response(archive.getvalue(), media_type="application/zip")
+    return Response(archive.getvalue(), media_type="application/zip", headers=attachment(f"{name}.zip"))

@@ -26,6 +26,7 @@ from vllm_omni.entrypoints.openai.checks import (
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
+from vllm_omni.entrypoints.openai.images.image_files import attachment
 from vllm_omni.entrypoints.openai.images.image_stream import failure
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -34,6 +35,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     VideoList,
     VideoObject,
 )
+from vllm_omni.entrypoints.openai.request_fields import ignored_fields
 from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.uploads import form_files, read_images
 from vllm_omni.entrypoints.openai.videos.video_jobs import VideoJob, encode_mp4, encode_png
@@ -192,13 +194,13 @@ def build_videos_router() -> APIRouter:
                 400, f"variant must be 'video' or 'thumbnail', not {variant!r}", param="variant", code="invalid_value"
             )
         if variant == "thumbnail" and job.thumbnail is not None:
-            return Response(job.thumbnail, media_type="image/png")
+            return Response(job.thumbnail, media_type="image/png", headers=attachment(f"{video_id}.png"))
         if job.status != "completed":
             why = f"Video {video_id} is {job.status}, not completed"
             if variant == "thumbnail":
                 why += ", and has no preview yet (create it with partial_images to get previews while it runs)"
             raise APIError(400, why, param="video_id", code="video_not_ready")
-        return Response(job.content, media_type="video/mp4")
+        return Response(job.content, media_type="video/mp4", headers=attachment(f"{video_id}.mp4"))
 
     @router.delete("/{video_id}", response_model=VideoDeleted)
     async def delete_video(video_id: str, raw_request: Request) -> VideoDeleted:
@@ -216,7 +218,9 @@ async def _read(raw_request: Request, timer: metrics.PhaseTimer) -> tuple[VideoG
     """The request's body, JSON or a form, and its ``input_reference`` upload if it has one (read by `accept`, once
     the request passed its checks; the caller closes it)."""
     references = []
-    if raw_request.headers.get("content-type", "").lower().startswith(_FORM_TYPES):
+    if not await raw_request.body():  # no body: refused as {} is, naming the missing fields
+        data = {}
+    elif raw_request.headers.get("content-type", "").lower().startswith(_FORM_TYPES):
         try:
             form = await raw_request.form(max_files=1, max_fields=64)
         except StarletteHTTPException as exc:  # a malformed body, or more than one file
@@ -340,6 +344,7 @@ def _admit(state: ServerState, body: VideoGenerationRequest, image: list[Image.I
     admitted = admit(
         state,
         body,
+        ignored_fields(body),
         height=height,
         width=width,
         num_frames=num_frames,
