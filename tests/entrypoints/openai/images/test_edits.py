@@ -186,7 +186,7 @@ REFUSALS = {
     "strength 0": ([IMAGE], {"strength": "0"}, "strength", None),
     "strength 1.5": ([IMAGE], {"strength": "1.5"}, "strength", None),
     "strength leaves no step": ([IMAGE], {"strength": "0.1"}, "strength", "invalid_value"),
-    "unknown field": ([IMAGE], {"input_fidelity": "high"}, "input_fidelity", None),
+    "unknown field": ([IMAGE], {"sharpness": "high"}, "sharpness", None),
     "text where a file goes": ([], {"image": "not a file"}, "image", "invalid_value"),
 }
 
