@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from pydantic import ValidationError
 
@@ -115,68 +115,112 @@ def resolve_stage_configs(
     names those of them that a deprecated alias supplied. ``model``: the served model, for the knobs it decides
     (a ``.gguf`` file sets ``quantization: gguf``, provenance ``model``); ``None``: not checked against one.
     """
-    if deploy is None:
-        deploy = DeployConfig()
-    elif not isinstance(deploy, DeployConfig):
-        deploy = load_deploy_config(deploy)
+    deploy = _as_deploy_config(deploy)
     global_knobs = dict(global_knobs or {})
     _check_knobs(global_knobs, "the command line" if global_source == "cli" else "the Omni arguments", global_source)
     overrides = _normalize_overrides(stage_overrides, [s.stage_id for s in deploy.stages])
-
-    resolved = []
-    for stage in deploy.stages:
-        yaml_sources = {k: stage.provenance.get(k, "deploy_yaml") for k in stage.model_fields_set}
-        global_sources: dict[str, Source] = {
-            k: "legacy_alias" if k in global_alias_knobs else global_source for k in global_knobs
-        }
-        stage_overrides_ = overrides.get(stage.stage_id, {})
-        layers: list[tuple[Mapping[str, Any], Mapping[str, Source]]] = [
-            ({k: getattr(stage, k) for k in stage.model_fields_set}, yaml_sources),
-            (global_knobs, global_sources),
-            (stage_overrides_, dict.fromkeys(stage_overrides_, "stage_override")),
-        ]
-        values: dict[str, Any] = {}
-        provenance: dict[str, Source] = {}
-        for knob in STAGE_KNOBS:
-            values[knob] = StageDeployConfig.model_fields[knob].get_default(call_default_factory=True)
-            provenance[knob] = "default"
-            for layer_values, layer_sources in layers:
-                if knob not in layer_values:
-                    continue
-                types = STAGE_TYPES_OF_KNOB.get(knob)
-                if types is not None and stage.stage_type not in types:
-                    if layer_values is global_knobs:  # a global flag sets it on the stages it applies to
-                        continue
-                    why = ""
-                    if stage.stage_type in LLM_STAGE_TYPES:
-                        batching = knob in ("request_batch_max_wait_ms", "execution_mode")
-                        why = " (an llm stage leaves batching to vLLM)" if batching else " (set vLLM's in engine_args)"
-                    raise ValueError(
-                        f"stage {stage.stage_id} ({stage.stage_type}): {_knob_name(knob, layer_sources[knob])} "
-                        f"({layer_sources[knob]}) applies to {' and '.join(types)} stages only{why}; remove it"
-                    )
-                values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
-        if values["distributed_executor_backend"] is None:
-            use_ray = values["num_replicas"] > 1 or values["ray_address"] is not None
-            use_ray |= stage.stage_type in LLM_STAGE_TYPES  # vLLM's engine runs in an actor of its own
-            values["distributed_executor_backend"] = "ray" if use_ray else "inline"
-        if stage.stage_type in STAGE_TYPES_OF_KNOB["quantization"]:
-            _resolve_quantization(stage.stage_id, values, provenance, model)
-        _check_combination(stage.stage_id, values, provenance)
-        check_parallel(stage.stage_id, values, _writer(values, provenance), _local_folder(model))
-        if stage.stage_type in LLM_STAGE_TYPES:
-            check_llm_stage(stage.stage_id, values, _writer(values, provenance))
-        resolved.append(
-            StageDeployConfig(
-                stage_id=stage.stage_id,
-                stage_type=stage.stage_type,
-                inputs=stage.inputs,
-                **values,
-                provenance=provenance,
-            )
-        )
+    global_sources: dict[str, Source] = {
+        k: "legacy_alias" if k in global_alias_knobs else global_source for k in global_knobs
+    }
+    resolved = [
+        _resolve_stage(stage, (global_knobs, global_sources), overrides.get(stage.stage_id, {}), model)
+        for stage in deploy.stages
+    ]
     _check_lora_stages(resolved, global_knobs, global_source)
     return resolved
+
+
+def _as_deploy_config(deploy: DeployConfig | str | os.PathLike[str] | None) -> DeployConfig:
+    """The deploy layer as a `DeployConfig`: none given is the built-in one, a path is loaded from its YAML."""
+    if deploy is None:
+        return DeployConfig()
+    if not isinstance(deploy, DeployConfig):
+        return load_deploy_config(deploy)
+    return deploy
+
+
+def _resolve_stage(
+    stage: StageDeployConfig,
+    global_layer: tuple[Mapping[str, Any], Mapping[str, Source]],
+    stage_override: Mapping[str, Any],
+    model: ModelSource | None,
+) -> StageDeployConfig:
+    """One stage's frozen config: its knobs layered, the knobs that follow from others filled in, then checked
+    (alone, together and against ``model``) before anything is built from them."""
+    layers: list[tuple[Mapping[str, Any], Mapping[str, Source]]] = [
+        (
+            {k: getattr(stage, k) for k in stage.model_fields_set},
+            {k: stage.provenance.get(k, "deploy_yaml") for k in stage.model_fields_set},
+        ),
+        global_layer,
+        (stage_override, dict.fromkeys(stage_override, "stage_override")),
+    ]
+    values, provenance = _layer_knobs(stage, layers, global_layer[0])
+    if values["distributed_executor_backend"] is None:
+        values["distributed_executor_backend"] = _default_executor_backend(stage, values)
+    if stage.stage_type in STAGE_TYPES_OF_KNOB["quantization"]:
+        _resolve_quantization(stage.stage_id, values, provenance, model)
+    _check_combination(stage.stage_id, values, provenance)
+    check_parallel(stage.stage_id, values, _writer(values, provenance), _local_folder(model))
+    if stage.stage_type in LLM_STAGE_TYPES:
+        check_llm_stage(stage.stage_id, values, _writer(values, provenance))
+    return StageDeployConfig(
+        stage_id=stage.stage_id,
+        stage_type=stage.stage_type,
+        inputs=stage.inputs,
+        **values,
+        provenance=provenance,
+    )
+
+
+def _layer_knobs(
+    stage: StageDeployConfig,
+    layers: list[tuple[Mapping[str, Any], Mapping[str, Source]]],
+    global_knobs: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, Source]]:
+    """Each knob's value and provenance: the built-in default, overridden by each layer that sets it, lowest first.
+    ``global_knobs`` is the global layer, whose knobs skip the stages they do not apply to instead of failing."""
+    values: dict[str, Any] = {}
+    provenance: dict[str, Source] = {}
+    for knob in STAGE_KNOBS:
+        values[knob] = StageDeployConfig.model_fields[knob].get_default(call_default_factory=True)
+        provenance[knob] = "default"
+        for layer_values, layer_sources in layers:
+            if knob not in layer_values:
+                continue
+            if not _knob_applies(stage, knob):
+                if layer_values is global_knobs:  # a global flag sets it on the stages it applies to
+                    continue
+                _refuse_knob(stage, knob, layer_sources[knob])
+            values[knob], provenance[knob] = layer_values[knob], layer_sources[knob]
+    return values, provenance
+
+
+def _knob_applies(stage: StageDeployConfig, knob: str) -> bool:
+    """Whether ``knob`` applies to ``stage``'s type (most knobs apply to every stage)."""
+    types = STAGE_TYPES_OF_KNOB.get(knob)
+    return types is None or stage.stage_type in types
+
+
+def _refuse_knob(stage: StageDeployConfig, knob: str, source: Source) -> NoReturn:
+    """A knob set for a stage it does not apply to is an error, naming where it was set and, for an llm stage,
+    where vLLM takes it instead."""
+    types = STAGE_TYPES_OF_KNOB[knob]
+    why = ""
+    if stage.stage_type in LLM_STAGE_TYPES:
+        batching = knob in ("request_batch_max_wait_ms", "execution_mode")
+        why = " (an llm stage leaves batching to vLLM)" if batching else " (set vLLM's in engine_args)"
+    raise ValueError(
+        f"stage {stage.stage_id} ({stage.stage_type}): {_knob_name(knob, source)} "
+        f"({source}) applies to {' and '.join(types)} stages only{why}; remove it"
+    )
+
+
+def _default_executor_backend(stage: StageDeployConfig, values: Mapping[str, Any]) -> str:
+    """The executor backend when no layer set one: Ray where replicas, a Ray cluster or vLLM's engine need it."""
+    use_ray = values["num_replicas"] > 1 or values["ray_address"] is not None
+    use_ray |= stage.stage_type in LLM_STAGE_TYPES  # vLLM's engine runs in an actor of its own
+    return "ray" if use_ray else "inline"
 
 
 def _check_lora_stages(stages: list[StageDeployConfig], global_knobs: Mapping[str, Any], source: Source) -> None:

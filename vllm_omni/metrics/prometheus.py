@@ -32,28 +32,46 @@ class EngineMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         ids = {"stage": str(stage), "replica": str(replica)}
         labels = ids | {"task": task}
+        # Declared in this order, which is the order a scrape lists them in.
+        self.batch_num_requests, self.queue_time, self.batch_execution_time = self._batch_histograms(labels)
+        self._component_seconds = self._component_histogram(labels)
+        self._labels = labels
+        self._components: dict[str, Histogram] = {}
+        self.oom_batch_splits, self.cache_skipped_steps = self._event_counters(ids)
+        self.num_requests_running, self.num_requests_waiting, self.lora_adapters_resident, self.engine_sleeping = (
+            self._state_gauges(ids)
+        )
+
+    def _batch_histograms(self, labels: dict[str, str]) -> tuple[Histogram, Histogram, Histogram]:
+        """What the scheduler's batches hold and how long they and their requests take: the size of each executed
+        batch, a request's wait before it ran, and each batch's wall time."""
 
         def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
             return Histogram(name, documentation, list(labels), buckets=buckets, registry=self.registry).labels(
                 **labels
             )
 
-        self.batch_num_requests = histogram(
+        batch_num_requests = histogram(
             "vllm_omni:batch_num_requests",
             "Requests in each executed batch (one observation per pipeline call; in step mode per denoiser forward).",
             _BATCH_BUCKETS,
         )
-        self.queue_time = histogram(
+        queue_time = histogram(
             "vllm_omni:request_queue_time_seconds",
             "Time a request waited from arrival until the engine started on it.",
             _SECONDS_BUCKETS,
         )
-        self.batch_execution_time = histogram(
+        batch_execution_time = histogram(
             "vllm_omni:batch_execution_time_seconds",
             "Wall time of each executed diffusion batch (one pipeline call or denoiser step).",
             _SECONDS_BUCKETS,
         )
-        self._component_seconds = Histogram(
+        return batch_num_requests, queue_time, batch_execution_time
+
+    def _component_histogram(self, labels: dict[str, str]) -> Histogram:
+        """Where a pipeline call's time goes, by component; unlabelled by component here, since the components are
+        only known as they report (`component`)."""
+        return Histogram(
             "vllm_omni:component_seconds",
             "Time of each pipeline component (component_timings): one observation per call of a text encoder, "
             "vae_decode, vae_encode, preview or postprocess, per denoise_step over a batch, and per request for its "
@@ -62,39 +80,46 @@ class EngineMetrics:
             buckets=_PHASE_BUCKETS,
             registry=self.registry,
         )
-        self._labels = labels
-        self._components: dict[str, Histogram] = {}
-        self.oom_batch_splits = Counter(
+
+    def _event_counters(self, ids: dict[str, str]) -> tuple[Counter, Counter]:
+        """Events the replica counts: batches split after running out of memory, and computations the step cache
+        skipped."""
+        oom_batch_splits = Counter(
             "vllm_omni:oom_batch_splits",
             "Batches that ran out of device memory and were split in halves and retried.",
             list(ids),
             registry=self.registry,
         ).labels(**ids)
-        self.cache_skipped_steps = Counter(
+        cache_skipped_steps = Counter(
             "vllm_omni:cache_skipped_steps",
             "Block computations the step cache (cache_backend) skipped: a module under diffusers' cache hooks that "
             "returned a cached or predicted output instead of running, counted per request and denoiser call.",
             list(ids),
             registry=self.registry,
         ).labels(**ids)
-        self.num_requests_running = Gauge(
+        return oom_batch_splits, cache_skipped_steps
+
+    def _state_gauges(self, ids: dict[str, str]) -> tuple[Gauge, Gauge, Gauge, Gauge]:
+        """The replica's state now: requests running and waiting, LoRA adapters loaded, and whether it sleeps."""
+        num_requests_running = Gauge(
             "vllm_omni:num_requests_running", "Requests in the batch now running.", list(ids), registry=self.registry
         ).labels(**ids)
-        self.num_requests_waiting = Gauge(
+        num_requests_waiting = Gauge(
             "vllm_omni:num_requests_waiting", "Requests waiting to be scheduled.", list(ids), registry=self.registry
         ).labels(**ids)
-        self.lora_adapters_resident = Gauge(
+        lora_adapters_resident = Gauge(
             "vllm_omni:lora_adapters_resident",
             "LoRA adapters loaded in the replica now (at most max_loras).",
             list(ids),
             registry=self.registry,
         ).labels(**ids)
-        self.engine_sleeping = Gauge(
+        engine_sleeping = Gauge(
             "vllm_omni:engine_sleeping",
             "1 while the replica sleeps (sleep, at any level; requests wait for wake_up), else 0.",
             list(ids),
             registry=self.registry,
         ).labels(**ids)
+        return num_requests_running, num_requests_waiting, lora_adapters_resident, engine_sleeping
 
     def component(self, name: str, seconds: float) -> None:
         """One observation of component ``name`` in ``vllm_omni:component_seconds``."""

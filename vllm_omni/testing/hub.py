@@ -13,10 +13,44 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request, Response
+
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+def _error(status: int, code: str | None, text: str, **headers: str) -> "Response":
+    """An error as the Hub answers it: the text in the body and in ``X-Error-Message``, which ``huggingface_hub``
+    reads, and its ``X-Error-Code`` (``RepoNotFound``, ``GatedRepo``...), which it raises by."""
+    from fastapi.responses import JSONResponse
+
+    extra = {"X-Error-Code": code} if code else {}
+    return JSONResponse({"error": text}, status, {**extra, "X-Error-Message": text, **headers})
+
+
+def _parse_route(raw: str) -> tuple[str, str, list[str]] | None:
+    """``(repo_id, action, rest)`` of a request path: ``/api/models/{repo}`` is the ``revision`` ``main``;
+    ``/api/models/{repo}/revision|tree/{rev}/...`` and ``/{repo}/resolve/{rev}/{path}`` name theirs. ``None``: not a
+    route served here."""
+    segments = [unquote(s) for s in raw.strip("/").split("/")]
+    api = segments[:2] == ["api", "models"]
+    if api and len(segments) in (3, 4):
+        return "/".join(segments[2:]), "revision", ["main"]
+    found = _split(segments[2:], "revision", "tree") if api else _split(segments, "resolve")
+    if found is None or (not api and len(found[2]) < 2):
+        return None
+    return found
+
+
+def _split(segments: list[str], *keywords: str) -> tuple[str, str, list[str]] | None:
+    """The route is parsed by hand: repo ids have one or two segments and a revision may hold an encoded "/"."""
+    for n in (2, 1):
+        if len(segments) > n + 1 and segments[n] in keywords:
+            return "/".join(segments[:n]), segments[n], segments[n + 1 :]
+    return None
 
 
 class LocalHub:
@@ -67,75 +101,72 @@ class LocalHub:
         refs = self._refs.get(repo_id, {})
         return refs[revision] if revision in refs else revision if revision in self._commits[repo_id] else None
 
-    def _app(self):
+    def _app(self) -> "FastAPI":
         from fastapi import FastAPI, Request, Response
-        from fastapi.responses import JSONResponse
 
         app = FastAPI()
-
-        def error(status: int, code: str | None, text: str, **headers: str) -> Response:
-            extra = {"X-Error-Code": code} if code else {}
-            return JSONResponse({"error": text}, status, {**extra, "X-Error-Message": text, **headers})
-
-        def split(segments: list[str], *keywords: str) -> tuple[str, str, list[str]] | None:
-            # The route is parsed by hand: repo ids have one or two segments and a revision may hold an encoded "/".
-            for n in (2, 1):
-                if len(segments) > n + 1 and segments[n] in keywords:
-                    return "/".join(segments[:n]), segments[n], segments[n + 1 :]
-            return None
 
         # Async handlers run on the server's event loop, one at a time: the request logs need no lock.
         @app.api_route("/{_:path}", methods=["GET", "HEAD"])
         async def route(request: Request) -> Response:
             raw = request.scope.get("raw_path", request.url.path.encode()).decode()
             self.requests.append((request.method, raw))
-            segments = [unquote(s) for s in raw.strip("/").split("/")]
-            api = segments[:2] == ["api", "models"]
-            if api and len(segments) in (3, 4):
-                repo_id, action, rest = "/".join(segments[2:]), "revision", ["main"]
-            else:
-                found = split(segments[2:], "revision", "tree") if api else split(segments, "resolve")
-                if found is None or (not api and len(found[2]) < 2):
-                    return error(404, None, f"Not found: {raw}")
-                repo_id, action, rest = found
-            if repo_id not in self._commits:
-                return error(404, "RepoNotFound", f"Repository not found: {repo_id}")
-            commit = self._resolve(repo_id, rest[0])
-            if commit is None:
-                return error(404, "RevisionNotFound", f"Invalid rev id: {rest[0]}")
-            files, path = self._commits[repo_id][commit], "/".join(rest[1:])
-            if action == "revision":
-                gated = "manual" if repo_id in self._tokens else False
-                info = {"id": repo_id, "sha": commit, "private": False, "gated": gated}
-                return JSONResponse({**info, "siblings": [{"rfilename": p} for p in sorted(files)]})
-            if action == "tree":
-                tree = self._tree(files, path, request.query_params.get("recursive") in ("1", "true", "True"))
-                if path and not tree:
-                    return error(404, "EntryNotFound", f"{path} does not exist on {commit}")
-                return JSONResponse(tree)
-            if path not in files:
-                return error(404, "EntryNotFound", f"{path} does not exist on {commit}", **{"X-Repo-Commit": commit})
-            if (token := self._tokens.get(repo_id)) and request.headers.get("authorization") != f"Bearer {token}":
-                status = 403 if request.headers.get("authorization") else 401
-                return error(status, "GatedRepo", f"Access to model {repo_id} is restricted.")
-            data = self._blobs[files[path]]
-            # No X-Xet-* headers and no redirect: the client then downloads with a plain GET on this very URL.
-            headers = {"X-Repo-Commit": commit, "ETag": f'"{files[path]}"', "Accept-Ranges": "bytes"}
-            status, body = 200, data
-            if match := _RANGE.fullmatch(request.headers.get("range", "")):
-                start, end = match.groups()
-                first = int(start) if start else max(len(data) - int(end or 0), 0)  # no start: the last `end` bytes
-                last = min(int(end), len(data) - 1) if start and end else len(data) - 1
-                if first >= len(data) or first > last:
-                    return error(416, None, "Range not satisfiable", **{"Content-Range": f"bytes */{len(data)}"})
-                status, body = 206, data[first : last + 1]
-                headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
-            if request.method == "GET":
-                self.downloads.append((repo_id, commit, path))
-            # uvicorn drops the body of a HEAD answer but keeps its Content-Length, which is what the client reads.
-            return Response(body, status, headers, media_type="application/octet-stream")
+            return self._answer(request, raw)
 
         return app
+
+    def _answer(self, request: "Request", raw: str) -> "Response":
+        """The answer to a request for ``raw`` (the path as sent): the repo and revision resolved, then its info, its
+        tree or one of its files, or the Hub's 404 for whichever of them does not exist."""
+        from fastapi.responses import JSONResponse
+
+        found = _parse_route(raw)
+        if found is None:
+            return _error(404, None, f"Not found: {raw}")
+        repo_id, action, rest = found
+        if repo_id not in self._commits:
+            return _error(404, "RepoNotFound", f"Repository not found: {repo_id}")
+        commit = self._resolve(repo_id, rest[0])
+        if commit is None:
+            return _error(404, "RevisionNotFound", f"Invalid rev id: {rest[0]}")
+        files, path = self._commits[repo_id][commit], "/".join(rest[1:])
+        if action == "revision":
+            gated = "manual" if repo_id in self._tokens else False
+            info = {"id": repo_id, "sha": commit, "private": False, "gated": gated}
+            return JSONResponse({**info, "siblings": [{"rfilename": p} for p in sorted(files)]})
+        if action == "tree":
+            tree = self._tree(files, path, request.query_params.get("recursive") in ("1", "true", "True"))
+            if path and not tree:
+                return _error(404, "EntryNotFound", f"{path} does not exist on {commit}")
+            return JSONResponse(tree)
+        return self._file(request, repo_id, commit, files, path)
+
+    def _file(self, request: "Request", repo_id: str, commit: str, files: dict[str, str], path: str) -> "Response":
+        """A file of a commit (``resolve``), as the Hub serves it: refused without the token of a gated repo, whole
+        or the byte range asked for, and logged in `downloads` when its body is sent."""
+        from fastapi import Response
+
+        if path not in files:
+            return _error(404, "EntryNotFound", f"{path} does not exist on {commit}", **{"X-Repo-Commit": commit})
+        if (token := self._tokens.get(repo_id)) and request.headers.get("authorization") != f"Bearer {token}":
+            status = 403 if request.headers.get("authorization") else 401
+            return _error(status, "GatedRepo", f"Access to model {repo_id} is restricted.")
+        data = self._blobs[files[path]]
+        # No X-Xet-* headers and no redirect: the client then downloads with a plain GET on this very URL.
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{files[path]}"', "Accept-Ranges": "bytes"}
+        status, body = 200, data
+        if match := _RANGE.fullmatch(request.headers.get("range", "")):
+            start, end = match.groups()
+            first = int(start) if start else max(len(data) - int(end or 0), 0)  # no start: the last `end` bytes
+            last = min(int(end), len(data) - 1) if start and end else len(data) - 1
+            if first >= len(data) or first > last:
+                return _error(416, None, "Range not satisfiable", **{"Content-Range": f"bytes */{len(data)}"})
+            status, body = 206, data[first : last + 1]
+            headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+        if request.method == "GET":
+            self.downloads.append((repo_id, commit, path))
+        # uvicorn drops the body of a HEAD answer but keeps its Content-Length, which is what the client reads.
+        return Response(body, status, headers, media_type="application/octet-stream")
 
     def _tree(self, files: dict[str, str], path: str, recursive: bool) -> list[dict]:
         prefix = f"{path}/" if path else ""

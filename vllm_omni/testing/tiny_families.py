@@ -216,19 +216,35 @@ def build_tiny_ltx():
 def build_tiny_hunyuan_video_15():
     """HunyuanVideo 1.5 text-to-video: Qwen2.5-VL's text model + ByT5 (quoted text) + AutoencoderKLHunyuanVideo15
     (×4 spatial, ×2 temporal) + HunyuanVideo15Transformer3DModel, guided by a ClassifierFreeGuidance guider."""
-    from diffusers import (
-        AutoencoderKLHunyuanVideo15,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
     from diffusers.guiders import ClassifierFreeGuidance
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import ByT5Tokenizer
 
     torch.manual_seed(0)
     system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
     tokenizer = _chat_tokenizer(system)
-    text_encoder = Qwen2_5_VLTextModel(
+    # The components draw their random weights in this order, the ByT5 encoder last: the folder is the same each time.
+    text_encoder = _hunyuan_video_15_mllm(tokenizer)
+    tokenizer_2 = ByT5Tokenizer()
+    transformer = _hunyuan_video_15_transformer()
+    vae = _hunyuan_video_15_vae()
+    return HunyuanVideo15Pipeline(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=_byt5_encoder(tokenizer_2),
+        tokenizer_2=tokenizer_2,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+
+
+def _hunyuan_video_15_mllm(tokenizer):
+    """HunyuanVideo 1.5's prompt encoder: a 16-wide Qwen2.5-VL text model over the chat ``tokenizer``."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    return Qwen2_5_VLTextModel(
         Qwen2_5_VLTextConfig(
             vocab_size=len(tokenizer),
             hidden_size=16,
@@ -242,9 +258,21 @@ def build_tiny_hunyuan_video_15():
             pad_token_id=tokenizer.pad_token_id,
         )
     ).eval()
-    tokenizer_2 = ByT5Tokenizer()
-    byt5 = {**_t5_config(tokenizer_2), "vocab_size": len(tokenizer_2), "pad_token_id": 0, "eos_token_id": 1}
-    transformer = HunyuanVideo15Transformer3DModel(
+
+
+def _byt5_encoder(tokenizer):
+    """The ByT5 encoder of quoted text (glyphs), over the byte-level ``tokenizer``."""
+    from transformers import T5Config, T5EncoderModel
+
+    byt5 = {**_t5_config(tokenizer), "vocab_size": len(tokenizer), "pad_token_id": 0, "eos_token_id": 1}
+    return T5EncoderModel(T5Config(**byt5)).eval()
+
+
+def _hunyuan_video_15_transformer():
+    """The text-to-video denoiser, its sizes matched to the two text encoders and the VAE's latents."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    return HunyuanVideo15Transformer3DModel(
         in_channels=4 * 2 + 1,  # noise latents + condition latents + condition mask
         out_channels=4,
         num_attention_heads=2,
@@ -261,7 +289,13 @@ def build_tiny_hunyuan_video_15():
         target_size=32,  # the default size's base: 16:9 buckets near 32x32 px
         task_type="t2v",
     )
-    vae = AutoencoderKLHunyuanVideo15(
+
+
+def _hunyuan_video_15_vae():
+    """AutoencoderKLHunyuanVideo15 with 4 latent channels, ×4 spatial and ×2 temporal."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    return AutoencoderKLHunyuanVideo15(
         latent_channels=4,
         block_out_channels=(16, 16),
         layers_per_block=1,
@@ -269,14 +303,4 @@ def build_tiny_hunyuan_video_15():
         temporal_compression_ratio=2,
         downsample_match_channel=False,
         upsample_match_channel=False,
-    )
-    return HunyuanVideo15Pipeline(
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        text_encoder_2=T5EncoderModel(T5Config(**byt5)).eval(),
-        tokenizer_2=tokenizer_2,
-        guider=ClassifierFreeGuidance(guidance_scale=6.0),
     )

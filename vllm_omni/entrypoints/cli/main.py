@@ -3,23 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    via_vllm = "--omni" in argv
     if argv[:1] == ["serve"]:
-        from vllm_omni.entrypoints.cli.serve import serve
+        _serve(argv[1:], via_vllm="--omni" in argv)
+    args = _make_parser().parse_args(argv)
+    args.func(args)
 
-        sys.exit(serve(argv[1:], prog="vllm serve" if via_vllm else "vllm-omni serve"))
 
+def _serve(argv: list[str], via_vllm: bool) -> None:
+    """``serve`` parses its own arguments (the serving flags are many, and vLLM hands its own over), so it is
+    dispatched before the parser below is built, and exits with the server's status."""
+    from vllm_omni.entrypoints.cli.serve import serve
+
+    sys.exit(serve(argv, prog="vllm serve" if via_vllm else "vllm-omni serve"))
+
+
+def _make_parser() -> argparse.ArgumentParser:
+    """The ``vllm-omni`` parser: one sub-parser per subcommand, each naming the function that runs it
+    (``set_defaults(func=...)``, as vLLM's CLI does)."""
+    parser = argparse.ArgumentParser(prog="vllm-omni", description="Serve diffusion models with vLLM.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Listed for --help only: `main` hands `serve` to its own parser before this one runs.
+    commands.add_parser("serve", help="Serve a diffusers model folder (see `vllm-omni serve --help`).")
+    _add_make_tiny_model(commands)
+    return parser
+
+
+def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
+    """The ``make-tiny-model`` subcommand's arguments: the family, and the extra files to write beside it."""
     from vllm_omni.testing.gguf_files import GGUF_TYPES
     from vllm_omni.testing.tiny import MODEL_FAMILIES
 
-    parser = argparse.ArgumentParser(prog="vllm-omni", description="Serve diffusion models with vLLM.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("serve", help="Serve a diffusers model folder (see `vllm-omni serve --help`).")
     tiny = commands.add_parser(
         "make-tiny-model",
         help="Write a tiny random-weight diffusers pipeline, or an llm stage's tiny Llama "
@@ -62,33 +81,13 @@ def main(argv: list[str] | None = None) -> None:
         "--model-config DIR.",
     )
     tiny.add_argument("--omni", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    tiny.set_defaults(func=functools.partial(_make_tiny_model, tiny))
 
-    from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES
-    from vllm_omni.testing.single_file import DENOISER_ONLY_FAMILIES, SINGLE_FILE_FAMILIES
 
-    if args.lora < 0:
-        tiny.error(f"argument --lora: N must be 0 or more, not {args.lora}")
-    if args.lora and args.family == "llm":
-        tiny.error("argument --lora: the adapters are for diffusers pipelines; family 'llm' takes none")
-    if args.lora_text_encoder and not args.lora:
-        tiny.error("argument --lora-text-encoder: needs --lora N with N > 0")
-    if args.lora_text_encoder and args.family not in CLIP_TEXT_ENCODER_FAMILIES:
-        tiny.error(
-            f"argument --lora-text-encoder: family {args.family!r} has no CLIP text encoder "
-            f"(families with one: {', '.join(CLIP_TEXT_ENCODER_FAMILIES)})"
-        )
-
-    if args.single_file and args.family not in SINGLE_FILE_FAMILIES:
-        tiny.error(
-            f"argument --single-file: family {args.family!r} has no single-file layout here "
-            f"(families with one: {', '.join(SINGLE_FILE_FAMILIES)})"
-        )
-    if args.gguf and args.family not in DENOISER_ONLY_FAMILIES:
-        tiny.error(
-            f"argument --gguf: a GGUF holds a denoiser alone in its original layout, and family {args.family!r} has "
-            f"no such layout here (families with one: {', '.join(DENOISER_ONLY_FAMILIES)})"
-        )
+def _make_tiny_model(tiny: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``vllm-omni make-tiny-model``: the pipeline, then each extra file asked for, printing each path written."""
+    _check_lora_args(tiny, args)
+    _check_layout_args(tiny, args)
 
     from vllm_omni.testing.tiny import make_tiny_model
 
@@ -109,6 +108,41 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.lora):
             path = os.path.join(args.dir, "loras", f"lora-{i}")
             print(write_random_lora(args.dir, path, seed=i, text_encoder=args.lora_text_encoder), flush=True)
+
+
+def _check_lora_args(tiny: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--lora`` and ``--lora-text-encoder`` refused, before anything is written, where the family cannot take
+    them (argparse's usage error, exit status 2)."""
+    from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES
+
+    if args.lora < 0:
+        tiny.error(f"argument --lora: N must be 0 or more, not {args.lora}")
+    if args.lora and args.family == "llm":
+        tiny.error("argument --lora: the adapters are for diffusers pipelines; family 'llm' takes none")
+    if args.lora_text_encoder and not args.lora:
+        tiny.error("argument --lora-text-encoder: needs --lora N with N > 0")
+    if args.lora_text_encoder and args.family not in CLIP_TEXT_ENCODER_FAMILIES:
+        tiny.error(
+            f"argument --lora-text-encoder: family {args.family!r} has no CLIP text encoder "
+            f"(families with one: {', '.join(CLIP_TEXT_ENCODER_FAMILIES)})"
+        )
+
+
+def _check_layout_args(tiny: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--single-file`` and ``--gguf`` refused, before anything is written, for a family with no original
+    (non-diffusers) key layout here."""
+    from vllm_omni.testing.single_file import DENOISER_ONLY_FAMILIES, SINGLE_FILE_FAMILIES
+
+    if args.single_file and args.family not in SINGLE_FILE_FAMILIES:
+        tiny.error(
+            f"argument --single-file: family {args.family!r} has no single-file layout here "
+            f"(families with one: {', '.join(SINGLE_FILE_FAMILIES)})"
+        )
+    if args.gguf and args.family not in DENOISER_ONLY_FAMILIES:
+        tiny.error(
+            f"argument --gguf: a GGUF holds a denoiser alone in its original layout, and family {args.family!r} has "
+            f"no such layout here (families with one: {', '.join(DENOISER_ONLY_FAMILIES)})"
+        )
 
 
 if __name__ == "__main__":
