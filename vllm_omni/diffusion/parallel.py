@@ -21,7 +21,7 @@ import queue
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,14 @@ from vllm_omni.config.parallel import PARALLEL_KNOBS
 from vllm_omni.diffusion.cfg_parallel import enable_cfg_parallel
 from vllm_omni.diffusion.components import loaded_denoisers
 from vllm_omni.diffusion.model_card import ModelCard
+from vllm_omni.diffusion.sde import SdeSettings
 from vllm_omni.diffusion.vae_patch_parallel import enable_vae_patch_parallel
-from vllm_omni.errors import SamplingParamsError
+from vllm_omni.errors import SamplingParamsError, WeightUpdateError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+if TYPE_CHECKING:
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.request import DiffusionRequest, PipelineCall
 
 
 @contextlib.contextmanager
@@ -316,3 +321,40 @@ class RankGroup:
             if process.exitcode is None:
                 process.kill()
                 process.join()
+
+
+class RanksExtension:
+    """A replica of several ranks as an extension (`vllm_omni.diffusion.pipeline.extensions`): its `RankGroup`
+    starts before the pipeline loads (which then stays in CPU memory, answering for the model), and runs each
+    request-mode call with no step callback, after refusing what the ranks do not run (`check_on_ranks`); it refuses
+    sleep and weight updates. ``group`` is ``None`` when the stage's degrees make one rank."""
+
+    name = "ranks"
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
+        self.group = RankGroup.of_stage(od_config, dtype)
+        """The replica's ranks when the stage's parallel degrees ask for several; ``None``: the call runs here."""
+
+    def on_load(self, pipeline: Any, variant: bool) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def around_call(self, call: PipelineCall) -> Iterator[None]:
+        if self.group is not None:
+            sde = [SdeSettings.of(request.params) for request in call.batch]
+            check_on_ranks(call.batch, call.variant, call.config, call.scheduler_overrides, sde)
+            call.invoke, call.callback = self.group.call, False  # the ranks call no callback
+        yield None
+
+    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def refuse(self, verb: str, argument: Any) -> None:
+        if self.group is None:
+            return
+        if verb == "sleep":
+            raise ValueError("sleep: a replica of several ranks (the stage's parallel degrees) cannot sleep yet")
+        if verb == "update_weights":
+            raise WeightUpdateError(
+                None, "a replica of several ranks (the stage's parallel degrees) cannot update weights yet"
+            )
