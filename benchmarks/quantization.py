@@ -124,8 +124,8 @@ def denoiser_memory(omni, model: str) -> dict:
     """The denoiser's parameter bytes as stored, how the stage holds it, and the CUDA peak so far."""
     import torch
 
+    from vllm_omni.diffusion.components import loaded_denoisers
     from vllm_omni.diffusion.quantization import parameter_bytes
-    from vllm_omni.diffusion.runner import loaded_denoisers
 
     runner = omni.engine.stages[0].replicas[0].engine.runner
     denoisers = [getattr(runner.pipeline, name) for name in loaded_denoisers(runner.pipeline)]

@@ -69,7 +69,10 @@ class StepEngine(EngineCore):
             return 0
         self.metrics.batch_num_requests.observe(len(batch))
         with self.metrics.batch_execution_time.time(), self.timer.recording(batch):
-            for request, error in denoise_step(batch, self.role.stepping, self._on_oom_split, self.role.previews):
+            around_step = self.runner.extensions.around_step
+            for request, error in denoise_step(
+                batch, self.role.stepping, self._on_oom_split, self.role.previews, around_step
+            ):
                 self.scheduler.complete(request, error)
         done = [request for request in batch if request.state is not None and request.state.done]
         if done:

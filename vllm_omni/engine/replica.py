@@ -24,7 +24,7 @@ from vllm_omni.diffusion.control import failed
 from vllm_omni.diffusion.engine_core import EngineCore
 from vllm_omni.diffusion.engines import make_engine
 from vllm_omni.diffusion.model_card import ModelCard
-from vllm_omni.diffusion.runner import parse_size
+from vllm_omni.diffusion.pipeline.extensions import parse_size
 from vllm_omni.diffusion.weights import pipeline_components
 from vllm_omni.engine import profiler  # noqa: F401 - its handlers of start_profile and stop_profile (EngineCore.call)
 from vllm_omni.errors import RequestFailedError

@@ -1,0 +1,1 @@
+"""The pipeline call: the runner and the extensions around it."""
