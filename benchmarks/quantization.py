@@ -125,7 +125,7 @@ def denoiser_memory(omni, model: str) -> dict:
     import torch
 
     from vllm_omni.diffusion.features.quantization import parameter_bytes
-    from vllm_omni.diffusion.pipeline.runner import loaded_denoisers
+    from vllm_omni.diffusion.pipeline.components import loaded_denoisers
 
     runner = omni.engine.stages[0].replicas[0].engine.runner
     denoisers = [getattr(runner.pipeline, name) for name in loaded_denoisers(runner.pipeline)]

@@ -171,27 +171,10 @@ def single_file_folder(source: ModelSource, path: str | None = None) -> str:
     pipeline when the file holds one (SD, SDXL, SD3 files hold their VAE), else the repo's pipeline with the file as
     its denoiser; a GGUF file stays as it is, linked from the denoiser's subfolder."""
     import diffusers
-    import torch
-    from diffusers.loaders.single_file_utils import (
-        DIFFUSERS_DEFAULT_PIPELINE_PATHS,
-        LDM_VAE_KEYS,
-        infer_diffusers_model_type,
-        load_single_file_checkpoint,
-    )
+    from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
 
     path = path or source.model
-    if path.endswith(GGUF_SUFFIX):  # the denoiser alone; ModelSource asked for its base (--model-config)
-        try:
-            check_gguf_file(path)
-        except GgufError as exc:
-            raise ModelSourceError(f"model {source.model!r}: {exc}") from exc
-        model_type, whole, dtype = "GGUF", False, None
-    else:
-        checkpoint = load_single_file_checkpoint(path, local_files_only=True)
-        model_type = infer_diffusers_model_type(checkpoint)
-        whole = any(key.startswith(tuple(LDM_VAE_KEYS)) for key in checkpoint)
-        dtype = next((t.dtype for t in checkpoint.values() if torch.is_floating_point(t)), torch.float32)
-        del checkpoint  # from_single_file reads the file again; a large one should not be held twice
+    model_type, whole, dtype = _inspect_checkpoint(source, path)
     base = source.model_config
     if base is None:
         if model_type not in DIFFUSERS_DEFAULT_PIPELINE_PATHS:
@@ -226,7 +209,36 @@ def single_file_folder(source: ModelSource, path: str | None = None) -> str:
     if os.path.isfile(os.path.join(folder, "model_index.json")):
         logger.info("Single-file checkpoint %s: using its diffusers folder %s", source.model, folder)
         return folder
+    return _convert_once(source, path, base_folder, whole, dtype, folder)
 
+
+def _inspect_checkpoint(source: ModelSource, path: str) -> tuple[str, bool, Any]:
+    """What a single-file checkpoint is: the model type diffusers infers (``GGUF`` for a GGUF file, checked), whether
+    it holds the whole pipeline (its VAE's keys), and the dtype of its weights (``None`` for a GGUF file)."""
+    import torch
+    from diffusers.loaders.single_file_utils import (
+        LDM_VAE_KEYS,
+        infer_diffusers_model_type,
+        load_single_file_checkpoint,
+    )
+
+    if path.endswith(GGUF_SUFFIX):  # the denoiser alone; ModelSource asked for its base (--model-config)
+        try:
+            check_gguf_file(path)
+        except GgufError as exc:
+            raise ModelSourceError(f"model {source.model!r}: {exc}") from exc
+        return "GGUF", False, None
+    checkpoint = load_single_file_checkpoint(path, local_files_only=True)
+    model_type = infer_diffusers_model_type(checkpoint)
+    whole = any(key.startswith(tuple(LDM_VAE_KEYS)) for key in checkpoint)
+    dtype = next((t.dtype for t in checkpoint.values() if torch.is_floating_point(t)), torch.float32)
+    del checkpoint  # from_single_file reads the file again; a large one should not be held twice
+    return model_type, whole, dtype
+
+
+def _convert_once(source: ModelSource, path: str, base_folder: str, whole: bool, dtype: Any, folder: str) -> str:
+    """``folder``, converted from the checkpoint into a partial folder of this process and moved into place (one
+    that another process converted meanwhile is kept)."""
     partial = f"{folder}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)

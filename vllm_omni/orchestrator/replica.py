@@ -25,7 +25,7 @@ from vllm_omni.diffusion.engine.core import EngineCore
 from vllm_omni.diffusion.engine.modes import make_engine
 from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.diffusion.features.weights import pipeline_components
-from vllm_omni.diffusion.pipeline.runner import parse_size
+from vllm_omni.diffusion.pipeline.extensions import parse_size
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.logger import init_logger
 from vllm_omni.orchestrator import profiler  # noqa: F401 - its handlers of start_profile and stop_profile (EngineCore.call)

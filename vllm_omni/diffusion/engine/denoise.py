@@ -5,13 +5,13 @@ request's failure, or running out of memory, does not fail its neighbours) and t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from vllm_omni.diffusion.engine.request import DiffusionRequest
 from vllm_omni.diffusion.features.previews import Previews, clean_latents
-from vllm_omni.diffusion.pipeline import timings
 from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
@@ -61,14 +61,16 @@ def denoise_step(
     requests: list[DiffusionRequest],
     stepper: Stepper,
     on_oom_split: Callable[[], None],
-    previews: Previews | None = None,
+    previews: Previews | None,
+    around_step: Callable[[list[DiffusionRequest]], AbstractContextManager[None]],
 ) -> list[tuple[DiffusionRequest, BaseException]]:
     """One denoising step for every request: one denoiser forward over all their rows (a failure there is isolated
     to its request), then each request moves one step along its own schedule, then the previews due after this step
-    (from the predictions). Returns the requests that failed, with why; a failed scheduler update fails every
-    request it held, whose state it may have changed."""
+    (from the predictions). ``around_step``: the stage's extensions around the step (`Extensions.around_step`: the
+    timings'). Returns the requests that failed, with why; a failed scheduler update fails every request it held,
+    whose state it may have changed."""
     with torch.inference_mode():
-        with timings.step(requests):
+        with around_step(requests):
             predictions = run_isolated(
                 lambda batch: stepper.predict([r.state for r in batch]),
                 requests,

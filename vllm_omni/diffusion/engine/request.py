@@ -129,3 +129,31 @@ class DiffusionRequest:
             payload=payload,
             on_preview=on_preview,
         )
+
+
+@dataclass(eq=False)
+class PipelineCall:
+    """One request-mode pipeline call of a batch, as `DiffusionRunner.run` built it: what each extension around
+    the call reads, and the little it may change (`invoke`, `callback`; `vllm_omni.diffusion.pipeline.extensions`)."""
+
+    batch: list[DiffusionRequest]
+    pipeline: Any
+    """The pipeline called: the loaded one, or an image variant built on its components."""
+    variant: bool
+    """Whether ``pipeline`` is an image variant (`ModelCard.variants`), not the loaded pipeline."""
+    kwargs: dict[str, Any]
+    """The call's arguments."""
+    config: dict[str, Any]
+    """The batch's pipeline config (`ModelCard.config_args`), set for this call only."""
+    scheduler_overrides: dict[str, Any]
+    """The batch's noise-scheduler settings (`ModelCard.scheduler_overrides`), on a scheduler of its own."""
+    rows: int
+    """Prompt rows per request (text encoders' rows): 1, or ``n`` where each output has its own input image."""
+    n: int
+    """Outputs per request (the denoiser's latent rows)."""
+    previews: Any = None
+    """The stage's `previews.Previews`, which makes the partial images its requests ask for; ``None``: none."""
+    invoke: Callable[..., Any] | None = None
+    """What runs the call with ``kwargs`` (the ranks' group replaces the pipeline); ``None``: the pipeline."""
+    callback: bool = True
+    """Whether the call may take the runner's step callback (the ranks call none)."""

@@ -27,6 +27,7 @@ class RequestEngine(EngineCore):
 
     def __init__(self, od_config: OmniDiffusionConfig, role: type[StageRole]):
         super().__init__(od_config, BatchScheduler(od_config), role)
+        self.scheduler.on_schedule = self._started
 
     @property
     def has_unfinished(self) -> bool:
@@ -34,11 +35,23 @@ class RequestEngine(EngineCore):
         return False
 
     def step(self, timeout: float | None = None) -> int:
-        """Run at most one batch; returns how many requests it held (0 if none was due in ``timeout``)."""
+        """Run at most one batch: schedule, run, finish; returns how many requests it held (0 if none was due in
+        ``timeout``)."""
         self.scheduler.run_calls()
-        batch = self.scheduler.schedule(timeout)
+        batch = self.scheduler.schedule(timeout)  # observed by `_started`
         if not batch:
             return 0
+        outputs = run_isolated(
+            self._run, batch, what="request", name=lambda r: r.request_id, on_oom_split=self._on_oom_split
+        )
+        group = self.runner.group
+        if group is not None and group.lost is not None:  # the replica is down: its loop ends, failing the batch
+            raise RuntimeError(group.lost)
+        self.scheduler.finish(batch, outputs)
+        return len(batch)
+
+    def _started(self, batch: list[DiffusionRequest]) -> None:
+        """The scheduler's observer: a batch starts now; each request's queue time, and the admission decision."""
         started = time.monotonic()
         logger.debug(  # the batch scheduler's admission decision, as the report in docs/observability.md reads it
             "admission wait done waiting=%d max_batch=%d batch=%d waited_ms=%.1f",
@@ -48,14 +61,6 @@ class RequestEngine(EngineCore):
         for request in batch:
             request.started_time = started
             self.metrics.queue_time.observe(started - request.arrival_time)
-        outputs = run_isolated(
-            self._run, batch, what="request", name=lambda r: r.request_id, on_oom_split=self._on_oom_split
-        )
-        group = self.runner.group
-        if group is not None and group.lost is not None:  # the replica is down: its loop ends, failing the batch
-            raise RuntimeError(group.lost)
-        self.scheduler.finish(batch, outputs)
-        return len(batch)
 
     def _run(self, batch: list[DiffusionRequest]) -> list:
         """One call of the role for ``batch`` (all of a scheduled batch, or part of one that failed)."""

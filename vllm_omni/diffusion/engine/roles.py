@@ -137,7 +137,8 @@ class StageRole:
             pending = [r for r in batch if id(r) not in failed and not r.state.done]
             if not pending:
                 break
-            for request, error in denoise_step(pending, self.stepping, self.on_oom_split, self.previews):
+            around_step = self.runner.extensions.around_step
+            for request, error in denoise_step(pending, self.stepping, self.on_oom_split, self.previews, around_step):
                 failed[id(request)] = error
         finished = [r for r in batch if id(r) not in failed]
         results = iter(self.end(finished) if finished else [])

@@ -65,6 +65,9 @@ class BatchScheduler:
         self._closed = False
         self.paused = False
         """Whether the engine sleeps: no request starts until `pause` (False)."""
+        self.on_schedule: Callable[[list[DiffusionRequest]], None] | None = None
+        """Told of each batch `schedule` starts (step mode: each step's, `StepBatchScheduler.plan`), before it runs:
+        the engine's metrics observe the scheduler there."""
 
     def call(self, fn: Callable[[], Any], *, drain: bool = False) -> Future:
         """Run ``fn`` on the engine's thread at the next batch or step boundary; the future holds its result.
@@ -172,7 +175,14 @@ class BatchScheduler:
         return len(self._running)
 
     def schedule(self, timeout: float | None = None) -> list[DiffusionRequest]:
-        """Block until a batch is due and return it; ``[]`` after ``timeout`` seconds or on `close`."""
+        """Block until a batch is due and return it (telling `on_schedule`); ``[]`` after ``timeout`` seconds or on
+        `close`."""
+        batch = self._next_batch(timeout)
+        if batch and self.on_schedule is not None:
+            self.on_schedule(batch)
+        return batch
+
+    def _next_batch(self, timeout: float | None) -> list[DiffusionRequest]:
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not self._closed:
@@ -308,10 +318,17 @@ class StepBatchScheduler(BatchScheduler):
             return bool(self._running or self._finishing)
 
     def plan(self, timeout: float | None = None) -> StepPlan:
-        """Block until there is work (an encode to start, a batch to step, an abort) and return it.
+        """Block until there is work (an encode to start, a batch to step, an abort) and return it (telling
+        `on_schedule` of the batch it steps).
 
         With requests running it never blocks: the running batch is stepped at once.
         """
+        plan = self._next_plan(timeout)
+        if plan.batch and self.on_schedule is not None:
+            self.on_schedule(plan.batch)
+        return plan
+
+    def _next_plan(self, timeout: float | None) -> StepPlan:
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:

@@ -45,6 +45,7 @@ class StepEngine(EngineCore):
     def __init__(self, od_config: OmniDiffusionConfig, role: type[StageRole], *, side_workers: bool | None = None):
         """``side_workers``: encode and decode on worker threads beside the loop; ``None``: on CUDA only."""
         super().__init__(od_config, StepBatchScheduler(od_config), role)
+        self.scheduler.on_schedule = self._stepping
         if side_workers is None:
             side_workers = self.runner.device.type == "cuda"
         stage = od_config.stage.stage_id
@@ -57,25 +58,45 @@ class StepEngine(EngineCore):
         return self.scheduler.has_unfinished
 
     def step(self, timeout: float | None = None) -> int:
-        """One step boundary and one forward; returns how many requests it stepped (0 if none in ``timeout``)."""
+        """One step boundary: schedule (start the encodes the plan asks for, drop aborted requests), run one forward
+        over the running requests, finish those done (to the decoder); returns how many requests it stepped (0 if
+        none in ``timeout``)."""
+        batch = self._schedule(timeout)  # observed by `_stepping`
+        if batch:
+            self._run(batch)
+            self._retire(batch)
+        return len(batch)
+
+    def _schedule(self, timeout: float | None) -> list[DiffusionRequest]:
+        """The requests to step now, once the calls due have run, the encodes of those that join have started and
+        the aborted ones have been dropped."""
         self.scheduler.run_calls()
         plan = self.scheduler.plan(timeout)
         for request in plan.to_prepare:
             _run_on(self._encoder, self._begin, request)
         for request in plan.dropped:
             self.scheduler.complete(request, RequestAbortedError(request.request_id))
-        batch = plan.batch
-        if not batch:
-            return 0
+        return plan.batch
+
+    def _stepping(self, batch: list[DiffusionRequest]) -> None:
+        """The scheduler's observer: a step of ``batch`` is about to run."""
         self.metrics.batch_num_requests.observe(len(batch))
+
+    def _run(self, batch: list[DiffusionRequest]) -> None:
+        """One denoising step of ``batch`` (`denoise_step`, inside the extensions' `Extensions.around_step`)."""
         with self.metrics.batch_execution_time.time(), self.timer.recording(batch):
-            for request, error in denoise_step(batch, self.role.stepping, self._on_oom_split, self.role.previews):
+            around_step = self.runner.extensions.around_step
+            for request, error in denoise_step(
+                batch, self.role.stepping, self._on_oom_split, self.role.previews, around_step
+            ):
                 self.scheduler.complete(request, error)
+
+    def _retire(self, batch: list[DiffusionRequest]) -> None:
+        """Hand the requests of ``batch`` whose denoising is done to the decoder."""
         done = [request for request in batch if request.state is not None and request.state.done]
         if done:
             self.scheduler.retire(done)
             _run_on(self._decoder, self._finish, done)
-        return len(batch)
 
     def _begin(self, request: DiffusionRequest) -> None:
         """The request's denoising state from its role (on the encode worker, where there is one)."""

@@ -206,51 +206,7 @@ class ModelCard:
         asked (more outputs than it makes, a size it cannot make, an image it lacks, a video from an image model)
         is refused."""
         name = self.pipeline_name
-        if params.negative_prompt is not None and "negative_prompt" not in self.call_args:
-            params = _drop(params, ignored, "negative_prompt", f"negative_prompt is not accepted by {name}")
-        if params.guidance_scale is not None and "guidance_scale" not in self.call_args:
-            params = _drop(params, ignored, "guidance_scale", f"guidance_scale is not accepted by {name}")
-        if params.guidance_scale is not None and self.ignores_guidance_scale:
-            why = f"guidance_scale does nothing on this {name}: its transformer has no guidance embedding (a timestep-"
-            why += "distilled model such as FLUX.1-schnell); guide it with true_cfg_scale and a negative_prompt"
-            params = _drop(params, ignored, "guidance_scale", why)
-        if params.num_outputs_per_prompt > 1 and self.outputs_arg is None:
-            raise SamplingParamsError(
-                "num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}"
-            )
-        if "boundary_ratio" not in self.config_args:
-            for arg in [arg for arg in TWO_EXPERT_ARGS if arg in params.extra_args]:
-                params = _drop(
-                    params,
-                    ignored,
-                    f"extra_args.{arg}",
-                    f"{arg} applies to two-expert Wan 2.2 folders (a transformer_2 and a boundary_ratio in "
-                    f"model_index.json); this {name} has one expert",
-                )
-        if "flow_shift" in params.extra_args and self.flow_shift_key is None:
-            params = _drop(
-                params,
-                ignored,
-                "extra_args.flow_shift",
-                f"flow_shift applies to flow-matching schedulers with a fixed shift; this {name}'s scheduler "
-                + (
-                    "shifts by image size (use_dynamic_shifting)"
-                    if self.flow_matching
-                    else "is not a flow-matching one"
-                ),
-            )
-        # true_cfg_scale is a field of every Images and Videos request, not a key of some pipelines' own: one
-        # without true classifier-free guidance has nothing to apply it to.
-        if "true_cfg_scale" in params.extra_args and "true_cfg_scale" not in self.call_args:
-            params = _drop(
-                params,
-                ignored,
-                "extra_args.true_cfg_scale",
-                f"true_cfg_scale applies to pipelines with true classifier-free guidance (Flux, Qwen-Image); {name} "
-                "guides with guidance_scale",
-            )
-        if params.strength is not None and not self.noises_its_image:
-            params = _drop(params, ignored, "strength", f"strength is not accepted by {name}: it noises no input image")
+        params = self._drop_unused(params, ignored)
         if "max_sequence_length" in params.extra_args:
             params = self._check_sequence_length(params, ignored)
         for arg in params.extra_args:
@@ -296,6 +252,59 @@ class ModelCard:
                 else self.call_defaults.get("guidance_scale"),
             }
         )
+
+    def _drop_unused(
+        self, params: OmniDiffusionSamplingParams, ignored: list[IgnoredField]
+    ) -> OmniDiffusionSamplingParams:
+        """``params`` without the fields that tune something this pipeline does not have, each dropped into
+        ``ignored`` (`_complete`); more outputs per prompt than it makes are refused."""
+        name = self.pipeline_name
+        if params.negative_prompt is not None and "negative_prompt" not in self.call_args:
+            params = _drop(params, ignored, "negative_prompt", f"negative_prompt is not accepted by {name}")
+        if params.guidance_scale is not None and "guidance_scale" not in self.call_args:
+            params = _drop(params, ignored, "guidance_scale", f"guidance_scale is not accepted by {name}")
+        if params.guidance_scale is not None and self.ignores_guidance_scale:
+            why = f"guidance_scale does nothing on this {name}: its transformer has no guidance embedding (a timestep-"
+            why += "distilled model such as FLUX.1-schnell); guide it with true_cfg_scale and a negative_prompt"
+            params = _drop(params, ignored, "guidance_scale", why)
+        if params.num_outputs_per_prompt > 1 and self.outputs_arg is None:
+            raise SamplingParamsError(
+                "num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}"
+            )
+        if "boundary_ratio" not in self.config_args:
+            for arg in [arg for arg in TWO_EXPERT_ARGS if arg in params.extra_args]:
+                params = _drop(
+                    params,
+                    ignored,
+                    f"extra_args.{arg}",
+                    f"{arg} applies to two-expert Wan 2.2 folders (a transformer_2 and a boundary_ratio in "
+                    f"model_index.json); this {name} has one expert",
+                )
+        if "flow_shift" in params.extra_args and self.flow_shift_key is None:
+            params = _drop(
+                params,
+                ignored,
+                "extra_args.flow_shift",
+                f"flow_shift applies to flow-matching schedulers with a fixed shift; this {name}'s scheduler "
+                + (
+                    "shifts by image size (use_dynamic_shifting)"
+                    if self.flow_matching
+                    else "is not a flow-matching one"
+                ),
+            )
+        # true_cfg_scale is a field of every Images and Videos request, not a key of some pipelines' own: one
+        # without true classifier-free guidance has nothing to apply it to.
+        if "true_cfg_scale" in params.extra_args and "true_cfg_scale" not in self.call_args:
+            params = _drop(
+                params,
+                ignored,
+                "extra_args.true_cfg_scale",
+                f"true_cfg_scale applies to pipelines with true classifier-free guidance (Flux, Qwen-Image); {name} "
+                "guides with guidance_scale",
+            )
+        if params.strength is not None and not self.noises_its_image:
+            params = _drop(params, ignored, "strength", f"strength is not accepted by {name}: it noises no input image")
+        return params
 
     def _check_sequence_length(
         self, params: OmniDiffusionSamplingParams, ignored: list[IgnoredField]

@@ -8,19 +8,23 @@ those of the knobs alone are `vllm_omni.config.quantization`'s.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.config import StageDeployConfig
+from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.config.resolver import knob_as_written
 from vllm_omni.diffusion.features.gguf import gguf_components
 from vllm_omni.diffusion.pipeline.components import DENOISERS
 from vllm_omni.errors import WeightUpdateError
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
 
 STORAGE_DTYPE = torch.float8_e4m3fn
 """What ``fp8_storage`` stores weights in."""
@@ -251,6 +255,33 @@ class QuantizationPlan:
                 f"{component} runs quantized ({self.quantized[component]}), and an update copies full-precision "
                 f"weights: serve it unquantized (quantize_components without it) or with fp8_storage to update it",
             )
+
+
+class QuantizationExtension:
+    """``quantization`` as an extension (`vllm_omni.diffusion.pipeline.extensions`): its plan is made before the
+    pipeline loads (`load_pipeline` loads with it), and it refuses sleep level 2 and weight updates of what the
+    model's files cannot give back (`QuantizationPlan.check_sleep`, `QuantizationPlan.check_update`)."""
+
+    name = "quantization"
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
+        self.plan = QuantizationPlan.of(od_config.model, od_config.stage, device, dtype, skips)
+        """What the stage holds quantized (``quantization``, or a folder saved quantized)."""
+
+    def on_load(self, pipeline: Any, variant: bool) -> None:
+        pass  # the pipeline loaded with the plan
+
+    def around_call(self, call: PipelineCall) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def refuse(self, verb: str, argument: Any) -> None:
+        if verb == "sleep":
+            self.plan.check_sleep(argument)
+        elif verb == "update_weights":
+            self.plan.check_update(argument)
 
 
 def _read_config(model: str, name: str) -> dict[str, Any]:

@@ -253,9 +253,7 @@ def sleep(core, level: int = 1) -> Future:
     """Sleep at ``level`` (`PipelineSleep`) once the requests in progress have finished: from then on no request
     starts (those that arrive wait) until `wake_up`; calls still run. The future is done once it sleeps."""
     check_level(level, core.od_config.stage.cpu_offload, core.od_config.stage.quantization)
-    if core.runner.group is not None:
-        raise ValueError("sleep: a replica of several ranks (the stage's parallel degrees) cannot sleep yet")
-    core.runner.quantization.check_sleep(level)
+    core.runner.refuse("sleep", level)  # the extensions' refusals: a replica of ranks, quantized weights
     return core.scheduler.call(lambda: _sleep(core, level), drain=True)
 
 

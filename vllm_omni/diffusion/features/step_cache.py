@@ -26,14 +26,19 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import StateManager
 from diffusers.models.cache_utils import CacheMixin
 
-from vllm_omni.config.cache import cache_hook_config
+from vllm_omni.config.cache import WHOLE_CALL_BACKENDS, cache_hook_config
+from vllm_omni.diffusion.pipeline.components import loaded_denoisers
+
+if TYPE_CHECKING:
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
 
 _SPLIT_HOOK = "vllm_omni_request_split"
 
@@ -255,6 +260,41 @@ class CallCache(_SkipCount):
         self._calls.update(expected=0, ran=0)
         yield
         self._count_skips(self._calls["expected"] - self._calls["ran"])
+
+
+class StepCacheExtension:
+    """The step cache (``cache_backend``) as an extension (`vllm_omni.diffusion.pipeline.extensions`): put on the
+    denoisers when the pipeline loads, and each request's own cache state around a request-mode call (step mode's
+    stepper hands each request's state to its forward)."""
+
+    name = "step_cache"
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
+        self.stage = od_config.stage
+        self.cache: StepCache | CallCache | None = None
+        """The step cache on the denoisers: diffusers' hooks run per request, or cache-dit per call of one request;
+        ``None``: no step cache."""
+
+    def on_load(self, pipeline: Any, variant: bool) -> None:
+        if variant or self.stage.cache_backend == "none":  # a variant shares the hooked denoisers
+            return
+        denoisers = [getattr(pipeline, name) for name in loaded_denoisers(pipeline)]
+        if self.stage.cache_backend in WHOLE_CALL_BACKENDS:
+            self.cache = CallCache(denoisers, self.stage.cache_config)
+        else:
+            self.cache = StepCache(pipeline, denoisers, self.stage.cache_backend, self.stage.cache_config)
+
+    def around_call(self, call: PipelineCall) -> contextlib.AbstractContextManager[None]:
+        if self.cache is None:
+            return contextlib.nullcontext()
+        caches = [RequestCache(enabled=r.params.cache, steps=r.params.num_inference_steps) for r in call.batch]
+        return self.cache.rows([cache for cache in caches for _ in range(call.n)])
+
+    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the stepper hands each request's state to its forward
+
+    def refuse(self, verb: str, argument: Any) -> None:
+        pass
 
 
 class _RequestSplit(ModelHook):

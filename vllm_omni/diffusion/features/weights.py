@@ -265,16 +265,12 @@ def update_weights_from_distributed(core, names_dtypes_shapes: list, component: 
 
 
 def _apply(core, weights: dict, component: str) -> WeightsApplied:
-    if core.runner.group is not None:
-        raise WeightUpdateError(
-            None, "a replica of several ranks (the stage's parallel degrees) cannot update weights yet"
-        )
+    core.runner.refuse("update_weights", component)  # the extensions': a replica of ranks, quantized weights
     if core.od_config.stage.cpu_offload == "sequential":
         raise WeightUpdateError(
             None, "cpu_offload='sequential' keeps the weights in accelerate's hooks: serve with 'model' or 'none'"
         )
     module = component_of(core.runner.pipeline, component)
-    core.runner.quantization.check_update(component)
     # A dropped weight comes back where its component's weights are now: in CPU memory while they sleep.
     home = "cpu" if "weights" in core.sleeper.asleep else core.sleeper.home
     complete = apply_weights(module, weights, component, home)

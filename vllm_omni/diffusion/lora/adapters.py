@@ -24,7 +24,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,10 @@ from vllm_omni.diffusion.lora.tensors import TENSOR_SOURCE, LoraTensors, adapter
 from vllm_omni.diffusion.pipeline.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.logger import init_logger
 from vllm_omni.sampling_params import LoraSelection
+
+if TYPE_CHECKING:
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
 
 logger = init_logger(__name__)
 
@@ -339,6 +343,51 @@ class _RowPlan:
             )
             for name, rows in picks.items()
         ]
+
+
+class LoraExtension:
+    """LoRA as an extension (`vllm_omni.diffusion.pipeline.extensions`): the stage's adapters, made and loaded
+    (``lora_modules``) when the pipeline loads, and each row's adapters around a request-mode call (step mode's
+    stepper applies them around each forward)."""
+
+    name = "lora"
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
+        self.stage = od_config.stage
+        self.dtype = dtype
+        self.adapters: LoraAdapters | None = None
+        """The LoRA adapters resident in the pipeline; ``None`` when the stage serves none."""
+
+    def on_load(self, pipeline: Any, variant: bool) -> None:
+        if variant or not self.stage.lora_enabled:  # a variant shares the loaded pipeline's modules and adapters
+            return
+        self.adapters = LoraAdapters(pipeline, self.stage.max_loras, self.stage.max_lora_rank, self.dtype)
+        for module in self.stage.lora_modules:  # each is checked now; the last max_loras stay resident
+            self.adapters.load(module.name, module.path)
+
+    def load_adapters(self, requests: Iterable[DiffusionRequest], keep: Iterable[str] = ()) -> None:
+        """Make the adapters of ``requests`` resident, evicting only adapters outside ``keep`` (those of the
+        requests in flight) and theirs."""
+        wanted = {s.name: s.path for request in requests for s in request.params.lora}
+        if wanted:
+            assert self.adapters is not None, "requests name adapters only where the stage serves them"
+            protected = set(keep) | set(wanted)
+            for name, path in wanted.items():
+                assert path is not None, "the engine sets an adapter's path when it admits the request"
+                self.adapters.load(name, path, protected)
+
+    def around_call(self, call: PipelineCall) -> contextlib.AbstractContextManager[None]:
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        # the prompt rows of the text encoders, the latent rows of the denoiser
+        text = [r.params.lora for r in call.batch for _ in range(call.rows)]
+        return self.adapters.rows(text=text, denoiser=[r.params.lora for r in call.batch for _ in range(call.n)])
+
+    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the stepper applies each row's adapters around its forward
+
+    def refuse(self, verb: str, argument: Any) -> None:
+        pass
 
 
 @handler("load_lora")

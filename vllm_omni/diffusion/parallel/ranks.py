@@ -22,7 +22,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,11 +30,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from vllm_omni.config.parallel import PARALLEL_KNOBS
 from vllm_omni.diffusion.families.model_card import ModelCard
+from vllm_omni.diffusion.features.sde import SdeSettings
 from vllm_omni.diffusion.parallel.cfg import enable_cfg_parallel
 from vllm_omni.diffusion.parallel.vae_patch import enable_vae_patch_parallel
 from vllm_omni.diffusion.pipeline.components import loaded_denoisers
-from vllm_omni.errors import SamplingParamsError
+from vllm_omni.errors import SamplingParamsError, WeightUpdateError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+if TYPE_CHECKING:
+    from vllm_omni.config import OmniDiffusionConfig
+    from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
 
 
 @contextlib.contextmanager
@@ -210,6 +215,22 @@ def check_not_bootstrapping() -> None:
         os._exit(MAIN_REIMPORTED)
 
 
+def _check_degrees(cfg: int, ulysses: int, ring: int, vae_patch: int, dtype: torch.dtype) -> None:
+    """What a group of these degrees cannot run here, refused before any rank starts."""
+    if ring > 1 and not torch.cuda.is_available():
+        raise ValueError(
+            "ring_degree needs an attention backend that returns the log-sum-exp of its blocks, and none of "
+            "diffusers' runs on the CPU (its native one refuses return_lse): use ulysses_degree on the CPU"
+        )
+    if ring > 1 and dtype == torch.float32:
+        raise ValueError(
+            f"ring_degree runs on diffusers' {RING_BACKEND} attention, which takes bfloat16 or float16: set "
+            "dtype to one of them, or use ulysses_degree"
+        )
+    if vae_patch > 1 and cfg * ulysses * ring > 1:
+        raise ValueError("vae_patch_parallel_size with another parallel degree is not run yet")
+
+
 class RankGroup:
     """One replica's ranks: the product of the degrees, one process each, each with the pipeline of ``model`` loaded
     at ``dtype`` and its denoisers (or its VAE decode) split over the group. `call` runs one pipeline call on all of
@@ -231,18 +252,7 @@ class RankGroup:
         trust_remote_code: bool = False,
     ):
         check_not_bootstrapping()
-        if ring_degree > 1 and not torch.cuda.is_available():
-            raise ValueError(
-                "ring_degree needs an attention backend that returns the log-sum-exp of its blocks, and none of "
-                "diffusers' runs on the CPU (its native one refuses return_lse): use ulysses_degree on the CPU"
-            )
-        if ring_degree > 1 and dtype == torch.float32:
-            raise ValueError(
-                f"ring_degree runs on diffusers' {RING_BACKEND} attention, which takes bfloat16 or float16: set "
-                "dtype to one of them, or use ulysses_degree"
-            )
-        if vae_patch_parallel_size > 1 and cfg_parallel_size * ulysses_degree * ring_degree > 1:
-            raise ValueError("vae_patch_parallel_size with another parallel degree is not run yet")
+        _check_degrees(cfg_parallel_size, ulysses_degree, ring_degree, vae_patch_parallel_size, dtype)
         self.world = math.prod((cfg_parallel_size, ulysses_degree, ring_degree, vae_patch_parallel_size))
         self.timeout_s = timeout_s
         self.lost: str | None = None
@@ -347,3 +357,40 @@ class RankGroup:
             if process.exitcode is None:
                 process.kill()
                 process.join()
+
+
+class RanksExtension:
+    """A replica of several ranks as an extension (`vllm_omni.diffusion.pipeline.extensions`): its `RankGroup`
+    starts before the pipeline loads (which then stays in CPU memory, answering for the model), and runs each
+    request-mode call with no step callback, after refusing what the ranks do not run (`check_on_ranks`); it refuses
+    sleep and weight updates. ``group`` is ``None`` when the stage's degrees make one rank."""
+
+    name = "ranks"
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
+        self.group = RankGroup.of_stage(od_config, dtype)
+        """The replica's ranks when the stage's parallel degrees ask for several; ``None``: the call runs here."""
+
+    def on_load(self, pipeline: Any, variant: bool) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def around_call(self, call: PipelineCall) -> Iterator[None]:
+        if self.group is not None:
+            sde = [SdeSettings.of(request.params) for request in call.batch]
+            check_on_ranks(call.batch, call.variant, call.config, call.scheduler_overrides, sde)
+            call.invoke, call.callback = self.group.call, False  # the ranks call no callback
+        yield None
+
+    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def refuse(self, verb: str, argument: Any) -> None:
+        if self.group is None:
+            return
+        if verb == "sleep":
+            raise ValueError("sleep: a replica of several ranks (the stage's parallel degrees) cannot sleep yet")
+        if verb == "update_weights":
+            raise WeightUpdateError(
+                None, "a replica of several ranks (the stage's parallel degrees) cannot update weights yet"
+            )

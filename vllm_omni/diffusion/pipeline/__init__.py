@@ -1,1 +1,2 @@
-"""A loaded diffusers pipeline: loading and running it, its components, inputs, timings, output checks."""
+"""The pipeline call: loading a diffusers pipeline, the runner, the extensions around its call, its components,
+inputs, timings and output checks."""

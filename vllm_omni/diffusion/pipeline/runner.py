@@ -6,28 +6,24 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
-from vllm_omni.config.cache import WHOLE_CALL_BACKENDS
-from vllm_omni.diffusion.engine.request import DiffusionRequest
+from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
 from vllm_omni.diffusion.families.model_card import ENGINE_ARGS, ModelCard
 from vllm_omni.diffusion.families.steppers.base import fresh_noise_scheduler
 from vllm_omni.diffusion.features.gguf import gguf_components, load_gguf_component
 from vllm_omni.diffusion.features.previews import Previews
-from vllm_omni.diffusion.features.quantization import QuantizationPlan
-from vllm_omni.diffusion.features.sde import sde_sampling
-from vllm_omni.diffusion.features.step_cache import CallCache, RequestCache, StepCache
-from vllm_omni.diffusion.lora.adapters import LoraAdapters
-from vllm_omni.diffusion.parallel.ranks import RankGroup, check_on_ranks
-from vllm_omni.diffusion.pipeline.components import loaded_denoisers
-from vllm_omni.diffusion.pipeline.finite import watch_outputs
+from vllm_omni.diffusion.features.quantization import QuantizationExtension, QuantizationPlan
+from vllm_omni.diffusion.features.step_cache import CallCache, StepCache, StepCacheExtension
+from vllm_omni.diffusion.lora.adapters import LoraAdapters, LoraExtension
+from vllm_omni.diffusion.parallel.ranks import RanksExtension
+from vllm_omni.diffusion.pipeline.extensions import CompileExtension, Extensions, StepHook
 from vllm_omni.diffusion.pipeline.image_inputs import fitted_inputs
-from vllm_omni.diffusion.pipeline.timings import install as install_timings
-from vllm_omni.diffusion.pipeline.timings import pipeline_call, step_end
+from vllm_omni.diffusion.pipeline.timings import TimingsExtension
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -129,127 +125,93 @@ def set_vae_memory(pipeline, tiling: bool, slicing: bool) -> None:
         getattr(vae, method)()
 
 
-def parse_size(size: str) -> tuple[int, int, int | None]:
-    """``WxH`` or ``WxHxF`` (a `compile_sizes` entry) as ``(width, height, frames)``."""
-    width, height, *frames = map(int, size.split("x"))
-    return width, height, frames[0] if frames else None
-
-
-def compile_denoisers(pipeline, mode: str) -> list[str]:
-    """torch.compile the pipeline's denoisers in place (``regional``: diffusers' ``compile_repeated_blocks``);
-    returns their names. Compilation itself happens on the first forward of each shape."""
-    names = loaded_denoisers(pipeline)
-    for name in names:
-        module = getattr(pipeline, name)
-        if mode == "full":
-            module.compile()
-        elif not getattr(module, "_repeated_blocks", None):
-            raise ValueError(
-                f"compile='regional': {type(module).__name__} lists no repeated blocks for diffusers' "
-                "compile_repeated_blocks; use compile 'full'"
-            )
-        else:
-            module.compile_repeated_blocks()
-    return names
-
-
 class DiffusionRunner:
-    """A loaded pipeline, its parameter defaults and checks, and one pipeline call per batch."""
+    """A loaded pipeline, its parameter defaults and checks, and one pipeline call per batch inside the stage's
+    extensions (`vllm_omni.diffusion.pipeline.extensions`)."""
 
     def __init__(self, od_config: OmniDiffusionConfig, skips: tuple[str, ...] = ()):
         """``skips``: the components the stage does not load (its role's)."""
-        self.device = select_device(od_config.stage.devices)
-        self.dtype = select_dtype(od_config.stage.dtype, self.device)
+        stage = od_config.stage
+        self.device = select_device(stage.devices)
+        self.dtype = select_dtype(stage.dtype, self.device)
         started = time.perf_counter()
-        self.group = RankGroup.of_stage(od_config, self.dtype)
+        self.extensions = Extensions(od_config, self.device, self.dtype, skips)
+        """The features around each call, in `EXTENSIONS` order; built before the pipeline loads."""
+        self.group = self.extensions.get(RanksExtension).group
         """The replica's ranks when the stage's parallel degrees ask for several: each batch's call runs on them,
         and the pipeline here (in CPU memory) only answers for the model; ``None``: the call runs here."""
-        self.quantization = QuantizationPlan.of(od_config.model, od_config.stage, self.device, self.dtype, skips)
+        self.quantization = self.extensions.get(QuantizationExtension).plan
         """What the stage holds quantized (``quantization``, or a folder saved quantized)."""
+        device = self.device if self.group is None else torch.device("cpu")
         self.pipeline = load_pipeline(
-            od_config.model,
-            self.dtype,
-            self.device if self.group is None else torch.device("cpu"),
-            skips,
-            od_config.stage.cpu_offload,
-            self.quantization,
-            od_config.stage.trust_remote_code,
+            od_config.model, self.dtype, device, skips, stage.cpu_offload, self.quantization, stage.trust_remote_code
         )
-        set_vae_memory(self.pipeline, od_config.stage.vae_tiling, od_config.stage.vae_slicing)
-        watch_outputs(self.pipeline)  # a request whose pixels are not finite fails (`EngineCore.output`)
-        self.step_cache: StepCache | CallCache | None = None
-        """The step cache on the denoisers (``cache_backend``): diffusers' hooks run per request, or cache-dit per
-        call of one request; ``None``: no step cache."""
-        if od_config.stage.cache_backend != "none":
-            denoisers = [getattr(self.pipeline, name) for name in loaded_denoisers(self.pipeline)]
-            if od_config.stage.cache_backend in WHOLE_CALL_BACKENDS:
-                self.step_cache = CallCache(denoisers, od_config.stage.cache_config)
-            else:
-                self.step_cache = StepCache(
-                    self.pipeline, denoisers, od_config.stage.cache_backend, od_config.stage.cache_config
-                )
-        self.compiled: set[tuple[int, int, int | None]] | None = None
-        """The sizes the compiled denoiser has been asked for (warm-up ones first); ``None``: not compiled."""
-        if od_config.stage.compile != "none":
-            names = compile_denoisers(self.pipeline, od_config.stage.compile)
-            self.compiled = {parse_size(size) for size in od_config.stage.compile_sizes}
-            logger.info(
-                "Compiling %s (%s) of stage %d", ", ".join(names), od_config.stage.compile, od_config.stage.stage_id
-            )
+        set_vae_memory(self.pipeline, stage.vae_tiling, stage.vae_slicing)
+        self.extensions.on_load(self.pipeline)
         self.card = ModelCard.of(self.pipeline)
         """What admission needs of the pipeline."""
-        self.timed = od_config.stage.component_timings
-        """Whether its components are hooked for `timings.ComponentTimer` (``component_timings``)."""
-        if self.timed:
-            install_timings(self.pipeline)
         self._pipelines = {self.card.pipeline_name: self.pipeline}
         """The pipelines run so far by class name: the loaded one, and its image variants (`ModelCard.variants`)
         built on its components when a request first needs one."""
-        self.lora = (
-            LoraAdapters(self.pipeline, od_config.stage.max_loras, od_config.stage.max_lora_rank, self.dtype)
-            if od_config.stage.lora_enabled
-            else None
-        )
-        """The LoRA adapters resident in the pipeline; ``None`` when the stage serves none."""
-        for module in od_config.stage.lora_modules:  # each is checked now; the last max_loras stay resident
-            assert self.lora is not None, "adapters given enable LoRA"
-            self.lora.load(module.name, module.path)
         logger.info(
             "Loaded %s from %s on %s (%s) in %.2f s for stage %d (%s); quantized: %s",
-            self.card.pipeline_name,
-            od_config.model,
-            self.device,
-            self.dtype,
-            time.perf_counter() - started,
-            od_config.stage.stage_id,
-            od_config.stage.stage_type,
-            self.quantization.describe(),
+            *(self.card.pipeline_name, od_config.model, self.device, self.dtype, time.perf_counter() - started),
+            *(stage.stage_id, stage.stage_type, self.quantization.describe()),
         )
+
+    @property
+    def lora(self) -> LoraAdapters | None:
+        """The LoRA adapters resident in the pipeline; ``None`` when the stage serves none."""
+        return self.extensions.get(LoraExtension).adapters
+
+    @property
+    def step_cache(self) -> StepCache | CallCache | None:
+        """The step cache on the denoisers (``cache_backend``); ``None``: no step cache."""
+        return self.extensions.get(StepCacheExtension).cache
+
+    @property
+    def compiled(self) -> set[tuple[int, int, int | None]] | None:
+        """The sizes the compiled denoiser has been asked for (warm-up ones first); ``None``: not compiled."""
+        return self.extensions.get(CompileExtension).compiled
+
+    @property
+    def timed(self) -> bool:
+        """Whether its components are hooked for `timings.ComponentTimer` (``component_timings``)."""
+        return self.extensions.get(TimingsExtension).enabled
 
     def note_size(self, params) -> None:
         """Log the first request of a size the compiled denoiser was not warmed up for: it compiles on first use."""
-        if self.compiled is None:
-            return
-        size = (params.width, params.height, params.num_frames)
-        if size not in self.compiled:
-            self.compiled.add(size)
-            shown = "x".join(str(n) for n in size if n is not None)
-            logger.info("Stage compiles the denoiser for %s on first use (not in compile_sizes)", shown)
+        self.extensions.get(CompileExtension).note_size(params)
 
     def load_adapters(self, requests: Iterable[DiffusionRequest], keep: Iterable[str] = ()) -> None:
         """Make the adapters of ``requests`` resident, evicting only adapters outside ``keep`` (those of the
         requests in flight) and theirs."""
-        wanted = {s.name: s.path for request in requests for s in request.params.lora}
-        if wanted:
-            assert self.lora is not None, "requests name adapters only where the stage serves them"
-            protected = set(keep) | set(wanted)
-            for name, path in wanted.items():
-                assert path is not None, "the engine sets an adapter's path when it admits the request"
-                self.lora.load(name, path, protected)
+        self.extensions.get(LoraExtension).load_adapters(requests, keep)
+
+    def refuse(self, verb: str, argument: Any) -> None:
+        """Raise if an extension refuses control verb ``verb`` now (`Extension.refuse`)."""
+        self.extensions.refuse(verb, argument)
 
     def run(self, batch: list[DiffusionRequest], previews: Previews | None = None) -> list[list[Any]]:
         """One pipeline call for the whole batch: each request's ``num_outputs_per_prompt`` images (or videos, each
         a list of frames); raises if the call raises. ``previews`` makes the partial images its requests ask for."""
+        call = self._call(batch, previews)
+        configured = _configured(call.pipeline, call.config, call.scheduler_overrides)
+        with configured, self.extensions.around_call(call) as step_hooks:  # the call's own config, then its extensions
+            if call.callback:
+                call.kwargs["callback_on_step_end"] = self._on_step_end(batch, step_hooks)
+            result = (call.invoke or call.pipeline)(**call.kwargs)
+        # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
+        items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
+        n = call.n
+        if len(items) != len(batch) * n:
+            raise RuntimeError(
+                f"{self.card.pipeline_name} returned {len(items)} outputs for {len(batch)} x {n} requested"
+            )
+        return [items[i * n : (i + 1) * n] for i in range(len(batch))]
+
+    def _call(self, batch: list[DiffusionRequest], previews: Previews | None) -> PipelineCall:
+        """The batch's pipeline call: its pipeline, its arguments, its config and scheduler settings."""
         params = batch[0].params  # the batch key makes these equal across the batch
         card = self.card.for_task(params.task)
         n = params.num_outputs_per_prompt
@@ -257,6 +219,28 @@ class DiffusionRunner:
         # images with rows by tiling, and cannot repeat its image embeddings per prompt.
         conditioned = params.image is not None and not card.noises_its_image and card.max_images == 1
         rows = n if conditioned else 1
+        kwargs = self._arguments(card, batch, rows)
+        config = {arg: kwargs.pop(arg) for arg in card.config_args if arg in kwargs}
+        for arg in ENGINE_ARGS:  # the batch's scheduler has its flow_shift; the SDE keys are `sde_sampling`'s
+            kwargs.pop(arg, None)
+        pipeline = self._pipeline(card)
+        return PipelineCall(
+            batch=batch,
+            pipeline=pipeline,
+            variant=pipeline is not self.pipeline,
+            kwargs=kwargs,
+            config=config,
+            scheduler_overrides=card.scheduler_overrides(params),
+            rows=rows,
+            n=n,
+            previews=previews,
+            callback="callback_on_step_end" in card.call_args,
+        )
+
+    def _arguments(self, card: ModelCard, batch: list[DiffusionRequest], rows: int) -> dict[str, Any]:
+        """The pipeline's arguments for ``batch``, ``rows`` prompt rows per request."""
+        params = batch[0].params
+        n = params.num_outputs_per_prompt
         # One CPU generator per request, the same object for each of its n images: diffusers
         # draws each row's noise from its own generator, so a request's noise does not
         # depend on the batch it lands in (nor on the device).
@@ -283,36 +267,7 @@ class DiffusionRunner:
             kwargs[card.outputs_arg] = n // rows
         if params.negative_prompt is not None:
             kwargs["negative_prompt"] = [r.params.negative_prompt for r in batch for _ in range(rows)]
-        adapters: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if self.lora is not None:  # the prompt rows of the text encoders, the latent rows of the denoiser
-            text = [r.params.lora for r in batch for _ in range(rows)]
-            adapters = self.lora.rows(text=text, denoiser=[r.params.lora for r in batch for _ in range(n)])
-        cached: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if self.step_cache is not None:  # each request's own cache state, for this call only
-            caches = [RequestCache(enabled=r.params.cache, steps=r.params.num_inference_steps) for r in batch]
-            cached = self.step_cache.rows([cache for cache in caches for _ in range(n)])
-        pipeline = self._pipeline(card)
-        config = {arg: kwargs.pop(arg) for arg in card.config_args if arg in kwargs}
-        for arg in ENGINE_ARGS:  # the batch's scheduler has its flow_shift; the SDE keys are `sde_sampling`'s
-            kwargs.pop(arg, None)
-        with _configured(pipeline, config, card.scheduler_overrides(params)), sde_sampling(pipeline, batch) as sde:
-            if self.group is not None:
-                check_on_ranks(batch, pipeline is not self.pipeline, config, card.scheduler_overrides(params), sde)
-            watching = contextlib.nullcontext() if previews is None else previews.watching(pipeline.scheduler, batch)
-            with adapters, cached, watching as make_previews:
-                if "callback_on_step_end" in card.call_args and self.group is None:  # the ranks call no callback
-                    kwargs["callback_on_step_end"] = self._on_step_end(batch, make_previews)
-                with pipeline_call():
-                    result = pipeline(**kwargs) if self.group is None else self.group.call(**kwargs)
-        for request, sampler in zip(batch, sde, strict=True):
-            request.trajectory = None if sampler is None else sampler.trajectory()
-        # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
-        items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
-        if len(items) != len(batch) * n:
-            raise RuntimeError(
-                f"{self.card.pipeline_name} returned {len(items)} outputs for {len(batch)} x {n} requested"
-            )
-        return [items[i * n : (i + 1) * n] for i in range(len(batch))]
+        return kwargs
 
     def _pipeline(self, card: ModelCard):
         """The pipeline of ``card``: the loaded one, or an image variant sharing its components (no weight copied)."""
@@ -321,9 +276,7 @@ class DiffusionRunner:
 
             variant = getattr(diffusers, card.pipeline_name).from_pipe(self.pipeline)
             variant.set_progress_bar_config(disable=True)
-            watch_outputs(variant)
-            if self.timed:  # its processors are its own; its modules are hooked already
-                install_timings(variant)
+            self.extensions.on_load(variant, variant=True)
             self._pipelines[card.pipeline_name] = variant
         return self._pipelines[card.pipeline_name]
 
@@ -358,16 +311,15 @@ class DiffusionRunner:
             torch.cuda.empty_cache()
 
     @staticmethod
-    def _on_step_end(batch: list[DiffusionRequest], make_previews: Callable[[], None] | None):
-        """Track each request's progress and make the previews due; stop early once every request of the batch
-        was aborted."""
+    def _on_step_end(batch: list[DiffusionRequest], step_hooks: list[StepHook]):
+        """Track each request's progress and run the extensions' step hooks (the timings' end of the step, the
+        previews due); stop early once every request of the batch was aborted."""
 
         def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
-            step_end()
             for request in batch:
                 request.steps_done = step + 1
-            if make_previews is not None:
-                make_previews()
+            for hook in step_hooks:
+                hook()
             if all(request.aborted for request in batch):
                 pipeline._interrupt = True  # diffusers' loops skip the remaining steps
             return callback_kwargs

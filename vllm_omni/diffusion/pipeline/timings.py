@@ -26,12 +26,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from vllm_omni.diffusion.pipeline.components import DENOISERS, OUTPUT_PROCESSORS
 from vllm_omni.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm_omni.config import OmniDiffusionConfig
 
 logger = init_logger(__name__)
 
@@ -324,3 +327,31 @@ def install(pipeline) -> None:
         if processor is not None and not getattr(processor, _HOOKED, False) and hasattr(processor, method):
             setattr(processor, _HOOKED, True)
             setattr(processor, method, _timed_method("postprocess", getattr(processor, method)))
+
+
+class TimingsExtension:
+    """Component timings as an extension (`vllm_omni.diffusion.pipeline.extensions`): the hooks installed on each
+    pipeline when it loads (``component_timings``), a request-mode call's denoising loop (`pipeline_call`, whose step
+    hook `step_end` ends each step) and a step-mode step (`step`). Outside a `ComponentTimer.recording` (timings
+    off) they record nothing."""
+
+    name = "timings"
+
+    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
+        self.enabled = od_config.stage.component_timings
+        """Whether the pipeline's components are hooked for `ComponentTimer` (``component_timings``)."""
+
+    def on_load(self, pipeline: Any, variant: bool) -> None:
+        if self.enabled:  # a variant's processors are its own; its modules are hooked already
+            install(pipeline)
+
+    @contextlib.contextmanager
+    def around_call(self, call: object) -> Iterator[Callable[[], None]]:
+        with pipeline_call():
+            yield step_end
+
+    def around_step(self, requests: Sequence[Timed]) -> contextlib.AbstractContextManager[None]:
+        return step(requests)
+
+    def refuse(self, verb: str, argument: Any) -> None:
+        pass
