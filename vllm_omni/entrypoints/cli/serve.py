@@ -50,6 +50,7 @@ _USED_VLLM_FLAGS = frozenset(
         "tensor_parallel_size",
         "profiler_config",
         "otlp_traces_endpoint",
+        *("allowed_media_domains", "allowed_local_media_path"),
     }
 )
 # ServingConfig fields that only the omni group sets (the others come from vLLM's own flags).
@@ -301,6 +302,8 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
         quality_steps=args.quality_steps,
         profiler_config=profiler,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        allowed_media_domains=args.allowed_media_domains,
+        allowed_local_media_path=args.allowed_local_media_path or "",
         **{name: getattr(args, name) for name in _OMNI_SERVING_FLAGS},
     )
     try:
