@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -82,6 +83,13 @@ class ServingConfig(BaseModel):
     max_input_image_pixels: int = Field(default=4096 * 4096, ge=1)
     """Largest ``width × height`` of an input image, read from its header before it is decoded."""
 
+    allowed_media_domains: list[str] | None = None
+    """vLLM's flag: the hosts an input image URL (``image_url``, ``image_reference``) may be fetched from, compared
+    exactly; a host listed here may resolve to a private address. Unset: any host whose addresses are all public."""
+
+    allowed_local_media_path: str = ""
+    """vLLM's flag: a folder whose files a request may name as ``file://`` URLs (empty: none)."""
+
     max_inference_steps: int = Field(default=200, ge=1, le=1000)
     """Most ``num_inference_steps`` a request may ask for."""
 
@@ -113,6 +121,13 @@ class ServingConfig(BaseModel):
     profiler_config: ProfilerSetting = None
     """vLLM's ``ProfilerConfig`` (``--profiler-config``): with ``profiler`` ``torch``, ``POST /start_profile`` and
     ``POST /stop_profile`` record a torch profile of every engine process into ``torch_profiler_dir``."""
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _a_folder(cls, path: str) -> str:
+        if path and not Path(path).is_dir():
+            raise ValueError(f"{path} is not a folder")
+        return path
 
     @field_validator("quality_steps")
     @classmethod

@@ -54,6 +54,7 @@ _USED_VLLM_FLAGS = frozenset(
         "profiler_config",
         "otlp_traces_endpoint",
         "trust_remote_code",
+        *("allowed_media_domains", "allowed_local_media_path"),
     }
 )
 # vLLM serve flags that upstream vllm-omni's docs pass and that change nothing for a diffusion server (no KV cache,
@@ -329,6 +330,8 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
         quality_steps=args.quality_steps,
         profiler_config=profiler,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        allowed_media_domains=args.allowed_media_domains,
+        allowed_local_media_path=args.allowed_local_media_path or "",
         **{name: getattr(args, name) for name in _OMNI_SERVING_FLAGS},
     )
     try:

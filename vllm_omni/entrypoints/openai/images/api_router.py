@@ -31,6 +31,7 @@ from vllm_omni.entrypoints.openai.images.image_files import MEDIA_TYPES, encode_
 from vllm_omni.entrypoints.openai.images.image_stream import failure, image_events
 from vllm_omni.entrypoints.openai.images.image_usage import quality_steps, response_fields
 from vllm_omni.entrypoints.openai.images.openai_models import openai_size, with_openai_defaults
+from vllm_omni.entrypoints.openai.media import edit_references, is_json, read_json_object, read_references
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageData,
@@ -203,7 +204,10 @@ async def generate_images(
 
 
 async def edit_image(raw_request: Request) -> ImageGenerationResponse | Response:
-    """``POST /v1/images/edits``: multipart/form-data as OpenAI's (``image`` or ``image[]``, ``mask``, fields)."""
+    """``POST /v1/images/edits``: multipart/form-data as OpenAI's (``image`` or ``image[]``, ``mask``, fields), or
+    OpenAI's JSON body (``images`` and ``mask`` by ``image_url``: media.py)."""
+    if is_json(raw_request):
+        return await _edit_json(raw_request)
     try:
         form = await read_edit_form(raw_request)
     except APIError:
@@ -239,6 +243,33 @@ async def _edit(raw_request: Request, form: FormData) -> ImageGenerationResponse
         _check(body, state, task="image")
         images = await read_images(files, "image", state.serving)
         mask = openai_mask((await read_images(masks, "mask", state.serving))[0], images[0]) if masks else None
+        raw_request.scope[_TIMER].mark("validation")
+        task: ImageTask = "inpaint" if mask is not None else "image"
+        return _admit(body, state, task, image=images, mask_image=mask)
+
+    return await _respond(raw_request, body, prepare)
+
+
+async def _edit_json(raw_request: Request) -> ImageGenerationResponse | Response:
+    """A JSON edit: its images fetched or decoded (media.py) once the request passed its checks."""
+    try:
+        fields = await read_json_object(raw_request)
+        references = edit_references(fields)
+    except APIError:
+        metrics.image_requests.labels("invalid").inc()
+        raise
+    try:
+        body = ImageEditRequest.model_validate(fields, strict=None)  # a JSON body's integers are JSON integers
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    body = with_openai_defaults(body)
+
+    async def prepare(state: ServerState) -> AdmittedParams:
+        _check(body, state, task="image")
+        images = await read_references(references.images, state.serving)
+        mask = None
+        if references.mask is not None:
+            mask = openai_mask((await read_references([references.mask], state.serving))[0], images[0])
         raw_request.scope[_TIMER].mark("validation")
         task: ImageTask = "inpaint" if mask is not None else "image"
         return _admit(body, state, task, image=images, mask_image=mask)

@@ -28,6 +28,13 @@ from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_di
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
 from vllm_omni.entrypoints.openai.images.image_files import attachment
 from vllm_omni.entrypoints.openai.images.image_stream import failure
+from vllm_omni.entrypoints.openai.media import (
+    MediaReference,
+    fold_form_references,
+    read_json_object,
+    read_references,
+    video_reference,
+)
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorInfo,
     VideoDeleted,
@@ -109,9 +116,9 @@ def build_videos_router() -> APIRouter:
         timer = metrics.PhaseTimer(state.trace(raw_request.headers))
         outcome: str | None = "invalid"
         try:
-            body, references = await _read(raw_request, timer)
+            body, references, reference = await _read(raw_request, timer)
             try:
-                admitted = await accept(state, body, _upload_reader(state, references), timer)
+                admitted = await accept(state, body, _upload_reader(state, references, reference), timer)
             finally:
                 for upload in references:  # its spooled file
                     await upload.close()
@@ -139,12 +146,12 @@ def build_videos_router() -> APIRouter:
         state: ServerState = raw_request.app.state.server
         timer = metrics.PhaseTimer(state.trace(raw_request.headers))
         try:
-            body, references = await _read(raw_request, timer)
+            body, references, reference = await _read(raw_request, timer)
         except Exception:
             metrics.video_requests.labels("invalid").inc()
             raise
         try:
-            content = await run_sync(raw_request, state, body, _upload_reader(state, references), timer)
+            content = await run_sync(raw_request, state, body, _upload_reader(state, references, reference), timer)
         finally:
             for upload in references:  # its spooled file
                 await upload.close()
@@ -214,9 +221,11 @@ def build_videos_router() -> APIRouter:
     return router
 
 
-async def _read(raw_request: Request, timer: metrics.PhaseTimer) -> tuple[VideoGenerationRequest, list[UploadFile]]:
+async def _read(
+    raw_request: Request, timer: metrics.PhaseTimer
+) -> tuple[VideoGenerationRequest, list[UploadFile], MediaReference | None]:
     """The request's body, JSON or a form, and its ``input_reference`` upload if it has one (read by `accept`, once
-    the request passed its checks; the caller closes it)."""
+    the request passed its checks; the caller closes it), or the image it gives by reference (media.py)."""
     references = []
     if not await raw_request.body():  # no body: refused as {} is, naming the missing fields
         data = {}
@@ -226,20 +235,22 @@ async def _read(raw_request: Request, timer: metrics.PhaseTimer) -> tuple[VideoG
         except StarletteHTTPException as exc:  # a malformed body, or more than one file
             raise APIError(400, f"The form could not be read: {exc.detail}", code="invalid_form") from None
         references = form_files(form, "input_reference")
-        data = {k: v for k, v in form.items() if k != "input_reference"}
+        data = fold_form_references({k: v for k, v in form.items() if k != "input_reference"})
     else:
-        try:
-            data = await raw_request.json()
-        except ValueError:
-            raise APIError(400, "The request body is not valid JSON", code="invalid_json") from None
+        data = await read_json_object(raw_request)
     timer.mark("parse")
     try:
+        reference = video_reference(data, uploaded=bool(references))
         body = VideoGenerationRequest.model_validate(data)
     except ValidationError as exc:
         for upload in references:
             await upload.close()
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    return body, references
+    except APIError:
+        for upload in references:
+            await upload.close()
+        raise
+    return body, references, reference
 
 
 async def accept(
@@ -269,9 +280,12 @@ async def accept(
 
 
 def _upload_reader(
-    state: ServerState, references: list[UploadFile]
+    state: ServerState, references: list[UploadFile], reference: MediaReference | None = None
 ) -> Callable[[], Awaitable[list[Image.Image]]] | None:
-    """`accept`'s ``read_image`` for an ``input_reference`` upload, if there is one."""
+    """`accept`'s ``read_image`` for an ``input_reference`` upload, or an image given by reference, if there is
+    one."""
+    if reference is not None:
+        return lambda: read_references([reference], state.serving)
     if not references:
         return None
     return lambda: read_images(references, "input_reference", state.serving)
