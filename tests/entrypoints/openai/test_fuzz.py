@@ -437,7 +437,8 @@ def test_decompression_bombs_are_refused_from_their_header(server):
 
 EDIT_RAW = [
     # (name, raw body, content type, expected param); all 400
-    ("JSON body", _json({"prompt": "a cat", "image": "aGVsbG8="}), "application/json", None),
+    # a JSON edit takes images: [{"image_url": ...}]; its multipart field is refused by name
+    ("JSON body", _json({"prompt": "a cat", "image": "aGVsbG8="}), "application/json", "image"),
     ("urlencoded form", b"prompt=a+cat", "application/x-www-form-urlencoded", "image"),  # a form with no file
     ("no content type", b"prompt=a+cat", None, None),
     ("multipart without a boundary", b"--BB\r\n", "multipart/form-data", None),

@@ -126,7 +126,7 @@ REFUSALS = {
     "redirect to a host not listed": ({"images": [{"image_url": "{files}/to-localhost"}]}, "images", None),
     "bad data URL": ({"images": [{"image_url": "data:image/png;base64,@@"}]}, "images", "invalid_image_url"),
     "ftp": ({"images": [{"image_url": "ftp://127.0.0.1/a.png"}]}, "images", "invalid_image_url"),
-    "unknown field": ({"images": [{"image_url": "{files}/in.png"}], "input_fidelity": "high"}, "input_fidelity", None),
+    "unknown field": ({"images": [{"image_url": "{files}/in.png"}], "sharpness": "high"}, "sharpness", None),
 }
 
 
