@@ -181,10 +181,12 @@ def test_a_text_to_video_model_remixes_with_its_video_to_video_variant(tiny_wan)
     assert variant.strength_offset(4, 0.6) == 2
 
 
-def test_what_a_remix_cannot_take_is_refused_naming_the_field(tiny_wan, tiny_wan_i2v):
-    wan, i2v = card_of(tiny_wan), card_of(tiny_wan_i2v)
+def test_what_a_remix_cannot_take_is_refused_naming_the_field(tiny_wan, tiny_wan_i2v, tiny_wan22):
+    wan, i2v, wan22 = card_of(tiny_wan), card_of(tiny_wan_i2v), card_of(tiny_wan22)
+    assert wan22.tasks == {"text"}  # WanVideoToVideoPipeline has no second expert: from_pipe would drop it
     cases = [
         (i2v, dict(video=_frames(5)), "video", "WanImageToVideoPipeline has no video-to-video variant"),
+        (wan22, dict(video=_frames(5)), "video", "WanPipeline has no video-to-video variant"),
         (wan, dict(video=_frames(9), num_frames=5), "num_frames", "the input video has 9 frames"),
         (wan, dict(video=_frames(8)), "num_frames", "1 more than a multiple of 4"),
         (wan, dict(video=_frames(5), extra_args={"video": None}), "extra_args.video", "set by vllm-omni"),

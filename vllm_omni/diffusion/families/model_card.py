@@ -21,6 +21,7 @@ from vllm_omni.diffusion.families.pipeline_facts import (
     default_size,
     flow_shift_key,
     image_variants,
+    keeps_everything,
     min_steps,
     sequence_limit,
 )
@@ -187,7 +188,11 @@ class ModelCard:
             max_sequence_length=sequence_limit(pipeline_class, defaults),
             variants={}
             if image is not None or pipeline_class is not type(pipeline)
-            else {task: cls.of(pipeline, variant) for task, variant in image_variants(name).items()},
+            else {
+                task: cls.of(pipeline, variant)
+                for task, variant in image_variants(name).items()
+                if keeps_everything(pipeline, variant)
+            },
         )
 
     def complete_params(

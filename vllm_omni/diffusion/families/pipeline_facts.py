@@ -196,6 +196,21 @@ def image_variants(pipeline_name: str) -> dict[ImageTask, type]:
     return variants | {task: table[family] for task, table in tables.items() if family in table}
 
 
+def keeps_everything(pipeline, variant: type) -> bool:
+    """Whether ``variant.from_pipe(pipeline)`` keeps all that the loaded pipeline runs with: each of its components
+    and each setting of its config (not a two-expert Wan 2.2's ``transformer_2`` and ``boundary_ratio``, which
+    ``WanVideoToVideoPipeline`` has not: it would run the high-noise expert alone)."""
+    takes = set(inspect.signature(variant).parameters)  # its __init__'s
+    components = {name for name, component in pipeline.components.items() if component is not None}
+    config = getattr(pipeline, "config", None) or {}
+    settings = {
+        name
+        for name, value in config.items()
+        if not name.startswith("_") and name not in pipeline.components and value not in (None, False)
+    }
+    return components | settings <= takes
+
+
 def video_variant(pipeline_name: str) -> type | None:
     """diffusers' video-to-video pipeline of a text-to-video class (``WanPipeline`` → ``WanVideoToVideoPipeline``,
     ``CogVideoXPipeline`` → ``CogVideoXVideoToVideoPipeline``): the class its name gives, if diffusers has one whose
