@@ -22,10 +22,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "vllm_omni/entrypoints/openai/images/image_stream.py",
         "image_events",
     ): "entrypoints/openai/ is being edited elsewhere",
-    (
-        "vllm_omni/entrypoints/openai/videos/api_router.py",
-        "build_videos_router",
-    ): "entrypoints/openai/ is being edited elsewhere",
 }
 
 

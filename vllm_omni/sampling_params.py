@@ -77,12 +77,17 @@ class OmniDiffusionSamplingParams(BaseModel):
     """Input images (a single image is taken as a list of one): image-to-image, instruction edits or
     image-to-video, as the served model does (docs/serving.md); several only for models that take several."""
 
+    video: list[Image.Image] | None = Field(default=None, min_length=1)
+    """Input video, as its frames, for video-to-video (the served model's video-to-video variant, built on its
+    components with ``from_pipe``: a remix of a completed video); not with ``image``."""
+
     mask_image: Image.Image | None = None
     """Inpainting mask in diffusers' convention (white: repaint, black: keep), the size of the first image."""
 
     strength: float | None = Field(default=None, gt=0.0, le=1.0)
-    """How far the input image is noised before denoising (image-to-image and inpainting; ``None``: 0.6 for
-    image-to-image, 1.0 for inpainting); the request runs ``int(num_inference_steps * strength)`` steps."""
+    """How far the input image (or video) is noised before denoising (image-to-image, inpainting and
+    video-to-video; ``None``: 0.6 for image-to-image, 1.0 for inpainting, 0.8 for video-to-video, diffusers'
+    default); the request runs ``int(num_inference_steps * strength)`` steps."""
 
     output_type: Literal["pil", "np"] = "pil"
     """``pil``: PIL images; ``np``: float arrays in [0, 1] of shape (H, W, 3)."""
@@ -141,14 +146,23 @@ class OmniDiffusionSamplingParams(BaseModel):
                 )
         return mask
 
+    @field_validator("video")
+    @classmethod
+    def _video_alone(cls, video: list[Image.Image] | None, info: ValidationInfo) -> list[Image.Image] | None:
+        if video is not None and info.data.get("image") is not None:
+            raise ValueError("give an input video or input images, not both")
+        return video
+
     @property
     def task(self) -> ImageTask:
-        """What the request asks of the model: ``text`` (no input image), ``image`` (an input image, no mask) or
-        ``inpaint`` (an image and a mask)."""
+        """What the request asks of the model: ``text`` (no input image), ``image`` (an input image, no mask),
+        ``inpaint`` (an image and a mask) or ``video`` (an input video)."""
+        if self.video is not None:
+            return "video"
         if self.image is None:
             return "text"
         return "inpaint" if self.mask_image is not None else "image"
 
 
-ImageTask = Literal["text", "image", "inpaint"]
+ImageTask = Literal["text", "image", "inpaint", "video"]
 """What a request asks of the model (`OmniDiffusionSamplingParams.task`)."""

@@ -162,3 +162,38 @@ def test_guidance_scale_of_a_model_without_a_guidance_embedding_is_dropped(tiny_
     assert [field.param for field in ignored] == ["guidance_scale"] and "no guidance embedding" in ignored[0].reason
     assert completed == complete(schnell)  # its default still runs, as without the field
     assert complete(schnell).guidance_scale == 3.5
+
+
+def _frames(count: int, size: int = 32) -> list[Image.Image]:
+    return [noise_image(i, size=size) for i in range(count)]
+
+
+def test_a_text_to_video_model_remixes_with_its_video_to_video_variant(tiny_wan):
+    wan = card_of(tiny_wan)
+    assert wan.tasks == {"text", "video"} and wan.for_task("text") is wan
+    variant = wan.for_task("video")
+    assert variant.pipeline_name == "WanVideoToVideoPipeline" and variant.is_video
+    assert not variant.batches_images  # one video per call: a remix runs alone
+    remix = complete(wan, video=_frames(9), num_inference_steps=2, fps=8)
+    assert (remix.height, remix.width, remix.num_frames, remix.fps, remix.strength) == (32, 32, 9, 8, 0.8)
+    assert remix.task == "video"
+    # WanVideoToVideoPipeline.get_timesteps keeps int(4 * 0.6) = 2 steps, whatever its flow-matching scheduler.
+    assert variant.strength_offset(4, 0.6) == 2
+
+
+def test_what_a_remix_cannot_take_is_refused_naming_the_field(tiny_wan, tiny_wan_i2v, tiny_wan22):
+    wan, i2v, wan22 = card_of(tiny_wan), card_of(tiny_wan_i2v), card_of(tiny_wan22)
+    assert wan22.tasks == {"text"}  # WanVideoToVideoPipeline has no second expert: from_pipe would drop it
+    cases = [
+        (i2v, dict(video=_frames(5)), "video", "WanImageToVideoPipeline has no video-to-video variant"),
+        (wan22, dict(video=_frames(5)), "video", "WanPipeline has no video-to-video variant"),
+        (wan, dict(video=_frames(9), num_frames=5), "num_frames", "the input video has 9 frames"),
+        (wan, dict(video=_frames(8)), "num_frames", "1 more than a multiple of 4"),
+        (wan, dict(video=_frames(5), extra_args={"video": None}), "extra_args.video", "set by vllm-omni"),
+    ]
+    for card, fields, param, why in cases:
+        with pytest.raises(SamplingParamsError, match=why) as refused:
+            card.complete_params(OmniDiffusionSamplingParams(**fields))
+        assert refused.value.param == param, fields
+    with pytest.raises(ValueError, match="an input video or input images, not both"):
+        OmniDiffusionSamplingParams(image=noise_image(0), video=_frames(5))

@@ -232,3 +232,15 @@ def _with_base(value, base: str):
     if isinstance(value, list):
         return [_with_base(v, base) for v in value]
     return value
+
+
+def test_a_model_without_a_video_to_video_variant_refuses_a_remix(video_server):
+    """Wan's image-to-video pipeline has no video-to-video variant: a remix is refused, naming it, before any video
+    is looked up."""
+    answer = httpx.post(
+        video_server.url_for("v1", "videos", "video_any", "remix"), json={"prompt": "x"}, headers=HEADERS, timeout=60
+    )
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_supported", "model")
+    assert "WanImageToVideoPipeline" in error["message"] and "no video-to-video variant" in error["message"]

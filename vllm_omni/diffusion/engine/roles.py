@@ -162,7 +162,8 @@ class DiffusionRole(StageRole):
     def batch_key(cls, card: ModelCard, stepper: type[Stepper] | None, params: OmniDiffusionSamplingParams) -> Hashable:
         if stepper is not None:
             return stepper.key(card, params)
-        if params.image is not None and not card.for_task(params.task).batches_images:
+        inputs = params.image is not None or params.video is not None
+        if inputs and not card.for_task(params.task).batches_images:
             return (BatchKey.of(params), secrets.token_hex(8))  # a key no other request has: it runs alone
         return BatchKey.of(params)
 

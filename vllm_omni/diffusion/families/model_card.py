@@ -21,6 +21,7 @@ from vllm_omni.diffusion.families.pipeline_facts import (
     default_size,
     flow_shift_key,
     image_variants,
+    keeps_everything,
     min_steps,
     sequence_limit,
 )
@@ -36,9 +37,9 @@ _PLAIN = (int, float, str, bool)
 ENGINE_ARGS = SDE_ARGS | {"flow_shift"}
 """``extra_args`` keys the engine applies itself: no pipeline call takes them."""
 
-DEFAULT_STRENGTH: dict[ImageTask, float] = {"image": 0.6, "inpaint": 1.0}
+DEFAULT_STRENGTH: dict[ImageTask, float] = {"image": 0.6, "inpaint": 1.0, "video": 0.8}
 """``strength`` of a request that gives none: keep much of the image when transforming it, repaint the masked
-area from scratch when inpainting."""
+area from scratch when inpainting, and diffusers' default for video-to-video (a remix)."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,12 @@ class ModelCard:
     max_images: int = 1
     """How many input images one request may give (when it takes ``image``)."""
     batches_images: bool = True
-    """Whether one call takes a different input image per prompt; else a request with images runs alone."""
+    """Whether one call takes a different input image per prompt; else a request with images runs alone (as one
+    with an input video does: a video-to-video call encodes one video)."""
     flow_matching: bool = False
     """Whether its scheduler is a flow-matching one, whose image pipelines count the steps a strength keeps
-    differently (`strength_offset`)."""
+    differently (`strength_offset`); diffusers' video-to-video pipelines count as the UNet ones, whatever their
+    scheduler."""
     flow_euler: bool = False
     """Whether its scheduler steps flow matching's Euler, which stochastic sampling replaces (`sde.SDE_ARGS`)."""
     min_steps: int = 1
@@ -89,13 +92,14 @@ class ModelCard:
     """The largest ``max_sequence_length`` (the prompt's tokens for its T5-style text encoder) its call takes
     (`sequence_limit`); ``None``: its call takes no ``max_sequence_length``."""
     variants: Mapping[ImageTask, ModelCard] = field(default_factory=dict)
-    """Cards of the pipelines it serves image tasks with (``image``: image-to-image, ``inpaint``), built on its
-    components with ``from_pipe``; empty for a pipeline that takes ``image`` itself or has no such variant."""
+    """Cards of the pipelines it serves image tasks with (``image``: image-to-image, ``inpaint``; ``video``:
+    video-to-video), built on its components with ``from_pipe``; empty for a pipeline that takes ``image`` itself
+    or has no such variant."""
 
     @property
     def is_video(self) -> bool:
-        """Whether it generates videos (it takes ``num_frames``)."""
-        return "num_frames" in self.call_args
+        """Whether it generates videos (it takes ``num_frames``, or a ``video`` whose frames it keeps)."""
+        return "num_frames" in self.call_args or "video" in self.call_args
 
     @property
     def default_steps(self) -> int:
@@ -118,6 +122,8 @@ class ModelCard:
     def _own_tasks(self) -> frozenset[ImageTask]:
         if "mask_image" in self.call_args:  # an inpainting pipeline served as it is
             return frozenset({"inpaint"})
+        if "video" in self.call_args:  # a video-to-video pipeline served as it is
+            return frozenset({"video"})
         own: set[ImageTask] = {"image"} if "image" in self.call_args else set()
         return frozenset(own if self.image_required else own | {"text"})
 
@@ -128,6 +134,8 @@ class ModelCard:
         if task in self._own_tasks:
             return self
         name = self.pipeline_name
+        if task == "video":
+            raise SamplingParamsError("video", f"{name} has no video-to-video variant: it cannot remix a video")
         if task == "inpaint":
             raise SamplingParamsError("mask_image", f"{name} cannot inpaint: it takes no mask_image")
         if "inpaint" in self._own_tasks:
@@ -172,14 +180,19 @@ class ModelCard:
             image_required=image is not None
             and (image.default is inspect.Parameter.empty or name in IMAGE_REQUIRED or "strength" in parameters),
             max_images=MAX_INPUT_IMAGES if name in SEVERAL_IMAGES else 1,
-            batches_images=name not in ONE_IMAGE_PER_CALL,
-            flow_matching="FlowMatch" in type(getattr(pipeline, "scheduler", None)).__name__,
+            batches_images=name not in ONE_IMAGE_PER_CALL and "video" not in parameters,
+            flow_matching="FlowMatch" in type(getattr(pipeline, "scheduler", None)).__name__
+            and "video" not in parameters,
             flow_euler=steps_flow_euler(getattr(pipeline, "scheduler", None)),
             min_steps=min_steps(getattr(pipeline, "scheduler", None)),
             max_sequence_length=sequence_limit(pipeline_class, defaults),
             variants={}
             if image is not None or pipeline_class is not type(pipeline)
-            else {task: cls.of(pipeline, variant) for task, variant in image_variants(name).items()},
+            else {
+                task: cls.of(pipeline, variant)
+                for task, variant in image_variants(name).items()
+                if keeps_everything(pipeline, variant)
+            },
         )
 
     def complete_params(
@@ -221,6 +234,8 @@ class ModelCard:
                 )
         params = self._check_guidance(params, ignored)
         size = self.default_size
+        if params.video is not None:  # a video-to-video request keeps its video's size by default
+            size = (params.video[0].height, params.video[0].width)
         if params.image is not None and not self.is_video:  # an edit keeps the first image's size by default
             width, height = params.image[0].size
             size = (height - height % self.size_multiple, width - width % self.size_multiple)
@@ -400,7 +415,10 @@ class ModelCard:
                 why = f"{field} applies to video pipelines; {self.pipeline_name} makes images"
                 raise SamplingParamsError(field, why)
             return {}
-        num_frames = params.num_frames or self.call_defaults.get("num_frames")
+        if params.video is not None and params.num_frames not in (None, len(params.video)):
+            why = f"num_frames={params.num_frames}, but the input video has {len(params.video)} frames"
+            raise SamplingParamsError("num_frames", why)
+        num_frames = len(params.video) if params.video else params.num_frames or self.call_defaults.get("num_frames")
         assert num_frames is not None, f"{self.pipeline_name} has no default num_frames"  # video calls all have one
         if (num_frames - 1) % self.frame_multiple:
             why = f"num_frames={num_frames} must be 1 more than a multiple of {self.frame_multiple} for "

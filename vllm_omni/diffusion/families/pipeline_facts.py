@@ -1,7 +1,7 @@
 """What a pipeline's class, call signature and scheduler say about the requests it takes, read by `ModelCard` when
 a pipeline loads: the call arguments vllm-omni sets itself, the pipelines that need or take several input images,
-the scheduler's shift key, the text encoder's sequence limit, the default size and the image-conditioned variants
-of a text-to-image pipeline; and whether it batches requests (`check_batchable`)."""
+the scheduler's shift key, the text encoder's sequence limit, the default size and the image- and video-conditioned
+variants of a text-to-image or text-to-video pipeline; and whether it batches requests (`check_batchable`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ RESERVED_ARGS = frozenset(
         "prompt_embeds",
         "image",
         "mask_image",
+        "video",
         "strength",
     }
 )
@@ -172,22 +173,60 @@ def min_steps(scheduler, most: int = 4) -> int:
 
 
 def image_variants(pipeline_name: str) -> dict[ImageTask, type]:
-    """The image-to-image and inpainting pipeline classes of a text-to-image class (diffusers' AutoPipeline
-    tables), which ``from_pipe`` builds on its components."""
+    """The image-to-image, inpainting and video-to-video pipeline classes of a text-to-image (or text-to-video)
+    class, which ``from_pipe`` builds on its components: diffusers' AutoPipeline tables for images, and for videos
+    the class named as diffusers names them (``WanPipeline`` → ``WanVideoToVideoPipeline``)."""
     from diffusers.pipelines.auto_pipeline import (
         AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
         AUTO_INPAINT_PIPELINES_MAPPING,
         AUTO_TEXT2IMAGE_PIPELINES_MAPPING,
     )
 
+    variants: dict[ImageTask, type] = {}
+    video = video_variant(pipeline_name)
+    if video is not None:
+        variants["video"] = video
     family = next((k for k, v in AUTO_TEXT2IMAGE_PIPELINES_MAPPING.items() if v.__name__ == pipeline_name), None)
     tables: dict[ImageTask, Mapping[str, type]] = {
         "image": AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
         "inpaint": AUTO_INPAINT_PIPELINES_MAPPING,
     }
     if family is None:
-        return {}
-    return {task: table[family] for task, table in tables.items() if family in table}
+        return variants
+    return variants | {task: table[family] for task, table in tables.items() if family in table}
+
+
+def keeps_everything(pipeline, variant: type) -> bool:
+    """Whether ``variant.from_pipe(pipeline)`` keeps all that the loaded pipeline runs with: each of its components
+    and each setting of its config (not a two-expert Wan 2.2's ``transformer_2`` and ``boundary_ratio``, which
+    ``WanVideoToVideoPipeline`` has not: it would run the high-noise expert alone)."""
+    takes = set(inspect.signature(variant).parameters)  # its __init__'s
+    components = {name for name, component in pipeline.components.items() if component is not None}
+    config = getattr(pipeline, "config", None) or {}
+    settings = {
+        name
+        for name, value in config.items()
+        if not name.startswith("_") and name not in pipeline.components and value not in (None, False)
+    }
+    return components | settings <= takes
+
+
+def video_variant(pipeline_name: str) -> type | None:
+    """diffusers' video-to-video pipeline of a text-to-video class (``WanPipeline`` → ``WanVideoToVideoPipeline``,
+    ``CogVideoXPipeline`` → ``CogVideoXVideoToVideoPipeline``): the class its name gives, if diffusers has one whose
+    call takes a ``video``; ``None`` otherwise."""
+    import diffusers
+
+    if not pipeline_name.endswith("Pipeline") or "VideoToVideo" in pipeline_name:
+        return None
+    name = pipeline_name.removesuffix("Pipeline") + "VideoToVideoPipeline"
+    try:
+        found = getattr(diffusers, name, None)
+    except (ImportError, RuntimeError):  # a lazy class whose optional dependency is missing
+        return None
+    if not isinstance(found, type) or "video" not in inspect.signature(found.__call__).parameters:
+        return None
+    return found
 
 
 def schedule_index(scheduler, timestep) -> int:

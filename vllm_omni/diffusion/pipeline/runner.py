@@ -259,7 +259,9 @@ class DiffusionRunner:
             kwargs["max_area"] = params.height * params.width
         if params.image is not None:
             kwargs.update(self._image_args(card, batch))
-        if params.num_frames is not None:
+        if params.video is not None:
+            kwargs.update(self._video_args(card, batch))
+        if params.num_frames is not None and "num_frames" in card.call_args:  # video-to-video keeps its video's
             kwargs["num_frames"] = params.num_frames
         if params.guidance_scale is not None:
             kwargs["guidance_scale"] = params.guidance_scale
@@ -304,6 +306,17 @@ class DiffusionRunner:
             assert r.params.image is not None, "a batch shares its task"
             rows += [r.params.image[0].convert("RGB") for _ in range(n)]
         return {"image": rows}
+
+    @staticmethod
+    def _video_args(card: ModelCard, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        """The input video of a video-to-video request, alone in its call (the batch key keeps it so), and its
+        ``strength``."""
+        (request,) = batch
+        params = request.params
+        steps, strength = params.num_inference_steps, params.strength
+        assert params.video is not None and steps is not None and strength is not None, "complete video params"
+        request.total_steps = steps - card.strength_offset(steps, strength)
+        return {"video": [frame.convert("RGB") for frame in params.video], "strength": strength}
 
     def release_cached_memory(self) -> None:
         """Give the allocator's cached blocks back after an out-of-memory error, before a retry."""

@@ -51,7 +51,7 @@ async def check_query(request: Request) -> None:
 def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "text") -> None:
     """What every generation request must pass before its parameters are built: a served model name,
     prompts within the length limit, a ready engine, and a model of the right ``kind`` (image or video) that serves
-    ``task`` (``text``: no input image; ``image``: one or more)."""
+    ``task`` (``text``: no input image; ``image``: one or more; ``video``: an input video, a remix)."""
     serving = state.serving
     adapters = state.lora_adapters()
     if body.model is not None and body.model not in serving.served_model_names and body.model not in adapters:
@@ -76,6 +76,8 @@ def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "tex
     if model_kind != kind:
         article = "an" if model_kind == "image" else "a"
         why = f"{model} is {article} {model_kind} model; this API serves {kind} models only"
+    elif task == "video" and task not in card.tasks:
+        why = f"{model} ({card.pipeline_name}) has no video-to-video variant: it cannot remix a video"
     elif task not in card.tasks:
         needs = "/v1/images/edits" if kind == "image" else "input_reference"
         why = f"{model} ({card.pipeline_name}) " + (

@@ -358,6 +358,20 @@ class VideoGenerationRequest(RolloutFields):
         return (int(match[1]), int(match[2])) if match else None
 
 
+class VideoRemixRequest(VideoGenerationRequest):
+    """``POST /v1/videos/{video_id}/remix`` (JSON): OpenAI's ``prompt``, and the extensions of a new video job;
+    the video's shape (``size``, ``width``, ``height``, ``seconds``, ``num_frames``, ``fps``) follows the source
+    video, and the route refuses it."""
+
+    strength: Annotated[float | None, Sampling()] = Field(default=None, gt=0.0, le=1.0)
+    """Extension: how far the source video is noised before it is denoised with the new prompt (1: nothing of it
+    is kept). Unset: 0.8 (diffusers' video-to-video default)."""
+
+
+SHAPE_FIELDS = ("size", "width", "height", "seconds", "num_frames", "fps")
+"""The fields of a video job that a remix takes from its source video (`VideoRemixRequest`)."""
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     """``POST /v1/load_lora_adapter``, as vLLM's."""
 
@@ -399,6 +413,8 @@ class VideoObject(BaseModel):
     deploy with an llm stage that the request did not skip)."""
     log_probs: list[float] | None = None
     """Extension: with ``logprobs``, the log-probability of each stochastic step that made the video."""
+    remixed_from_video_id: str | None = None
+    """The video a remix was made from (``POST /v1/videos/{video_id}/remix``), as OpenAI's."""
 
 
 class VideoList(BaseModel):

@@ -3,14 +3,19 @@
 import asyncio
 import io
 import time
+import warnings
 
 import av
 import httpx
+import numpy as np
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_omni.entrypoints.openai.videos.video_jobs import decode_mp4, encode_mp4
 from vllm_omni.testing.server import RemoteOmniServer, finished_video_job
+from vllm_omni.testing.stock import stock_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -182,3 +187,128 @@ def test_each_api_counts_its_own_invalid_requests(server):
     bad_image = httpx.post(server.url_for("v1", "images", "generations"), json={"prompt": ""}, headers=AUTH)
     assert bad_image.status_code == 400 and bad_image.json()["error"]["param"] == "prompt"
     assert (_metric(server, image_invalid), _metric(server, video_invalid)) == (images + 1, videos + 1)
+
+
+def _remix(server, video_id: str, **body) -> httpx.Response:
+    return httpx.post(server.url_for("v1", "videos", video_id, "remix"), json=body, headers=AUTH, timeout=60)
+
+
+def _content(server, video_id: str) -> bytes:
+    response = httpx.get(server.url_for("v1", "videos", video_id, "content"), headers=AUTH, timeout=60)
+    assert response.status_code == 200 and response.headers["content-type"] == "video/mp4"
+    return response.content
+
+
+@pytest.fixture(scope="module")
+def source(server) -> str:
+    """A completed video of this module's server: the source of the remixes below."""
+    created = _create(server, prompt="a cat running", seed=11)
+    assert created.status_code == 200 and _wait(server, created.json()["id"])["status"] == "completed"
+    return created.json()["id"]
+
+
+def _stock_remix(model: str, source_mp4: bytes, prompt: str, seed: int, strength: float) -> list:
+    """The stock ``WanVideoToVideoPipeline``, built on the stock ``WanPipeline`` with ``from_pipe`` and called
+    alone on the source MP4's frames (decoded as the server decodes them): its frames."""
+    from diffusers import WanVideoToVideoPipeline
+
+    pipeline = WanVideoToVideoPipeline.from_pipe(stock_pipeline(model))
+    pipeline.set_progress_bar_config(disable=True)
+    frames = decode_mp4(source_mp4)
+    return pipeline(
+        prompt=prompt,
+        video=frames,
+        height=frames[0].height,
+        width=frames[0].width,
+        num_inference_steps=2,
+        strength=strength,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="pil",
+    ).frames[0]
+
+
+def _rgb(mp4: bytes) -> np.ndarray:
+    return np.stack([np.asarray(frame, dtype=np.int16) for frame in decode_mp4(mp4)])
+
+
+def test_a_remix_of_a_completed_video_equals_the_stock_video_to_video_pipeline(server, source, tiny_wan):
+    created = _remix(server, source, prompt="a dog walking", seed=5, num_inference_steps=2, strength=0.75)
+    assert created.status_code == 200, created.text
+    job = created.json()
+    assert job["remixed_from_video_id"] == source and (job["size"], job["seconds"]) == ("32x32", "1.125")
+    assert job["id"] != source and job["status"] in ("queued", "in_progress")
+    done = _wait(server, job["id"])
+    assert (done["status"], done["remixed_from_video_id"]) == ("completed", source), done
+    remixed = _content(server, job["id"])
+    with av.open(io.BytesIO(remixed)) as container:
+        stream = container.streams.video[0]
+        frames = list(container.decode(stream))
+        assert len(frames) == 9 and (frames[0].width, frames[0].height) == (32, 32)
+        assert stream.average_rate == 8  # the source's frame rate
+    expected = _stock_remix(tiny_wan, _content(server, source), "a dog walking", 5, 0.75)
+    # The same frames make the same MP4: both are encoded as the server encodes, and compared decoded.
+    difference = np.abs(_rgb(remixed) - _rgb(encode_mp4(expected, 8)))
+    assert difference.max() <= 2, difference.max()
+    listed = httpx.get(server.url_for("v1", "videos", source), headers=AUTH).json()
+    assert "remixed_from_video_id" not in listed  # a new video's object leaves it out
+
+
+def test_the_openai_client_remixes_a_video(server, source):
+    client = openai.OpenAI(base_url=server.url_for("v1"), api_key=API_KEY, max_retries=0)
+    with warnings.catch_warnings():  # the SDK marks the Sora API's methods deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        video = client.videos.remix(source, prompt="a red car", extra_body={"num_inference_steps": 2, "seed": 1})
+        assert isinstance(video, openai.types.Video) and video.remixed_from_video_id == source
+        assert (video.size, video.seconds) == ("32x32", "1.125")
+        assert _wait(server, video.id)["status"] == "completed"
+        assert client.videos.retrieve(video.id).remixed_from_video_id == source
+
+
+def test_a_remix_of_an_unknown_or_deleted_video_is_a_404(server):
+    unknown = _remix(server, "video_nope", prompt="x")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "video_not_found"
+    created = _create(server, seed=2)
+    assert created.status_code == 200 and _wait(server, created.json()["id"])["status"] == "completed"
+    video_id = created.json()["id"]
+    assert httpx.delete(server.url_for("v1", "videos", video_id), headers=AUTH).status_code == 200
+    deleted = _remix(server, video_id, prompt="x")
+    assert deleted.status_code == 404
+    assert deleted.json()["error"] | {"message": None} == {
+        "message": None,
+        "type": "invalid_request_error",
+        "param": "video_id",
+        "code": "video_not_found",
+    }
+
+
+def test_a_remix_of_a_video_that_is_not_completed_is_a_400(server):
+    long = _create(server, num_inference_steps=200, size="64x64").json()["id"]
+    try:
+        refused = _remix(server, long, prompt="x")
+        # The job's status only moves forward: not completed now, it was not completed when the remix was refused.
+        assert httpx.get(server.url_for("v1", "videos", long), headers=AUTH).json()["status"] != "completed"
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("video_not_ready", "video_id")
+        assert "not completed" in error["message"]
+    finally:
+        httpx.delete(server.url_for("v1", "videos", long), headers=AUTH)
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"size": "64x64"}, 400, "size"),  # the shape follows the source
+        ({"seconds": 2}, 400, "seconds"),
+        ({"num_frames": 5}, 400, "num_frames"),
+        ({"fps": 4}, 400, "fps"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"strength": 1.5}, 400, "strength"),
+        ({"style": "vivid"}, 400, "style"),
+        ({"model": "other"}, 404, "model"),
+    ],
+)
+def test_invalid_remixes_name_the_field(server, source, body, status, param):
+    response = _remix(server, source, **{"prompt": "x", **body})
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param

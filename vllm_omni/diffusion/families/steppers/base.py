@@ -116,7 +116,7 @@ class Stepper(ImageTasks):
     @classmethod
     def check_params(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> None:
         if params.task not in cls.tasks:
-            name = "mask_image" if params.task == "inpaint" else "image"
+            name = {"inpaint": "mask_image", "video": "video"}.get(params.task, "image")
             raise SamplingParamsError(
                 name,
                 f"{name} is not supported by {card.pipeline_name} in execution_mode 'step' or split into stages "

@@ -36,16 +36,18 @@ from vllm_omni.entrypoints.openai.media import (
     video_reference,
 )
 from vllm_omni.entrypoints.openai.protocol import (
+    SHAPE_FIELDS,
     ErrorInfo,
     VideoDeleted,
     VideoGenerationRequest,
     VideoList,
     VideoObject,
+    VideoRemixRequest,
 )
 from vllm_omni.entrypoints.openai.request_fields import ignored_fields
 from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.uploads import form_files, read_images
-from vllm_omni.entrypoints.openai.videos.video_jobs import VideoJob, encode_mp4, encode_png
+from vllm_omni.entrypoints.openai.videos.video_jobs import VideoJob, decode_mp4, encode_mp4, encode_png
 from vllm_omni.errors import RequestFailedError, StageUnavailableError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
@@ -100,125 +102,204 @@ async def _run(state: ServerState, job: VideoJob) -> None:
 def build_videos_router() -> APIRouter:
     """The /v1/videos routes; the server's state holds the jobs (``state.videos``)."""
     router = APIRouter(prefix="/v1/videos", dependencies=[Depends(check_api_key), Depends(check_query)])
+    router.add_api_route(
+        "", create_video, methods=["POST"], response_model=VideoObject, response_model_exclude_none=True
+    )
+    router.add_api_route(
+        "/sync",
+        create_video_sync,
+        methods=["POST"],
+        response_class=Response,
+        responses={200: {"content": {"video/mp4": {}}}},
+    )
+    router.add_api_route(
+        "/{video_id}/remix", remix_video, methods=["POST"], response_model=VideoObject, response_model_exclude_none=True
+    )
+    router.add_api_route("", list_videos, methods=["GET"], response_model=VideoList, response_model_exclude_none=True)
+    router.add_api_route(
+        "/{video_id}", get_video, methods=["GET"], response_model=VideoObject, response_model_exclude_none=True
+    )
+    router.add_api_route("/{video_id}/content", get_video_content, methods=["GET"])
+    router.add_api_route("/{video_id}", delete_video, methods=["DELETE"], response_model=VideoDeleted)
+    return router
 
-    def _job(state: ServerState, video_id: str) -> VideoJob:
-        job = state.videos.get(video_id)
-        if job is None:
-            raise APIError(
-                404, f"No video job {video_id!r} (it may have expired)", param="video_id", code="video_not_found"
-            )
-        return job
 
-    @router.post("", response_model=VideoObject, response_model_exclude_none=True)
-    async def create_video(raw_request: Request) -> VideoObject:
-        # The body is read here (JSON or a form), and this route counts its own invalid requests.
-        state: ServerState = raw_request.app.state.server
-        timer = metrics.PhaseTimer(state.trace(raw_request.headers))
-        outcome: str | None = "invalid"
-        try:
-            body, references, reference = await _read(raw_request, timer)
-            try:
-                admitted = await accept(state, body, _upload_reader(state, references, reference), timer)
-            finally:
-                for upload in references:  # its spooled file
-                    await upload.close()
-            job = VideoJob(
-                id=f"video_{secrets.token_hex(16)}",
-                model=body.model or state.serving.served_model_names[0],
-                prompt=body.prompt,
-                admitted=admitted,
-                timer=timer,
-            )
-            state.videos.add(job)
-            report_ignored(raw_request, body, admitted, "videos", job.id)
-            job.task = asyncio.create_task(_run(state, job))
-            outcome = None  # counted when the job ends
-            return job.view(state.loaded_omni)
-        except Exception as exc:
-            if outcome is not None:
-                metrics.video_requests.labels(refusal_outcome(exc) if isinstance(exc, APIError) else outcome).inc()
-            raise
+def _job(state: ServerState, video_id: str) -> VideoJob:
+    job = state.videos.get(video_id)
+    if job is None:
+        raise APIError(
+            404, f"No video job {video_id!r} (it may have expired)", param="video_id", code="video_not_found"
+        )
+    return job
 
-    @router.post("/sync", response_class=Response, responses={200: {"content": {"video/mp4": {}}}})
-    async def create_video_sync(raw_request: Request) -> Response:
-        """Upstream vllm-omni's synchronous route: the same request as ``POST /v1/videos``, answered with the MP4
-        itself once it is made."""
-        state: ServerState = raw_request.app.state.server
-        timer = metrics.PhaseTimer(state.trace(raw_request.headers))
+
+def _start(
+    raw_request: Request,
+    state: ServerState,
+    body: VideoGenerationRequest,
+    admitted: AdmittedParams,
+    timer: metrics.PhaseTimer,
+    remixed_from: str | None = None,
+) -> VideoObject:
+    """A new job for an admitted request, stored and running: its first view."""
+    job = VideoJob(
+        id=f"video_{secrets.token_hex(16)}",
+        model=body.model or state.serving.served_model_names[0],
+        prompt=body.prompt,
+        admitted=admitted,
+        timer=timer,
+        remixed_from=remixed_from,
+    )
+    state.videos.add(job)
+    report_ignored(raw_request, body, admitted, "videos", job.id)
+    job.task = asyncio.create_task(_run(state, job))
+    return job.view(state.loaded_omni)
+
+
+async def create_video(raw_request: Request) -> VideoObject:
+    # The body is read here (JSON or a form), and this route counts its own invalid requests.
+    state: ServerState = raw_request.app.state.server
+    timer = metrics.PhaseTimer(state.trace(raw_request.headers))
+    try:
+        body, references, reference = await _read(raw_request, timer)
         try:
-            body, references, reference = await _read(raw_request, timer)
-        except Exception:
-            metrics.video_requests.labels("invalid").inc()
-            raise
-        try:
-            content = await run_sync(raw_request, state, body, _upload_reader(state, references, reference), timer)
+            admitted = await accept(state, body, _upload_reader(state, references, reference), timer)
         finally:
             for upload in references:  # its spooled file
                 await upload.close()
-        if content is None:
-            return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
-        return Response(content, media_type="video/mp4")
+    except Exception as exc:
+        metrics.video_requests.labels(refusal_outcome(exc) if isinstance(exc, APIError) else "invalid").inc()
+        raise
+    return _start(raw_request, state, body, admitted, timer)  # counted when the job ends
 
-    @router.get("", response_model=VideoList, response_model_exclude_none=True)
-    async def list_videos(
-        raw_request: Request, limit: int = 20, after: str | None = None, order: str = "desc"
-    ) -> VideoList:
-        """The jobs, newest first (``order=desc``, OpenAI's default) or oldest first (``asc``), ``limit`` of them
-        after the job ``after``."""
-        state: ServerState = raw_request.app.state.server
-        if not 1 <= limit <= 100:
-            raise APIError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order", code="invalid_value")
-        jobs = state.videos.newest_first()
-        if order == "asc":
-            jobs.reverse()
-        if after is not None:
-            ids = [j.id for j in jobs]
-            if after not in ids:
-                raise APIError(400, f"after={after!r} is not a video id", param="after", code="invalid_value")
-            jobs = jobs[ids.index(after) + 1 :]
-        page = [j.view(state.loaded_omni) for j in jobs[:limit]]
-        return VideoList(
-            data=page,
-            first_id=page[0].id if page else None,
-            last_id=page[-1].id if page else None,
-            has_more=len(jobs) > limit,
+
+async def create_video_sync(raw_request: Request) -> Response:
+    """Upstream vllm-omni's synchronous route: the same request as ``POST /v1/videos``, answered with the MP4
+    itself once it is made."""
+    state: ServerState = raw_request.app.state.server
+    timer = metrics.PhaseTimer(state.trace(raw_request.headers))
+    try:
+        body, references, reference = await _read(raw_request, timer)
+    except Exception:
+        metrics.video_requests.labels("invalid").inc()
+        raise
+    try:
+        content = await run_sync(raw_request, state, body, _upload_reader(state, references, reference), timer)
+    finally:
+        for upload in references:  # its spooled file
+            await upload.close()
+    if content is None:
+        return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
+    return Response(content, media_type="video/mp4")
+
+
+async def remix_video(video_id: str, raw_request: Request) -> VideoObject:
+    """OpenAI's remix: a new job that makes a video from the completed video ``video_id`` and a new prompt, with
+    the served model's video-to-video variant (`ModelCard.variants`); its size, frames and frame rate are the
+    source's."""
+    state: ServerState = raw_request.app.state.server
+    timer = metrics.PhaseTimer(state.trace(raw_request.headers))
+    try:
+        body, frames, source = await _read_remix(raw_request, state, video_id, timer)
+        params = source.admitted.params
+        admitted = admit(
+            state,
+            body.model_copy(update={"fps": params.fps}),
+            ignored_fields(body),
+            height=params.height,
+            width=params.width,
+            video=frames,
+            lora=selected_adapters(state, body),
         )
+        timer.mark("completion")
+    except Exception as exc:
+        metrics.video_requests.labels(refusal_outcome(exc) if isinstance(exc, APIError) else "invalid").inc()
+        raise
+    return _start(raw_request, state, body, admitted, timer, remixed_from=video_id)  # counted when the job ends
 
-    @router.get("/{video_id}", response_model=VideoObject, response_model_exclude_none=True)
-    async def get_video(video_id: str, raw_request: Request) -> VideoObject:
-        state: ServerState = raw_request.app.state.server
-        return _job(state, video_id).view(state.loaded_omni)
 
-    @router.get("/{video_id}/content")
-    async def get_video_content(video_id: str, raw_request: Request, variant: str = "video") -> Response:
-        """The MP4 (``variant=video``), or a PNG (``variant=thumbnail``): the latest preview of a running job that
-        asked for ``partial_images``, or the middle frame of a completed video."""
-        job = _job(raw_request.app.state.server, video_id)
-        if variant not in ("video", "thumbnail"):
-            raise APIError(
-                400, f"variant must be 'video' or 'thumbnail', not {variant!r}", param="variant", code="invalid_value"
-            )
-        if variant == "thumbnail" and job.thumbnail is not None:
-            return Response(job.thumbnail, media_type="image/png", headers=attachment(f"{video_id}.png"))
-        if job.status != "completed":
-            why = f"Video {video_id} is {job.status}, not completed"
-            if variant == "thumbnail":
-                why += ", and has no preview yet (create it with partial_images to get previews while it runs)"
-            raise APIError(400, why, param="video_id", code="video_not_ready")
-        return Response(job.content, media_type="video/mp4", headers=attachment(f"{video_id}.mp4"))
+async def _read_remix(
+    raw_request: Request, state: ServerState, video_id: str, timer: metrics.PhaseTimer
+) -> tuple[VideoRemixRequest, list[Image.Image], VideoJob]:
+    """A remix's body (JSON), checked, and its source: a completed job of a model with a video-to-video variant,
+    whose frames are read back from its MP4."""
+    data = await read_json_object(raw_request) if await raw_request.body() else {}
+    timer.mark("parse")
+    try:
+        body = VideoRemixRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    check_request(state, body, kind="video", task="video")
+    for name in SHAPE_FIELDS:
+        if getattr(body, name) is not None:
+            why = f"{name} follows the source video in a remix: leave it out"
+            raise APIError(400, why, param=name, code="invalid_value")
+    source = _job(state, video_id)
+    if source.status != "completed" or source.content is None:
+        why = f"Video {video_id} is {source.status}, not completed: only a completed video can be remixed"
+        raise APIError(400, why, param="video_id", code="video_not_ready")
+    frames = await asyncio.to_thread(decode_mp4, source.content)  # off the loop
+    timer.mark("validation")
+    return body, frames, source
 
-    @router.delete("/{video_id}", response_model=VideoDeleted)
-    async def delete_video(video_id: str, raw_request: Request) -> VideoDeleted:
-        state: ServerState = raw_request.app.state.server
-        job = _job(state, video_id)
-        state.videos.pop(video_id)
-        if job.task is not None and not job.task.done():
-            job.task.cancel()  # AsyncOmni aborts the request: its slot is freed
-        return VideoDeleted(id=video_id)
 
-    return router
+async def list_videos(
+    raw_request: Request, limit: int = 20, after: str | None = None, order: str = "desc"
+) -> VideoList:
+    """The jobs, newest first (``order=desc``, OpenAI's default) or oldest first (``asc``), ``limit`` of them
+    after the job ``after``."""
+    state: ServerState = raw_request.app.state.server
+    if not 1 <= limit <= 100:
+        raise APIError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order", code="invalid_value")
+    jobs = state.videos.newest_first()
+    if order == "asc":
+        jobs.reverse()
+    if after is not None:
+        ids = [j.id for j in jobs]
+        if after not in ids:
+            raise APIError(400, f"after={after!r} is not a video id", param="after", code="invalid_value")
+        jobs = jobs[ids.index(after) + 1 :]
+    page = [j.view(state.loaded_omni) for j in jobs[:limit]]
+    return VideoList(
+        data=page,
+        first_id=page[0].id if page else None,
+        last_id=page[-1].id if page else None,
+        has_more=len(jobs) > limit,
+    )
+
+
+async def get_video(video_id: str, raw_request: Request) -> VideoObject:
+    state: ServerState = raw_request.app.state.server
+    return _job(state, video_id).view(state.loaded_omni)
+
+
+async def get_video_content(video_id: str, raw_request: Request, variant: str = "video") -> Response:
+    """The MP4 (``variant=video``), or a PNG (``variant=thumbnail``): the latest preview of a running job that
+    asked for ``partial_images``, or the middle frame of a completed video."""
+    job = _job(raw_request.app.state.server, video_id)
+    if variant not in ("video", "thumbnail"):
+        raise APIError(
+            400, f"variant must be 'video' or 'thumbnail', not {variant!r}", param="variant", code="invalid_value"
+        )
+    if variant == "thumbnail" and job.thumbnail is not None:
+        return Response(job.thumbnail, media_type="image/png", headers=attachment(f"{video_id}.png"))
+    if job.status != "completed":
+        why = f"Video {video_id} is {job.status}, not completed"
+        if variant == "thumbnail":
+            why += ", and has no preview yet (create it with partial_images to get previews while it runs)"
+        raise APIError(400, why, param="video_id", code="video_not_ready")
+    return Response(job.content, media_type="video/mp4", headers=attachment(f"{video_id}.mp4"))
+
+
+async def delete_video(video_id: str, raw_request: Request) -> VideoDeleted:
+    state: ServerState = raw_request.app.state.server
+    job = _job(state, video_id)
+    state.videos.pop(video_id)
+    if job.task is not None and not job.task.done():
+        job.task.cancel()  # AsyncOmni aborts the request: its slot is freed
+    return VideoDeleted(id=video_id)
 
 
 async def _read(

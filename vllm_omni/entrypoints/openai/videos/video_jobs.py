@@ -1,5 +1,6 @@
 """The Videos API's jobs: `VideoJob` (a job's state, its MP4 and thumbnail) and `VideoJobs` (the store, with its
-expiry), and the encoders of what a job hands out (MP4 with PyAV, PNG)."""
+expiry), and the encoders of what a job hands out (MP4 with PyAV, PNG), and the MP4 decoder a remix reads its source
+video with."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def encode_mp4(frames: list[Any], fps: int) -> bytes:
     return buffer.getvalue()
 
 
+def decode_mp4(content: bytes) -> list[Image.Image]:
+    """The frames of an MP4 that `encode_mp4` wrote, as RGB images (the input of a remix)."""
+    import av
+
+    with av.open(io.BytesIO(content), mode="r") as container:
+        return [frame.to_image() for frame in container.decode(container.streams.video[0])]
+
+
 def encode_png(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
@@ -63,6 +72,8 @@ class VideoJob:
     """The prompt the llm stage wrote, once it completed (``None`` without an llm stage, or when it was skipped)."""
     log_probs: list[float] | None = None
     """With ``logprobs``, the log-probability of each stochastic step that made its video, once it completed."""
+    remixed_from: str | None = None
+    """The id of the video it remixes (``POST /v1/videos/{video_id}/remix``); ``None``: a new video."""
     task: asyncio.Task | None = None
     timer: metrics.PhaseTimer = field(default_factory=metrics.PhaseTimer)
     """Its phases (creation, engine, MP4 encoding), observed when it completes."""
@@ -86,6 +97,7 @@ class VideoJob:
             preview_index=self.preview_index if self.status == "queued" else None,
             revised_prompt=self.revised_prompt,
             log_probs=self.log_probs,
+            remixed_from_video_id=self.remixed_from,
         )
 
 
