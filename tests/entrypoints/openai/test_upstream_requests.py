@@ -217,6 +217,7 @@ def test_videos_sync_answers_the_mp4_of_the_same_job(wan):
     base = wan[1]
     sync = _post(base, "/v1/videos/sync", json={"prompt": "a cat", **VIDEO})
     assert sync.status_code == 200 and sync.headers["content-type"] == "video/mp4"
+    assert re.fullmatch(r'attachment; filename="video_[0-9a-f]{32}\.mp4"', sync.headers["content-disposition"])
     job = _post(base, "/v1/videos", json={"prompt": "a cat", **VIDEO}).json()
     assert came_true(lambda: httpx.get(f"{base}/v1/videos/{job['id']}", timeout=60).json()["status"] == "completed")
     download = httpx.get(f"{base}/v1/videos/{job['id']}/content", timeout=60)

@@ -99,7 +99,7 @@ async def create_chat_completion(
     answer_id = f"chatcmpl-{uuid.uuid4().hex}"
     if video:
         assert isinstance(request, VideoGenerationRequest), "a video model's chat is a Videos request"
-        content = await videos_api.run_sync(raw_request, state, request, read_images, timer)
+        content = await videos_api.run_sync(raw_request, state, request, read_images, timer, videos_api.new_video_id())
         if content is None:
             return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
         part = ChatMediaPart(type="video_url", video_url=ChatMediaURL(url=_data_url("video/mp4", content)))

@@ -143,7 +143,7 @@ def _start(
 ) -> VideoObject:
     """A new job for an admitted request, stored and running: its first view."""
     job = VideoJob(
-        id=f"video_{secrets.token_hex(16)}",
+        id=new_video_id(),
         model=body.model or state.serving.served_model_names[0],
         prompt=body.prompt,
         admitted=admitted,
@@ -184,13 +184,15 @@ async def create_video_sync(raw_request: Request) -> Response:
         metrics.video_requests.labels("invalid").inc()
         raise
     try:
-        content = await run_sync(raw_request, state, body, _upload_reader(state, references, reference), timer)
+        request_id = new_video_id()
+        reader = _upload_reader(state, references, reference)
+        content = await run_sync(raw_request, state, body, reader, timer, request_id)
     finally:
         for upload in references:  # its spooled file
             await upload.close()
     if content is None:
         return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
-    return Response(content, media_type="video/mp4")
+    return Response(content, media_type="video/mp4", headers=attachment(f"{request_id}.mp4"))
 
 
 async def remix_video(video_id: str, raw_request: Request) -> VideoObject:
@@ -372,20 +374,26 @@ def _upload_reader(
     return lambda: read_images(references, "input_reference", state.serving)
 
 
+def new_video_id() -> str:
+    """A video request's id, as a job's and a synchronous answer's filename show it."""
+    return f"video_{secrets.token_hex(16)}"
+
+
 async def run_sync(
     raw_request: Request,
     state: ServerState,
     body: VideoGenerationRequest,
     read_image: Callable[[], Awaitable[list[Image.Image]]] | None,
     timer: metrics.PhaseTimer,
+    request_id: str,
 ) -> bytes | None:
-    """Admit the request, run it and return its MP4 (``/v1/videos/sync``, and chat completions of a video model),
-    counted as a video request; ``None`` when the client went away first (the request was aborted)."""
+    """Admit the request as ``request_id``, run it and return its MP4 (``/v1/videos/sync``, and chat completions of
+    a video model), counted as a video request; ``None`` when the client went away first (the request was
+    aborted)."""
     outcome = "invalid"
     try:
         admitted = await accept(state, body, read_image, timer, sync=True)
         outcome = "failed"
-        request_id = f"video_{secrets.token_hex(16)}"
         report_ignored(raw_request, body, admitted, "videos", request_id)
         generation = state.loaded_omni.generate(body.prompt, admitted, request_id=request_id)
         try:
