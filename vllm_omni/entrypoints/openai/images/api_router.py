@@ -49,7 +49,7 @@ from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask
 
 if TYPE_CHECKING:
-    from vllm_omni.orchestrator.omni_engine import AdmittedParams
+    from vllm_omni.sampling_params import AdmittedParams
 
 
 class _ImagesRoute(APIRoute):
