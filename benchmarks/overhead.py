@@ -115,9 +115,9 @@ def serve_stub(port: int, size: str, busy_ms: float) -> None:
     from vllm_omni.config.serving import ServingConfig
     from vllm_omni.diffusion.families.model_card import ModelCard
     from vllm_omni.entrypoints.openai.app import build_app
-    from vllm_omni.orchestrator.omni_engine import AdmittedParams
     from vllm_omni.orchestrator.stage_runtime import StageHealth
     from vllm_omni.outputs import OmniRequestOutput, RequestMetrics
+    from vllm_omni.sampling_params import AdmittedParams
 
     width, height = map(int, size.split("x"))
     pixels = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)

@@ -1,5 +1,5 @@
-"""The errors a request can end with, public and raised by every layer; picklable, so that they cross to a Ray
-replica and back with their fields."""
+"""The errors a request or a control verb (``add_lora``, ``sleep``, ``start_profile``, ...) can end with, public and
+raised by every layer; picklable, so that they cross to a Ray replica and back with their fields."""
 
 from __future__ import annotations
 
@@ -79,3 +79,25 @@ class WeightUpdateError(ValueError):
 
     def __reduce__(self):  # pickled across processes (Ray replicas) with both arguments
         return type(self), (self.param, str(self))
+
+
+class LoraLoadError(ValueError):
+    """An adapter that cannot be served (``add_lora``, ``/v1/load_lora_adapter``); the message names its file."""
+
+
+class SleepModeError(ValueError):
+    """A ``sleep`` level or ``wake_up`` tag that is not vLLM's, or level 2 on a stage that cannot drop its weights
+    (sequential CPU offload, a GGUF denoiser); ``param`` names the argument (``level`` or ``tags``) and the message
+    the allowed values."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickled across processes (Ray replicas) with both arguments
+        return type(self), (self.param, str(self))
+
+
+class ProfilerStateError(RuntimeError):
+    """A profile was asked for in the wrong state: not enabled, started twice, or stopped without a start. The
+    message says what to do."""

@@ -1,12 +1,18 @@
-"""How to generate: the sampling parameters of a diffusion request (`OmniDiffusionSamplingParams`) and their limits.
-Public, and imported by every layer (the HTTP APIs, the engines, the steppers); it imports nothing of the package."""
+"""How to generate: the sampling parameters of a diffusion request (`OmniDiffusionSamplingParams`), their limits,
+and the parameters once admitted (`AdmittedParams`). Public, and imported by every layer (the HTTP APIs, the engines,
+the steppers); it imports nothing of the package (but `IgnoredField` of outputs.py, for type checking only)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+if TYPE_CHECKING:
+    from vllm_omni.outputs import IgnoredField
 
 MAX_SEED = 2**63 - 1
 
@@ -19,6 +25,9 @@ MAX_LORA_SCALE = 8.0
 
 MAX_PARTIAL_IMAGES = 3
 """Most previews one request may ask for (OpenAI's limit)."""
+
+DEFAULT_VIDEO_FPS = 16
+"""Frame rate a video is reported at when the request gives none (``fps``; Wan models are trained at 16 fps)."""
 
 
 class LoraChoice(BaseModel):
@@ -166,3 +175,17 @@ class OmniDiffusionSamplingParams(BaseModel):
 
 ImageTask = Literal["text", "image", "inpaint", "video"]
 """What a request asks of the model (`OmniDiffusionSamplingParams.task`)."""
+
+
+@dataclass(frozen=True)
+class AdmittedParams:
+    """Sampling parameters every stage has admitted: complete (the model's defaults filled in, the seed drawn),
+    checked, and the batch key each stage gives them. Made once per request (`AsyncOmni.admit`,
+    `OmniEngine.admit`); ``generate`` takes them as they are."""
+
+    params: OmniDiffusionSamplingParams
+    keys: tuple[Hashable, ...]
+    """One batch key per stage, in request order."""
+    ignored: tuple[IgnoredField, ...] = ()
+    """The request's fields that the model would not use, dropped from ``params``: its caller reports them (the
+    HTTP layer's ``Warning`` header, log line and counter; `OmniBase`'s warning)."""

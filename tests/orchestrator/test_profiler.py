@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from vllm_omni.config.profiler import profiler_config
+from vllm_omni.errors import ProfilerStateError
 from vllm_omni.orchestrator.engine_profiler import EngineProfiler
-from vllm_omni.orchestrator.profiler import ProcessProfiler, ProfilerStateError, trace_name
+from vllm_omni.orchestrator.profiler import ProcessProfiler, trace_name
 
 
 @pytest.fixture

@@ -11,10 +11,9 @@ from vllm_omni.diffusion.features.previews import previews_until
 from vllm_omni.diffusion.features.weights import Weights
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestAbortedError
-from vllm_omni.orchestrator.omni_engine import AdmittedParams
 from vllm_omni.orchestrator.replica import warm_up_params
 from vllm_omni.outputs import OmniRequestOutput, Preview
-from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+from vllm_omni.sampling_params import AdmittedParams, OmniDiffusionSamplingParams
 
 
 class AsyncOmni(OmniBase):

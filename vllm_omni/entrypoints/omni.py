@@ -9,9 +9,8 @@ from typing import Any
 from vllm_omni.diffusion.features.weights import Weights
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestFailedError
-from vllm_omni.orchestrator.omni_engine import AdmittedParams
 from vllm_omni.outputs import OmniRequestOutput
-from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+from vllm_omni.sampling_params import AdmittedParams, OmniDiffusionSamplingParams
 
 Params = OmniDiffusionSamplingParams | AdmittedParams
 """Sampling parameters, or parameters `admit` completed already."""
@@ -112,12 +111,14 @@ class Omni(OmniBase):
         running batch, then stops starting requests; requests given meanwhile wait for `wake_up`. ``level`` 0 only
         pauses, 1 also moves the weights to CPU memory (where a CPU stage has them already), 2 drops them
         (`wake_up` reloads from the model's files whatever `update_weights` has not set meanwhile). Returns once
-        every replica sleeps; sleeping again at the same or a lower level changes nothing."""
+        every replica sleeps; sleeping again at the same or a lower level changes nothing. Raises `SleepModeError`
+        for a level that is not one of those, or level 2 on a stage that cannot drop its weights."""
         self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake the memory of ``tags`` (vLLM's: ``weights``, ``kv_cache``, ``scheduling``; ``None``: all); once none
-        sleeps, requests start again. Returns once every replica has; harmless when awake."""
+        sleeps, requests start again. Returns once every replica has; harmless when awake. Raises `SleepModeError`
+        for another tag."""
         self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:

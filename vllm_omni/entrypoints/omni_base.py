@@ -20,11 +20,12 @@ from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.profiler import profiler_config as checked_profiler_config
 from vllm_omni.config.resolver import check_model, check_model_folder
 from vllm_omni.diffusion.lora.tensors import LoraTensors
+from vllm_omni.diffusion.pipeline.runner import read_model_index
 from vllm_omni.logger import init_logger
 from vllm_omni.model_sources.files import local_model_folder
 from vllm_omni.orchestrator.engine_profiler import EngineProfiler
-from vllm_omni.orchestrator.omni_engine import AdmittedParams, OmniEngine
-from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+from vllm_omni.orchestrator.omni_engine import OmniEngine
+from vllm_omni.sampling_params import AdmittedParams, OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.families.model_card import ModelCard
@@ -173,6 +174,11 @@ class OmniBase:
     def model_card(self) -> ModelCard:
         """What the served model takes (its tasks, sizes, defaults), as the stage that holds the denoiser read it."""
         return self.engine.model_card
+
+    def model_index(self) -> dict[str, Any]:
+        """The served folder's ``model_index.json`` (its pipeline class, and each component's ``[library, class]``),
+        for a caller that loads a component itself (the HTTP server's tokenizer that counts a prompt's tokens)."""
+        return read_model_index(self.model)
 
     @property
     def lora_adapters(self) -> list[LoRAModulePath]:

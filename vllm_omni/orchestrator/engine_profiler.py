@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 from vllm_omni.config import STAGE_TYPES
 from vllm_omni.config.profiler import profiling
 from vllm_omni.config.vllm_device import set_device_hint
+from vllm_omni.errors import ProfilerStateError
 from vllm_omni.logger import init_logger
-from vllm_omni.orchestrator.profiler import PROCESS_PROFILER, ProfilerStateError, trace_name
+from vllm_omni.orchestrator.profiler import PROCESS_PROFILER, trace_name
 from vllm_omni.orchestrator.replica import Replica, ReplicaLostError
 
 if TYPE_CHECKING:

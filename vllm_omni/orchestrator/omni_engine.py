@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import secrets
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,23 +29,10 @@ from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.orchestrator.replica import ReplicaLostError
 from vllm_omni.orchestrator.stage_runtime import StageHealth, StageRuntime, wait
 from vllm_omni.orchestrator.weight_updates import WeightUpdates
-from vllm_omni.outputs import IgnoredField, Preview, StageMetrics, across_stages
-from vllm_omni.sampling_params import MAX_SEED, LoraSelection, OmniDiffusionSamplingParams
+from vllm_omni.outputs import Preview, StageMetrics, across_stages
+from vllm_omni.sampling_params import MAX_SEED, AdmittedParams, LoraSelection, OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
-
-
-@dataclass(frozen=True)
-class AdmittedParams:
-    """Sampling parameters every stage has admitted: complete (the model's defaults filled in, the seed drawn),
-    checked, and the batch key each stage gives them. Made once per request (`OmniEngine.admit`)."""
-
-    params: OmniDiffusionSamplingParams
-    keys: tuple[Hashable, ...]
-    """One batch key per stage, in request order."""
-    ignored: tuple[IgnoredField, ...] = ()
-    """The request's fields that the model would not use, dropped from ``params``: its caller reports them (the
-    HTTP layer's ``Warning`` header, log line and counter; `OmniBase`'s warning)."""
 
 
 @dataclass(eq=False)

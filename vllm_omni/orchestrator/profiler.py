@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from vllm_omni.diffusion.engine.control import handler
+from vllm_omni.errors import ProfilerStateError
 from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
@@ -26,11 +27,6 @@ if TYPE_CHECKING:
     from vllm.config import ProfilerConfig
 
 logger = init_logger(__name__)
-
-
-class ProfilerStateError(RuntimeError):
-    """A profile was asked for in the wrong state: not enabled, started twice, or stopped without a start. The
-    message says what to do."""
 
 
 def trace_name(role: str, prefix: str | None = None) -> str:

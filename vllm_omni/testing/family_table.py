@@ -39,8 +39,7 @@ FEATURES = (
 
 def _refusal(check: Callable[[], object]) -> str | None:
     """The message of the error ``check`` raises, ``None`` when it raises none."""
-    from vllm_omni.diffusion.lora.adapters import LoraLoadError
-    from vllm_omni.errors import SamplingParamsError
+    from vllm_omni.errors import LoraLoadError, SamplingParamsError
 
     try:
         check()

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni.diffusion.lora.adapters import LoraAdapters, LoraLoadError
+from vllm_omni.diffusion.lora.adapters import LoraAdapters
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
+from vllm_omni.errors import LoraLoadError
 from vllm_omni.sampling_params import LoraSelection
 from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES, stock_lora_images, write_random_lora
 

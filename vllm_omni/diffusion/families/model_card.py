@@ -28,10 +28,7 @@ from vllm_omni.diffusion.families.pipeline_facts import (
 from vllm_omni.diffusion.features.sde import SDE_ARGS, steps_flow_euler
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.outputs import IgnoredField
-from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
-
-DEFAULT_VIDEO_FPS = 16
-"""Frame rate a video is reported at when the request gives none (Wan models are trained at 16 fps)."""
+from vllm_omni.sampling_params import DEFAULT_VIDEO_FPS, MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
 
 _PLAIN = (int, float, str, bool)
 ENGINE_ARGS = SDE_ARGS | {"flow_shift"}

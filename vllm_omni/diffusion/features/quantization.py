@@ -21,7 +21,7 @@ from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.config.resolver import knob_as_written
 from vllm_omni.diffusion.features.gguf import gguf_components
 from vllm_omni.diffusion.pipeline.components import DENOISERS
-from vllm_omni.errors import WeightUpdateError
+from vllm_omni.errors import SleepModeError, WeightUpdateError
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
@@ -239,12 +239,13 @@ class QuantizationPlan:
         ]
 
     def check_sleep(self, level: int) -> None:
-        """Refuse level 2 where a component's files cannot give back the weights it holds (ValueError)."""
+        """Refuse level 2 where a component's files cannot give back the weights it holds (`SleepModeError`)."""
         fixed = self._fixed(self.quantized)
         if level == 2 and fixed:
-            raise ValueError(
+            raise SleepModeError(
+                "level",
                 f"level 2 drops the weights and wake_up reloads them from the model's files, which do not hold "
-                f"{', '.join(f'{n} as it runs ({self.quantized[n]})' for n in fixed)}: use level 1"
+                f"{', '.join(f'{n} as it runs ({self.quantized[n]})' for n in fixed)}: use level 1",
             )
 
     def check_update(self, component: str) -> None:

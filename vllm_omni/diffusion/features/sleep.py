@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.engine.control import done, handler
+from vllm_omni.errors import SleepModeError
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -41,29 +42,32 @@ _MEMORY_TAGS = frozenset({"weights", "kv_cache"})
 
 
 def check_level(level: object, cpu_offload: str = "none", quantization: str = "none") -> int:
-    """``level`` if it is one of `SLEEP_LEVELS`, else ValueError naming the allowed values (and level 2 under
+    """``level`` if it is one of `SLEEP_LEVELS`, else `SleepModeError` naming the allowed values (and level 2 under
     sequential CPU offload, whose hooks hold the weights where it cannot drop them, or of a GGUF model, whose
     denoiser has no safetensors files to reload from)."""
     if not isinstance(level, int) or isinstance(level, bool) or level not in SLEEP_LEVELS:
-        raise ValueError(f"level must be one of {', '.join(map(str, SLEEP_LEVELS))}; got {level!r}")
+        raise SleepModeError("level", f"level must be one of {', '.join(map(str, SLEEP_LEVELS))}; got {level!r}")
     if level == 2 and cpu_offload == "sequential":
-        raise ValueError("level 2 cannot drop weights that cpu_offload='sequential' holds in its hooks; use level 1")
+        raise SleepModeError(
+            "level", "level 2 cannot drop weights that cpu_offload='sequential' holds in its hooks; use level 1"
+        )
     if level == 2 and quantization == "gguf":
-        raise ValueError(
+        raise SleepModeError(
+            "level",
             "level 2 drops the weights and wake_up reloads them from each component's safetensors files; the GGUF "
-            "denoiser (quantization 'gguf') has none, only its .gguf file's quantized blocks: use level 1"
+            "denoiser (quantization 'gguf') has none, only its .gguf file's quantized blocks: use level 1",
         )
     return level
 
 
 def check_tags(tags: Iterable[str] | None) -> list[str] | None:
-    """``tags`` as a list (``None``: every tag), or ValueError naming the allowed values."""
+    """``tags`` as a list (``None``: every tag), or `SleepModeError` naming the allowed values."""
     if tags is None:
         return None
     tags = [tags] if isinstance(tags, str) else list(tags)
     unknown = [tag for tag in tags if tag not in WAKE_TAGS]
     if unknown:
-        raise ValueError(f"tags must be among {', '.join(WAKE_TAGS)}; got {unknown[0]!r}")
+        raise SleepModeError("tags", f"tags must be among {', '.join(WAKE_TAGS)}; got {unknown[0]!r}")
     return tags
 
 

@@ -31,6 +31,7 @@ import torch
 from vllm_omni.diffusion.engine.control import handler
 from vllm_omni.diffusion.lora.tensors import TENSOR_SOURCE, LoraTensors, adapter_metadata
 from vllm_omni.diffusion.pipeline.components import DENOISERS, TEXT_ENCODERS
+from vllm_omni.errors import LoraLoadError
 from vllm_omni.logger import init_logger
 from vllm_omni.sampling_params import LoraSelection
 
@@ -76,10 +77,6 @@ def no_lora_loader(pipeline_class: type) -> str | None:
     if callable(getattr(pipeline_class, "load_lora_weights", None)):
         return None
     return f"{pipeline_class.__name__} has no load_lora_weights (it is none of diffusers' LoRA loader pipelines)"
-
-
-class LoraLoadError(ValueError):
-    """An adapter that cannot be served; the message names its file."""
 
 
 class LoraAdapters:

@@ -34,7 +34,7 @@ from vllm_omni.diffusion.features.sde import SdeSettings
 from vllm_omni.diffusion.parallel.cfg import enable_cfg_parallel
 from vllm_omni.diffusion.parallel.vae_patch import enable_vae_patch_parallel
 from vllm_omni.diffusion.pipeline.components import loaded_denoisers
-from vllm_omni.errors import SamplingParamsError, WeightUpdateError
+from vllm_omni.errors import SamplingParamsError, SleepModeError, WeightUpdateError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
@@ -389,7 +389,9 @@ class RanksExtension:
         if self.group is None:
             return
         if verb == "sleep":
-            raise ValueError("sleep: a replica of several ranks (the stage's parallel degrees) cannot sleep yet")
+            raise SleepModeError(
+                "level", "sleep: a replica of several ranks (the stage's parallel degrees) cannot sleep yet"
+            )
         if verb == "update_weights":
             raise WeightUpdateError(
                 None, "a replica of several ranks (the stage's parallel degrees) cannot update weights yet"

@@ -144,25 +144,9 @@ def make_serve_parser(prog: str):
     """vLLM's own serve parser (FlexibleArgumentParser + its serve arguments) with an 'Omni' group added."""
     set_device_hint()
     from vllm.entrypoints.common.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    class OmniServeParser(FlexibleArgumentParser):
-        def format_help(self) -> str:
-            """vLLM's help lists its groups by name; the Omni group's flags are listed in full below them."""
-            text = super().format_help()
-            if self._search_keyword is not None:
-                return text
-            formatter = self._get_formatter()
-            for group in self._action_groups:
-                if group.title == "Omni":
-                    formatter.start_section(group.title)
-                    formatter.add_text(group.description)
-                    formatter.add_arguments(group._group_actions)
-                    formatter.end_section()
-            return text + "\n" + formatter.format_help()
 
     parser = make_arg_parser(
-        OmniServeParser(
+        _omni_serve_parser_class()(
             prog=prog,
             description="Serve a diffusion model (a diffusers folder, a Hugging Face repo id or a single-file "
             "checkpoint) with OpenAI's Images and Videos APIs.",
@@ -186,7 +170,45 @@ def make_serve_parser(prog: str):
         help="For a single-file checkpoint MODEL: the diffusers folder or Hugging Face repo id that supplies its "
         "configs and the components the file lacks (default: the repo diffusers infers from the file).",
     )
-    for name in _OMNI_STAGE_FLAGS:  # every stage knob declared with an omni flag (`Knob.flag`)
+    _add_stage_knob_flags(omni)
+    omni.add_argument(
+        "--stage-overrides",
+        type=_stage_overrides,
+        metavar="JSON",
+        help='Per-stage knobs that beat every other layer, e.g. \'{"0": {"max_num_seqs": 8}}\'.',
+    )
+    _add_serving_flags(omni)
+    return parser
+
+
+def _omni_serve_parser_class() -> type[argparse.ArgumentParser]:
+    """vLLM's FlexibleArgumentParser with the Omni group's flags in its ``--help``; made on use, because vLLM's
+    parser module is imported only once a server is wanted (seconds of imports)."""
+    set_device_hint()  # before every import of vLLM (a hint already set stays)
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class OmniServeParser(FlexibleArgumentParser):
+        def format_help(self) -> str:
+            """vLLM's help lists its groups by name; the Omni group's flags are listed in full below them."""
+            text = super().format_help()
+            if self._search_keyword is not None:
+                return text
+            formatter = self._get_formatter()
+            for group in self._action_groups:
+                if group.title == "Omni":
+                    formatter.start_section(group.title)
+                    formatter.add_text(group.description)
+                    formatter.add_arguments(group._group_actions)
+                    formatter.end_section()
+            return text + "\n" + formatter.format_help()
+
+    return OmniServeParser
+
+
+def _add_stage_knob_flags(omni: typing.Any) -> None:
+    """A flag for every stage knob declared with an omni flag (`Knob.flag`), typed from its field, so that a knob
+    added to `StageDeployConfig` is a flag without more code here."""
+    for name in _OMNI_STAGE_FLAGS:
         info = StageDeployConfig.model_fields[name]
         kind = info.annotation
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: the flag gives an X
@@ -209,12 +231,11 @@ def make_serve_parser(prog: str):
             help=_knob_help(info.description),
             metavar=None if choices else KNOBS[name].metavar or "N",
         )
-    omni.add_argument(
-        "--stage-overrides",
-        type=_stage_overrides,
-        metavar="JSON",
-        help='Per-stage knobs that beat every other layer, e.g. \'{"0": {"max_num_seqs": 8}}\'.',
-    )
+
+
+def _add_serving_flags(omni: typing.Any) -> None:
+    """The flags of the `ServingConfig` fields that only the Omni group sets (`_OMNI_SERVING_FLAGS`, then
+    ``--quality-steps``), their help the fields' docstrings."""
     for name in _OMNI_SERVING_FLAGS:
         info = ServingConfig.model_fields[name]
         if info.annotation is bool:  # a switch (argparse's type=bool would read "False" as true)
@@ -235,7 +256,6 @@ def make_serve_parser(prog: str):
         help=_knob_description("quality_steps")
         + " Levels: low, medium, high; e.g. low=4,medium=14,high=28 or '{\"high\": 40}'.",
     )
-    return parser
 
 
 def parse_serve_args(parser, argv: list[str]) -> tuple[argparse.Namespace, set[str]]:
@@ -252,6 +272,31 @@ def parse_serve_args(parser, argv: list[str]) -> tuple[argparse.Namespace, set[s
 
 def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, explicit: set[str]):
     """Check the flags and resolve the stage configs; ``parser.error`` (exit 2) names the flag on any problem."""
+    _check_vllm_flags(parser, explicit)
+    model, source = _model_source(parser, args, explicit)
+    try:
+        stage_configs = resolve_stage_configs(
+            args.deploy_config,
+            global_knobs={k: v for k, v in _stage_knobs(args, explicit).items() if v is not None},
+            global_source="cli",
+            stage_overrides=args.stage_overrides,
+            model=source,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    serving = _serving_config(parser, args, model)
+    for stage in stage_configs:
+        if serving.max_waiting_requests < stage.max_num_seqs:
+            parser.error(
+                f"--max-waiting-requests {serving.max_waiting_requests} is below max_num_seqs={stage.max_num_seqs} "
+                f"of stage {stage.stage_id}: full batches could never form"
+            )
+    return source, stage_configs, serving
+
+
+def _check_vllm_flags(parser: argparse.ArgumentParser, explicit: set[str]) -> None:
+    """Refuse a vLLM flag that a diffusion server does not use, so that none is silently ignored; log those that
+    upstream's docs pass and that change nothing here (`_NO_EFFECT_VLLM_FLAGS`)."""
     omni_dests = {a.dest for group in parser._action_groups if group.title == "Omni" for a in group._group_actions}
     unused_dests = explicit - _USED_VLLM_FLAGS - omni_dests
     unused = sorted(a.option_strings[0] for a in parser._actions if a.dest in unused_dests - _NO_EFFECT_VLLM_FLAGS)
@@ -264,6 +309,12 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
     if no_effect:
         logger.info("%s: vLLM flag(s) that have no effect on a diffusion server; ignored", ", ".join(no_effect))
 
+
+def _model_source(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, explicit: set[str]
+) -> tuple[str, ModelSource]:
+    """The model as given (``vllm serve MODEL``, or vLLM's ``--model``) and its `ModelSource` with vLLM's
+    ``--revision``, ``--download-dir`` and ``--hf-token``, checked before anything loads."""
     model = args.model_tag or (args.model if "model" in explicit else None)
     if not model:
         parser.error(
@@ -279,7 +330,12 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
         )
     except ValueError as exc:
         parser.error(str(exc))
+    return model, source
 
+
+def _stage_knobs(args: argparse.Namespace, explicit: set[str]) -> dict:
+    """The stage knobs the flags give, for the resolver (source ``cli``): the Omni group's, and those of vLLM's
+    flags that mean a knob here, taken only when given (vLLM's defaults are not ours)."""
     given = {name: getattr(args, name) for name in ("max_num_seqs", "distributed_executor_backend", *_OMNI_STAGE_FLAGS)}
     if "dtype" in explicit:
         given["dtype"] = _VLLM_DTYPES.get(args.dtype, args.dtype)
@@ -297,17 +353,12 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
         given["lora_modules"] = [
             {"name": m.name, "path": m.path, "base_model_name": m.base_model_name} for m in args.lora_modules or ()
         ]
-    try:
-        stage_configs = resolve_stage_configs(
-            args.deploy_config,
-            global_knobs={k: v for k, v in given.items() if v is not None},
-            global_source="cli",
-            stage_overrides=args.stage_overrides,
-            model=source,
-        )
-    except (ValueError, FileNotFoundError) as exc:
-        parser.error(str(exc))
+    return given
 
+
+def _serving_config(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str) -> ServingConfig:
+    """The HTTP server's settings from vLLM's flags (host, port, API keys, CORS, TLS, ...) and the Omni group's;
+    a value `ServingConfig` refuses is named by its flag."""
     try:
         profiler = profiler_config(args.profiler_config)  # vLLM's parser read the JSON or dotted form
     except ValueError as exc:
@@ -335,16 +386,9 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
         **{name: getattr(args, name) for name in _OMNI_SERVING_FLAGS},
     )
     try:
-        serving = ServingConfig(**values)
+        return ServingConfig(**values)
     except ValidationError as exc:
         parser.error("; ".join(_flag_problem(e) for e in exc.errors()))
-    for stage in stage_configs:
-        if serving.max_waiting_requests < stage.max_num_seqs:
-            parser.error(
-                f"--max-waiting-requests {serving.max_waiting_requests} is below max_num_seqs={stage.max_num_seqs} "
-                f"of stage {stage.stage_id}: full batches could never form"
-            )
-    return source, stage_configs, serving
 
 
 def _no_effect_flags(parser) -> list[str]:

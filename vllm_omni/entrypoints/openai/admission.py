@@ -24,7 +24,7 @@ from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.entrypoints.openai.server_state import ServerState
-    from vllm_omni.orchestrator.omni_engine import AdmittedParams
+    from vllm_omni.sampling_params import AdmittedParams
 
 
 logger = init_logger(__name__)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from vllm_omni.config import LoRAModulePath, StageDeployConfig
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.config.serving import ServingConfig
-from vllm_omni.diffusion.pipeline.runner import read_model_index
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.entrypoints.openai.images.image_store import ImageStore
 from vllm_omni.entrypoints.openai.videos.video_jobs import VideoJobs
@@ -97,17 +96,17 @@ class ServerState:
         return None
 
 
-def load_prompt_tokenizer(model: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer that counts a prompt's tokens: of the folder's tokenizers (``tokenizer``, ``tokenizer_2``, ...,
-    each of the class its ``model_index.json`` names), the one with the longest ``model_max_length``, the first on a
-    tie: T5 for Flux and SD3, UMT5 for Wan, Qwen2 for Qwen-Image, the first CLIP for SD and SDXL. ``None`` if it has
-    none."""
+def load_prompt_tokenizer(omni: AsyncOmni) -> PreTrainedTokenizerBase | None:
+    """The tokenizer that counts a prompt's tokens: of the served folder's tokenizers (``tokenizer``,
+    ``tokenizer_2``, ..., each of the class its ``model_index.json`` names: `AsyncOmni.model_index`), the one with
+    the longest ``model_max_length``, the first on a tie: T5 for Flux and SD3, UMT5 for Wan, Qwen2 for Qwen-Image,
+    the first CLIP for SD and SDXL. ``None`` if it has none."""
     tokenizers = []
-    for name, component in sorted(read_model_index(model).items()):
+    for name, component in sorted(omni.model_index().items()):
         if name.startswith("tokenizer") and isinstance(component, list) and None not in component:
             library, class_name = component
             tokenizer_class = getattr(importlib.import_module(library), class_name)
-            tokenizers.append(tokenizer_class.from_pretrained(os.path.join(model, name)))
+            tokenizers.append(tokenizer_class.from_pretrained(os.path.join(omni.model, name)))
     return max(tokenizers, key=lambda tokenizer: tokenizer.model_max_length, default=None)
 
 
@@ -123,7 +122,7 @@ async def load_and_warm_up(state: ServerState) -> None:
         )
         state.omni = omni
         if not omni.model_card.is_video:
-            state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, omni.model)
+            state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, omni)
         for stage in state.stage_configs:
             metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(
                 stage.max_num_seqs

@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
-from vllm_omni.diffusion.lora.adapters import LoraLoadError
 from vllm_omni.entrypoints.openai.checks import check_api_key
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import (
@@ -21,7 +20,7 @@ from vllm_omni.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from vllm_omni.entrypoints.openai.server_state import ServerState
-from vllm_omni.errors import UnknownLoraError
+from vllm_omni.errors import LoraLoadError, UnknownLoraError
 
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 

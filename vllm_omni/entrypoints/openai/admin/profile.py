@@ -15,8 +15,8 @@ from vllm_omni.entrypoints.openai.checks import check_api_key, check_query
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import ErrorResponse
 from vllm_omni.entrypoints.openai.server_state import ServerState
+from vllm_omni.errors import ProfilerStateError
 from vllm_omni.logger import init_logger
-from vllm_omni.orchestrator.profiler import ProfilerStateError
 
 logger = init_logger(__name__)
 

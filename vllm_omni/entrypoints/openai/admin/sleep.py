@@ -11,11 +11,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from vllm_omni.diffusion.features.sleep import check_level, check_tags
 from vllm_omni.entrypoints.openai.checks import check_api_key, check_query
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import ErrorResponse
 from vllm_omni.entrypoints.openai.server_state import ServerState
+from vllm_omni.errors import SleepModeError
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -36,13 +36,15 @@ def _ready(raw_request: Request) -> ServerState:
     return state
 
 
-def _bad(param: str, error: ValueError) -> APIError:
-    return APIError(400, str(error), param=param, code="invalid_value")
+def _bad(error: SleepModeError) -> APIError:
+    """The engines' refusal of a level or tags (`AsyncOmni.sleep` and ``wake_up`` check them), as a 400 naming it."""
+    return APIError(400, str(error), param=error.param, code="invalid_value")
 
 
-async def _level(raw_request: Request, query: str | None) -> int:
-    """The ``level`` of the query, else of a JSON body (``{"level": 2}``, a JSON number), else 1."""
-    level: object = 1
+async def _level(raw_request: Request, query: str | None) -> Any:
+    """The ``level`` of the query, else of a JSON body (``{"level": 2}``, a JSON number), else 1; as the client
+    wrote it, for `AsyncOmni.sleep` to check."""
+    level: Any = 1
     if query is not None:
         level = int(query) if query.strip().lstrip("-").isdigit() else query
     body = await raw_request.body()
@@ -58,10 +60,7 @@ async def _level(raw_request: Request, query: str | None) -> int:
             message = f"Unrecognized request argument supplied: {extra[0]}"
             raise APIError(400, message, param=extra[0], code="unknown_parameter")
         level = fields.get("level", 1)
-    try:
-        return check_level(level)
-    except ValueError as exc:
-        raise _bad("level", exc) from None
+    return level
 
 
 async def sleep(raw_request: Request, level: Annotated[str | None, Query()] = None) -> JSONResponse:
@@ -70,19 +69,19 @@ async def sleep(raw_request: Request, level: Annotated[str | None, Query()] = No
     value = await _level(raw_request, level)
     try:
         await state.loaded_omni.sleep(value)
-    except ValueError as exc:  # level 2 on a stage that cannot drop its weights
-        raise _bad("level", exc) from None
+    except SleepModeError as exc:  # not one of vLLM's levels, or level 2 on a stage that cannot drop its weights
+        raise _bad(exc) from None
     return JSONResponse({"status": "sleeping", "level": value})
 
 
 async def wake_up(raw_request: Request, tags: Annotated[list[str] | None, Query()] = None) -> JSONResponse:
     """Wake the memory of ``tags`` (repeated: ``?tags=weights&tags=kv_cache``; none: all)."""
     state = _ready(raw_request)
+    tags = tags or None
     try:
-        tags = check_tags(tags or None)
-    except ValueError as exc:
-        raise _bad("tags", exc) from None
-    await state.loaded_omni.wake_up(tags)
+        await state.loaded_omni.wake_up(tags)
+    except SleepModeError as exc:  # not among vLLM's tags
+        raise _bad(exc) from None
     return JSONResponse({"status": "sleeping" if await state.loaded_omni.is_sleeping() else "awake", "tags": tags})
 
 

@@ -45,11 +45,11 @@ from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.entrypoints.openai.uploads import form_files, openai_mask, read_images
 from vllm_omni.errors import RequestFailedError
 from vllm_omni.metrics import prometheus as metrics
-from vllm_omni.outputs import IgnoredField
-from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask
+from vllm_omni.outputs import IgnoredField, OmniRequestOutput
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
-    from vllm_omni.orchestrator.omni_engine import AdmittedParams
+    from vllm_omni.sampling_params import AdmittedParams
 
 
 class _ImagesRoute(APIRoute):
@@ -318,39 +318,64 @@ async def _respond(
             outcome = "aborted"
             raise APIError(503, "The request was aborted", code="aborted")
         timer.mark_engine(output, admitted.params)
-
-        b64 = body.response_format == "b64_json"
-        texts: list[str] = []
-        files: list[bytes] = []
-        if b64:
-            texts = await encode_images(output.images, body, True)
-        else:
-            files = await encode_images(output.images, body, False)
-        timer.mark("encoding")
-        if body.response_format == "file":
-            outcome = "completed"
-            return files_response(files, body.output_format, request_id)
-        # The prompt the images were made from: the llm stage's, or the request's own (as DALL·E 3 answers).
-        revised_prompt = output.revised_prompt or body.prompt
-        log_probs = output_log_probs(output)
-        if b64:
-            data = [
-                ImageData(b64_json=text, revised_prompt=revised_prompt, log_probs=lp)
-                for text, lp in zip(texts, log_probs, strict=True)
-            ]
-        else:
-            data = []
-            for payload, lp in zip(files, log_probs, strict=True):
-                image_id = state.store.put(payload, MEDIA_TYPES[body.output_format])
-                if image_id is None:
-                    raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
-                url = str(raw_request.url_for("get_image", image_id=image_id))
-                data.append(ImageData(url=url, revised_prompt=revised_prompt, log_probs=lp))
+        answer = await _answer(raw_request, body, admitted.params, output, request_id)
         outcome = "completed"
-        return ImageGenerationResponse(data=data, **response_fields(state, body, admitted.params, output))
+        return answer
     finally:
         if outcome is not None:
             metrics.image_requests.labels(outcome).inc()
+
+
+async def _answer(
+    raw_request: Request,
+    body: ImageGenerationRequest,
+    params: OmniDiffusionSamplingParams,
+    output: OmniRequestOutput,
+    request_id: str,
+) -> ImageGenerationResponse | Response:
+    """The finished request's images as ``response_format`` asks: the files themselves, base64 in JSON, or URLs of
+    the image store; their encoding timed as its own phase."""
+    state: ServerState = raw_request.app.state.server
+    b64 = body.response_format == "b64_json"
+    texts: list[str] = []
+    files: list[bytes] = []
+    if b64:
+        texts = await encode_images(output.images, body, True)
+    else:
+        files = await encode_images(output.images, body, False)
+    raw_request.scope[_TIMER].mark("encoding")
+    if body.response_format == "file":
+        return files_response(files, body.output_format, request_id)
+    # The prompt the images were made from: the llm stage's, or the request's own (as DALL·E 3 answers).
+    revised_prompt = output.revised_prompt or body.prompt
+    log_probs = output_log_probs(output)
+    if b64:
+        data = [
+            ImageData(b64_json=text, revised_prompt=revised_prompt, log_probs=lp)
+            for text, lp in zip(texts, log_probs, strict=True)
+        ]
+    else:
+        data = [
+            _stored(raw_request, body, payload, revised_prompt, lp)
+            for payload, lp in zip(files, log_probs, strict=True)
+        ]
+    return ImageGenerationResponse(data=data, **response_fields(state, body, params, output))
+
+
+def _stored(
+    raw_request: Request,
+    body: ImageGenerationRequest,
+    payload: bytes,
+    revised_prompt: str,
+    log_probs: list[float] | None,
+) -> ImageData:
+    """An image of a ``url`` answer: put in the server's image store, answered by its URL there."""
+    state: ServerState = raw_request.app.state.server
+    image_id = state.store.put(payload, MEDIA_TYPES[body.output_format])
+    if image_id is None:
+        raise APIError(500, "The image is larger than the image store; use response_format=b64_json")
+    url = str(raw_request.url_for("get_image", image_id=image_id))
+    return ImageData(url=url, revised_prompt=revised_prompt, log_probs=log_probs)
 
 
 async def get_image(image_id: str, raw_request: Request) -> Response:

@@ -62,37 +62,16 @@ async def image_events(
                 return
             except RequestFailedError as exc:
                 outcome, error = failure(exc, state)
-                yield _sse(
-                    "error", {"error": error_info(error.status, error.message, error.param, error.code).model_dump()}
-                )
+                yield _error_event(error.status, error.message, error.param, error.code)
                 return
             if output is None:
                 outcome = "aborted"
-                yield _sse("error", {"error": error_info(503, "The request was aborted", code="aborted").model_dump()})
+                yield _error_event(503, "The request was aborted", code="aborted")
                 return
             if output.finished:
                 timer.mark_engine(output, params)
-            fields = response_fields(state, body, params, output)
-            encoded = await encode_images(output.images, body, True)
-            log_probs = output_log_probs(output) if output.finished else [None] * len(encoded)
-            for i, b64 in enumerate(encoded):
-                event = {"b64_json": b64, "created_at": int(time.time()), **fields}
-                if len(encoded) > 1:
-                    event["image_index"] = i
-                if not output.finished:
-                    yield _sse(f"{kind}.partial_image", event | {"partial_image_index": output.partial_image_index})
-                    continue
-                ran = output.metrics
-                assert ran is not None, "a finished output has its metrics"
-                event["metrics"] = {
-                    "batch_size": ran.batch_size,
-                    "seed": ran.seed,
-                    "queue_ms": round(ran.queue_ms, 3),
-                    "exec_ms": round(ran.exec_ms, 3),
-                }
-                if log_probs[i] is not None:
-                    event["log_probs"] = log_probs[i]
-                yield _sse(f"{kind}.completed", event)
+            for event in await _output_events(kind, state, body, params, output):
+                yield event
             if output.finished:
                 outcome = "completed"
                 timer.mark("encoding")
@@ -109,6 +88,50 @@ async def image_events(
         # a native async generator (AsyncOmni.generate), which has ag_running; typing's AsyncGenerator has not
         if not cast(types.AsyncGeneratorType, generation).ag_running:
             await generation.aclose()
+
+
+async def _output_events(
+    kind: str,
+    state: ServerState,
+    body: ImageGenerationRequest,
+    params: OmniDiffusionSamplingParams,
+    output: OmniRequestOutput,
+) -> list[str]:
+    """One output's events, one per image (base64, encoded off the event loop): ``<kind>.partial_image`` for a
+    preview, ``<kind>.completed`` for the finished output, with its run's metrics and log-probabilities."""
+    fields = response_fields(state, body, params, output)
+    encoded = await encode_images(output.images, body, True)
+    log_probs = output_log_probs(output) if output.finished else [None] * len(encoded)
+    events = []
+    for i, b64 in enumerate(encoded):
+        event = {"b64_json": b64, "created_at": int(time.time()), **fields}
+        if len(encoded) > 1:
+            event["image_index"] = i
+        if not output.finished:
+            events.append(_sse(f"{kind}.partial_image", event | {"partial_image_index": output.partial_image_index}))
+            continue
+        event["metrics"] = _run_metrics(output)
+        if log_probs[i] is not None:
+            event["log_probs"] = log_probs[i]
+        events.append(_sse(f"{kind}.completed", event))
+    return events
+
+
+def _run_metrics(output: OmniRequestOutput) -> dict[str, Any]:
+    """What a completed event tells of the run: its batch, seed, and time queued and executing."""
+    ran = output.metrics
+    assert ran is not None, "a finished output has its metrics"
+    return {
+        "batch_size": ran.batch_size,
+        "seed": ran.seed,
+        "queue_ms": round(ran.queue_ms, 3),
+        "exec_ms": round(ran.exec_ms, 3),
+    }
+
+
+def _error_event(status: int, message: str, param: str | None = None, code: str | None = None) -> str:
+    """A failure once the stream has begun (its status is sent already): an ``error`` event with the envelope."""
+    return _sse("error", {"error": error_info(status, message, param, code).model_dump()})
 
 
 def _sse(event: str, data: dict[str, Any]) -> str:

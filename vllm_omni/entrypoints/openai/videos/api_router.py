@@ -16,7 +16,6 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.diffusion.families.model_card import DEFAULT_VIDEO_FPS
 from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
@@ -51,11 +50,11 @@ from vllm_omni.entrypoints.openai.videos.video_jobs import VideoJob, decode_mp4,
 from vllm_omni.errors import RequestFailedError, StageUnavailableError
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
-from vllm_omni.sampling_params import ImageTask
+from vllm_omni.sampling_params import DEFAULT_VIDEO_FPS, ImageTask
 
 if TYPE_CHECKING:
     from vllm_omni.entrypoints.openai.server_state import ServerState
-    from vllm_omni.orchestrator.omni_engine import AdmittedParams
+    from vllm_omni.sampling_params import AdmittedParams
 
 logger = init_logger(__name__)
 

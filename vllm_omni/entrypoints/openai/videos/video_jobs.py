@@ -17,7 +17,7 @@ from vllm_omni.metrics import prometheus as metrics
 
 if TYPE_CHECKING:
     from vllm_omni.entrypoints.async_omni import AsyncOmni
-    from vllm_omni.orchestrator.omni_engine import AdmittedParams
+    from vllm_omni.sampling_params import AdmittedParams
 
 
 def encode_mp4(frames: list[Any], fps: int) -> bytes:
