@@ -5,8 +5,8 @@ load, in one run.
     python benchmarks/llm_stage.py --reps 1 --latency-requests 4 --num-requests 8            # quicker
     python benchmarks/llm_stage.py --family flux-bench --size 256x256 --steps 8 --python-executable ''  # GPU (untested)
     python benchmarks/llm_stage.py [--model DIR] [--llm-model DIR] [--python-executable PY] [--max-tokens 16]
-        [--latency-requests 16] [--num-requests 32] [--concurrency 4] [--reps 3] [--warmup 4] [--steps 4]
-        [--size 64x64] [--batch-wait-ms 0]
+        [--enforce-eager] [--latency-requests 16] [--num-requests 32] [--concurrency 4] [--reps 3] [--warmup 4]
+        [--steps 4] [--size 64x64] [--batch-wait-ms 0]
 
 Two deploys of the same diffusion model (tiny random-weight Flux, 64x64, 4 steps, built once into
 ``--model-dir``, as the tiny Llama is) are started through `AsyncOmni`, both in this process:
@@ -57,6 +57,12 @@ LLM_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_by
 CPU_VENV_PYTHON = os.path.join(REPO, ".venv-llm-cpu", "bin", "python")
 
 
+def llm_engine_args(args) -> dict:
+    """The llm stage's vLLM engine arguments: `LLM_ENGINE_ARGS`, eager with ``--enforce-eager`` (no torch.compile
+    of the model: a replica starts about 20 s sooner on a CPU, and serves slower)."""
+    return LLM_ENGINE_ARGS | ({"enforce_eager": True} if args.enforce_eager else {})
+
+
 def deploy_config(deploy: str, args) -> DeployConfig:
     """The stages of ``deploy`` (one of `DEPLOYS`)."""
     diffusion = {
@@ -74,7 +80,7 @@ def deploy_config(deploy: str, args) -> DeployConfig:
         mode="completion",
         prompt_template=PROMPT_TEMPLATE,
         sampling={"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True},
-        engine_args=LLM_ENGINE_ARGS,
+        engine_args=llm_engine_args(args),
         max_num_seqs=LLM_MAX,
     )
     return DeployConfig(stages=[llm, StageDeployConfig(stage_id=1, inputs=(0,), **diffusion)])
@@ -245,6 +251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens the llm stage writes per request")
     parser.add_argument(
+        "--enforce-eager", action="store_true", help="the llm stage's engine runs eager (vLLM's flag: no compile)"
+    )
+    parser.add_argument(
         "--batch-wait-ms", type=float, default=0.0, help="the diffusion stage's request_batch_max_wait_ms (both)"
     )
     parser.add_argument("--latency-requests", type=int, default=16, help="sequential requests per (deploy, rep)")
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
             "llm_model": args.llm_model,
             "python_executable": args.python_executable or None,
             "prompt_template": PROMPT_TEMPLATE,
-            "llm_engine_args": LLM_ENGINE_ARGS,
+            "llm_engine_args": llm_engine_args(args),
             "max_num_seqs": {"llm": LLM_MAX, "diffusion": DIFFUSION_MAX},
         },
         "rows": rows,

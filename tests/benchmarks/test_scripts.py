@@ -235,7 +235,7 @@ def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(
     bench(
         "llm_stage",
         *("--model", tiny_flux, "--llm-model", tiny_llm, "--python-executable", llm_cpu_python),
-        *("--size", "32x32", "--steps", "2", "--max-tokens", "4", "--latency-requests", "2"),
+        *("--size", "32x32", "--steps", "2", "--max-tokens", "4", "--enforce-eager", "--latency-requests", "2"),
         *("--num-requests", "4", "--reps", "1", "--warmup", "0"),
         *("--out-dir", str(tmp_path), "--name", "smoke"),
     )
@@ -265,6 +265,7 @@ def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(
     assert summary["llm_exec_ms_mean"] > 0 and summary["llm_queue_ms_mean"] >= 0 and summary["throughput_ratio"] > 0
     assert 1 <= summary["llm_batch_mean_loaded"] <= summary["llm_batch_max_loaded"] <= 4
     assert result["config"]["python_executable"] == llm_cpu_python and result["config"]["max_tokens"] == 4
+    assert result["config"]["llm_engine_args"]["enforce_eager"] is True
     assert isinstance(result["example"]["revised_prompt"], str)
     assert (tmp_path / "smoke.md").read_text().startswith("| phase | deploy | concurrency | req/s")
 
