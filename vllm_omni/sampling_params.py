@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 MAX_SEED = 2**63 - 1
 
+PRIORITY_BOUND = 2**63
+"""``priority`` lies in ``[-PRIORITY_BOUND, PRIORITY_BOUND)``: vLLM's bounds (a 64-bit integer)."""
+
 MAX_INPUT_IMAGES = 16
 """Most input images one request may carry (``image``)."""
 
@@ -115,6 +118,11 @@ class OmniDiffusionSamplingParams(BaseModel):
     enhance_prompt: bool | None = None
     """Whether the deploy's llm stage rewrites the prompt first (`OmniRequestOutput.revised_prompt`): ``None``, if
     there is one; ``False`` skips it; ``True`` is refused where none is deployed."""
+
+    priority: int = Field(default=0, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
+    """vLLM's request priority: under a stage's ``scheduling_policy`` ``priority`` a lower value starts sooner
+    (arrival order among equals); under ``fcfs`` (the default) any value but 0 is refused, naming ``priority``. It
+    reorders waiting requests only: a running batch is never interrupted. Requests that differ share batches."""
 
     lora: tuple[LoraSelection, ...] = ()
     """LoRA adapters to apply, each ``{"name", "scale"}`` (one, or a list to stack them); requests with different

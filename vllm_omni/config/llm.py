@@ -2,7 +2,7 @@
 
 ``engine_args`` and ``sampling`` are checked against vLLM's own ``EngineArgs`` and ``SamplingParams`` (of the
 vLLM in this process), so an unknown key is refused by name before anything starts. The stage's knobs that vLLM
-also has are not repeated here: ``max_num_seqs`` is the stage's, and goes to vLLM as its ``max_num_seqs``.
+also has are not repeated here: ``max_num_seqs`` and ``scheduling_policy`` are the stage's, and go to vLLM as they are.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ tokenizer's chat template, or ``prompt_template`` with ``{prompt}`` in it."""
 _OWNED_ENGINE_ARGS = {
     "max_num_seqs": "the stage's max_num_seqs knob (--max-num-seqs, or max_num_seqs in the stage's YAML), which "
     "goes to vLLM as its max_num_seqs",
+    "scheduling_policy": "the stage's scheduling_policy knob (--scheduling-policy, or scheduling_policy in the "
+    "stage's YAML), which goes to vLLM as its scheduling_policy",
     "model": "the stage's model key",
     "disable_log_stats": "nothing: the stage's metrics (vllm_omni:batch_num_requests) come from vLLM's scheduler "
     "stats, so they stay on",

@@ -27,6 +27,9 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 ExecutionMode = Literal["request", "step"]
 """How a stage batches: whole requests, or requests joining and leaving at denoising steps."""
 
+SchedulingPolicy = Literal["fcfs", "priority"]
+"""vLLM's scheduling policies: arrival order, or each request's ``priority`` (lower first), then arrival."""
+
 Backend = Literal["inline", "ray"]
 """Where a stage's replicas run: ``inline`` (one engine on a thread of this process) or ``ray`` (one Ray actor each)."""
 
@@ -78,6 +81,13 @@ class StageDeployConfig(BaseModel):
     leave the running batch at every denoising step ([step mode](#step-mode-continuous-batching)). ``max_num_seqs``
     caps the running requests in both. ``diffusion`` and ``denoise`` stages only: the global flag or keyword skips
     ``encode`` and ``decode`` stages, and writing it for one (YAML or ``stage_overrides``) is an error."""
+
+    scheduling_policy: Annotated[SchedulingPolicy, Knob(flag="vllm")] = "fcfs"
+    """The order waiting requests start in, as vLLM's ``--scheduling-policy``: ``fcfs`` by arrival, and a request
+    whose ``priority`` is not 0 is refused (a 400 naming ``priority``); ``priority`` by each request's ``priority``,
+    lower first, then by arrival ([priority scheduling](#priority-scheduling)). A running batch is never
+    interrupted (no preemption). On an ``llm`` stage it is vLLM's ``scheduling_policy``, and each request's
+    ``priority`` goes to vLLM with it."""
 
     num_replicas: Annotated[int, Knob()] = Field(default=1, ge=1)
     """Engine replicas of this stage, each a whole engine (scheduler + runner) in its own Ray actor.
@@ -229,7 +239,8 @@ class StageDeployConfig(BaseModel):
     engine_args: Annotated[dict[str, Any] | None, Knob("llm", flag="none")] = None
     """``llm`` stages: fields of vLLM's ``EngineArgs`` for the stage's engine (``gpu_memory_utilization``,
     ``max_model_len``, ``dtype``, ``tensor_parallel_size``, ...), checked against the ``EngineArgs`` of the vLLM
-    beside the server: an unknown key is an error naming it. ``max_num_seqs`` (the stage knob above), ``model`` (the
+    beside the server: an unknown key is an error naming it. ``max_num_seqs`` and ``scheduling_policy`` (the stage
+    knobs above), ``model`` (the
     key above), ``disable_log_stats`` and ``enable_logging_iteration_details`` (the stage's metrics need vLLM's
     per-step stats) are refused."""
 

@@ -16,7 +16,8 @@ from typing import Any
 
 
 class LlmActor:
-    """One replica: an ``AsyncLLM`` built from the stage's ``engine_args`` with the stage's ``max_num_seqs``.
+    """One replica: an ``AsyncLLM`` built from the stage's ``engine_args`` with the stage's ``max_num_seqs`` and
+    ``scheduling_policy``.
     Its methods answer what `vllm_omni.orchestrator.ray_replicas.RayReplica` asks of a replica actor."""
 
     def __init__(self, index: int, stage: dict[str, Any]):
@@ -34,6 +35,7 @@ class LlmActor:
         args = AsyncEngineArgs(
             model=stage["model"],
             max_num_seqs=stage["max_num_seqs"],
+            scheduling_policy=stage["scheduling_policy"],
             # The stage's stat logger alone (no default loggers), with each step's batch in the scheduler stats.
             disable_log_stats=True,
             enable_logging_iteration_details=True,
@@ -76,9 +78,12 @@ class LlmActor:
             return {"prompt_token_ids": list(getattr(ids, "input_ids", ids))}
         return (self.stage["prompt_template"] or "{prompt}").format(prompt=prompt)
 
-    async def generate(self, request_id: str, prompt: str, seed: int, max_tokens: int | None = None) -> dict:
+    async def generate(
+        self, request_id: str, prompt: str, seed: int, priority: int = 0, max_tokens: int | None = None
+    ) -> dict:
         """One request's revised prompt, and how it ran; an error is returned (``{"error": ...}``), not raised,
-        so the driver can tell it from the process dying."""
+        so the driver can tell it from the process dying. ``priority`` is vLLM's (lower first, under the stage's
+        ``scheduling_policy`` ``priority``)."""
         arrived = time.monotonic()
         before = self.steps.snapshot()
         sampling = dict(self.stage["sampling"]) | {"seed": seed}
@@ -88,7 +93,7 @@ class LlmActor:
             params = self._sampling(**sampling)
             self.in_flight.add(request_id)
             final = None
-            async for output in self.engine.generate(self._engine_input(prompt), params, request_id):
+            async for output in self.engine.generate(self._engine_input(prompt), params, request_id, priority=priority):
                 final = output
         except Exception as exc:  # noqa: BLE001 - the request's own failure, reported by the driver
             return {"error": f"{type(exc).__name__}: {exc}", "aborted": request_id in self.aborted}

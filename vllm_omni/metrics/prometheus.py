@@ -230,6 +230,37 @@ request_phase_seconds = Histogram(
     buckets=_PHASE_BUCKETS,
 )
 
+PRIORITY_CLASS_BOUND = 10
+"""The ``priority`` label is the request's priority clipped to ``[-10, 10]``: at most 21 series per histogram, however
+many values clients send (``"10"`` holds every priority from 10 up, ``"-10"`` every one from -10 down)."""
+
+request_queue_time_by_priority = Histogram(
+    "vllm_omni:request_queue_time_by_priority_seconds",
+    "Time a completed request waited for the engines, summed over its stages (its queue_ms), by priority class "
+    "(the request's priority clipped to [-10, 10]).",
+    ["priority"],
+    buckets=_SECONDS_BUCKETS,
+)
+e2e_request_latency = Histogram(
+    "vllm_omni:e2e_request_latency_seconds",
+    "Time from the engine taking a request until its output was ready, one observation per completed request, by "
+    "priority class (the request's priority clipped to [-10, 10]).",
+    ["priority"],
+    buckets=_SECONDS_BUCKETS,
+)
+
+
+def priority_class(priority: int) -> str:
+    """The ``priority`` label of a request's priority (`PRIORITY_CLASS_BOUND`)."""
+    return str(max(-PRIORITY_CLASS_BOUND, min(PRIORITY_CLASS_BOUND, priority)))
+
+
+def observe_priority(priority: int, queue_s: float, e2e_s: float) -> None:
+    """One completed request in the histograms by priority class."""
+    label = priority_class(priority)
+    request_queue_time_by_priority.labels(label).observe(queue_s)
+    e2e_request_latency.labels(label).observe(e2e_s)
+
 
 class PhaseTimer:
     """One request's phases, timed back to back with ``time.perf_counter`` and observed together in

@@ -54,7 +54,7 @@ class LlmReplica(RayReplica):
         return _info(info)
 
     def _generate_args(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any) -> tuple:
-        return request_id, prompt, params.seed
+        return request_id, prompt, params.seed, params.priority
 
     def _read_result(self, request_id: str, result: dict[str, Any]) -> StageOutput | BaseException:
         where = f"llm stage {self._stage.stage_id} replica {self.info.index}"
@@ -119,6 +119,7 @@ def start_llm_replicas(stage: StageDeployConfig) -> tuple[list[LlmReplica], Call
     plain = {
         "model": stage.model,
         "max_num_seqs": stage.max_num_seqs,
+        "scheduling_policy": stage.scheduling_policy,
         "engine_args": dict(stage.engine_args or {}),
         "mode": stage.mode,
         "system_prompt": stage.system_prompt,

@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config import STAGE_TYPES, LoRAModulePath, StageDeployConfig, engine_torch_threads
+from vllm_omni.config.resolver import knob_as_written
 from vllm_omni.config.stage_types import check_stage_graph
 from vllm_omni.diffusion.engine.roles import check_splittable
 from vllm_omni.diffusion.families.model_card import ModelCard
@@ -57,6 +59,8 @@ class _Flight:
     """Where its partial images go (from the stage that holds the denoiser)."""
     previews: int = 0
     """Previews handed on so far: a re-run on another replica makes them again, and they are not repeated."""
+    arrived: float = field(default_factory=time.monotonic)
+    """When the engine took it: the start of its end-to-end latency (`metrics.observe_priority`)."""
 
 
 class OmniEngine:
@@ -108,6 +112,8 @@ class OmniEngine:
                 "enhance_prompt is true, but this server has no llm stage to enhance prompts with (docs/stages.md); "
                 "leave enhance_prompt unset or false",
             )
+        if params.priority != 0:
+            self._check_priority(params)
         if params.lora:
             params = params.model_copy(update={"lora": self._adapters(params.lora)})
         first = self.stages[self._denoiser].admit(params)
@@ -115,6 +121,20 @@ class OmniEngine:
             raise SamplingParamsError(first.ignored[0].param, first.ignored[0].reason)
         keys = [first.key if i == self._denoiser else s.admit(first.params).key for i, s in enumerate(self.stages)]
         return AdmittedParams(first.params, tuple(keys), first.ignored)
+
+    def _check_priority(self, params: OmniDiffusionSamplingParams) -> None:
+        """A priority other than 0 needs ``scheduling_policy`` ``priority`` on every stage the request passes; else
+        it is refused as vLLM refused it, naming the field and the flag."""
+        for index, stage in enumerate(self.stages):
+            skipped = self._prompt_writers[index] and params.enhance_prompt is False
+            if stage.stage_config.scheduling_policy == "fcfs" and not skipped:
+                raise SamplingParamsError(
+                    "priority",
+                    f"Got priority {params.priority} but Priority scheduling is not enabled: stage "
+                    f"{stage.stage_id} runs {knob_as_written(stage.stage_config, 'scheduling_policy')}; start the "
+                    "server with --scheduling-policy priority (Omni: scheduling_policy='priority'), or leave "
+                    "priority at 0",
+                )
 
     def _adapters(self, lora: tuple[LoraSelection, ...]) -> tuple[LoraSelection, ...]:
         """A request's adapters, each with the path this engine serves it from."""
@@ -217,6 +237,9 @@ class OmniEngine:
             flight.future.set_exception(error)
         else:
             output.ignored_fields = list(flight.admitted.ignored)
+            metrics.observe_priority(
+                flight.admitted.params.priority, output.metrics.queue_ms / 1000.0, time.monotonic() - flight.arrived
+            )
             flight.future.set_result(output)
 
     def _enter(self, flight: _Flight, index: int, payload: Any) -> None:

@@ -1,5 +1,5 @@
-"""BatchScheduler policy: capacity, batch keys, no head-of-line blocking, no starvation, admission wait, LoRA adapters
-per batch, engine calls."""
+"""BatchScheduler policy: capacity, batch keys, no head-of-line blocking, no starvation, priority order, admission
+wait (by events on a clock of the test's), LoRA adapters per batch, engine calls."""
 
 import threading
 import time
@@ -8,26 +8,41 @@ import pytest
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.engine.request import BatchKey, DiffusionRequest
-from vllm_omni.diffusion.engine.scheduler import BatchScheduler
+from vllm_omni.diffusion.engine.scheduler import Arrival, BatchScheduler, admission_deadline
 from vllm_omni.errors import RequestAbortedError, RequestFailedError
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 
-def _scheduler(max_num_seqs=4, wait_ms=0.0, **knobs) -> BatchScheduler:
+class Clock:
+    """The scheduler's clock, moved by the test: the admission wait is decided without real time passing."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scheduler(max_num_seqs=4, wait_ms=0.0, clock=time.monotonic, **knobs) -> BatchScheduler:
     return BatchScheduler(
         OmniDiffusionConfig.from_stage(
             "unused",
             StageDeployConfig(
                 max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms, execution_mode="request", **knobs
             ),
-        )
+        ),
+        clock,
     )
 
 
-def _request(name: str, size: int = 32, **params) -> DiffusionRequest:
+def _request(name: str, size: int = 32, at: float | None = None, **params) -> DiffusionRequest:
+    """A request; ``at``: its arrival on the test's clock (else now, on the real one)."""
     full = OmniDiffusionSamplingParams(height=size, width=size, num_inference_steps=4, **params)
-    return DiffusionRequest.create(name, f"prompt {name}", full, key=BatchKey.of(full))
+    request = DiffusionRequest.create(name, f"prompt {name}", full, key=BatchKey.of(full))
+    if at is not None:
+        request.arrival_time = at
+    return request
 
 
 def _ids(batch):
@@ -98,32 +113,99 @@ def test_without_admission_wait_a_partial_batch_starts_at_once():
     assert _ids(scheduler.schedule(timeout=0.5)) == ["a"]
 
 
-def test_admission_wait_holds_an_idle_engine_until_the_deadline():
-    scheduler = _scheduler(max_num_seqs=4, wait_ms=300)
-    request = _request("a")
-    scheduler.add(request)
-    due = request.arrival_time + 0.3
-    early = scheduler.schedule(timeout=0.05)  # not due yet, unless a busy machine took longer than that to get here
-    assert early == [] or time.monotonic() >= due
-    batch = early or scheduler.schedule(timeout=30)
-    assert _ids(batch) == ["a"]
-    assert time.monotonic() >= due  # never before the deadline, measured from the arrival, not from a later clock
+def _busy(scheduler: BatchScheduler, clock: Clock, rounds: int = 4, gap: float = 0.002) -> None:
+    """What a closed loop of two clients leaves in the arrival history: pairs ``gap`` apart at an idle engine."""
+    for i in range(rounds):
+        scheduler.add(_request(f"warm{i}a", size=16, at=clock.now))
+        clock.now += gap
+        scheduler.add(_request(f"warm{i}b", size=16, at=clock.now))
+        clock.now += 2 * gap + 1.0  # past its deadline: the pair starts, and the engine is idle again after it
+        _run(scheduler, scheduler.schedule(timeout=0))
+        clock.now += 2 * gap + 1.0
+
+
+def test_with_company_likely_a_lone_request_waits_until_the_next_is_no_longer_expected():
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=300, clock=clock)
+    _busy(scheduler, clock, gap=0.002)
+    scheduler.add(_request("a", at=clock.now))
+    assert scheduler.schedule(timeout=0) == []
+    clock.now += 0.003
+    assert scheduler.schedule(timeout=0) == []  # within twice the longest gap at which company came
+    clock.now += 0.0011
+    assert _ids(scheduler.schedule(timeout=0)) == ["a"]  # 4 ms after it, long before the 300 ms bound
+
+
+def test_the_window_bounds_the_wait_however_slowly_company_comes():
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=50, clock=clock)
+    _busy(scheduler, clock, gap=0.040)  # company 40 ms apart: twice that is past the window
+    scheduler.add(_request("a", at=clock.now))
+    clock.now += 0.049
+    assert scheduler.schedule(timeout=0) == []
+    clock.now += 0.0011
+    assert _ids(scheduler.schedule(timeout=0)) == ["a"]
+
+
+def test_each_arrival_during_the_wait_extends_it_within_the_window():
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=300, clock=clock)
+    _busy(scheduler, clock, gap=0.002)
+    scheduler.add(_request("a", at=clock.now))
+    clock.now += 0.003
+    scheduler.add(_request("b", at=clock.now))  # 3 ms after a: the longest gap now, so the wait is 6 ms after b
+    arrived = clock.now
+    clock.now = arrived + 0.005  # past a's own 4 ms
+    assert scheduler.schedule(timeout=0) == []
+    clock.now = arrived + 0.0061
+    assert _ids(scheduler.schedule(timeout=0)) == ["a", "b"]
+
+
+def test_a_lone_client_never_waits():
+    """One closed-loop client: each request arrives at an idle engine, so the window is never spent."""
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=20_000, clock=clock)
+    for i in range(6):
+        scheduler.add(_request(f"r{i}", at=clock.now))
+        batch = scheduler.schedule(timeout=0)
+        assert _ids(batch) == [f"r{i}"]  # at once, on the clock it arrived
+        clock.now += 0.010  # runs 10 ms, then the client sends the next one: arrivals 10 ms apart, never company
+        _run(scheduler, batch)
 
 
 def test_admission_wait_ends_as_soon_as_the_batch_is_full():
-    scheduler = _scheduler(max_num_seqs=3, wait_ms=20_000)
-    scheduler.add(_request("a"))
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=3, wait_ms=20_000, clock=clock)
+    _busy(scheduler, clock, gap=0.5)
+    scheduler.add(_request("a", at=clock.now))
+    assert scheduler.schedule(timeout=0) == []
+    clock.now += 0.1
+    scheduler.add(_request("b", at=clock.now))
+    scheduler.add(_request("other", size=64, at=clock.now))  # does not fill a's batch
+    assert scheduler.schedule(timeout=0) == []
+    scheduler.add(_request("c", at=clock.now))
+    assert _ids(scheduler.schedule(timeout=0)) == ["a", "b", "c"]  # full: no more waiting
 
-    def late_arrivals():
-        time.sleep(0.1)
-        scheduler.add(_request("b"))
-        scheduler.add(_request("other", size=64))  # does not fill a's batch
-        scheduler.add(_request("c"))
 
-    threading.Thread(target=late_arrivals).start()
-    started = time.monotonic()
-    assert _ids(scheduler.schedule(timeout=30)) == ["a", "b", "c"]
-    assert time.monotonic() - started < 10  # far below the 20 s deadline
+def _a(time: float, company: bool = True) -> Arrival:
+    return Arrival(time, company)
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "first", "window", "deadline"),
+    [
+        ([], 10.0, 0.05, 10.0),  # no history: nothing says company is coming
+        ([_a(9.0, False), _a(10.0, False)], 10.0, 0.05, 10.0),  # arrivals at an idle engine only
+        ([_a(9.9), _a(10.0)], 10.0, 0.05, 10.0),  # company, but 100 ms apart: not within the 50 ms window
+        ([_a(9.0, False), _a(9.01), _a(10.0, False)], 10.0, 0.05, 10.02),  # one gap of two: wait 2 x 10 ms
+        ([_a(8.0, False), _a(8.01), _a(9.0, False), _a(10.0, False)], 10.0, 0.05, 10.0),  # one of three: go
+        ([_a(9.0, False), _a(9.04), _a(10.0, False)], 10.0, 0.05, 10.05),  # 2 x 40 ms: the window bounds it
+        ([_a(9.0, False), _a(9.001), _a(10.0, False), _a(10.003)], 10.0, 0.05, 10.009),  # from the latest arrival
+        ([_a(9.0, False), _a(9.01), _a(10.0, False)], 10.0, 0.0, 10.0),  # no window: never waits
+    ],
+)
+def test_admission_deadline(arrivals, first, window, deadline):
+    assert admission_deadline(arrivals, first, window) == pytest.approx(deadline)
 
 
 def test_no_admission_wait_for_requests_that_queued_behind_a_running_batch():
@@ -186,8 +268,10 @@ def test_errors_fail_only_their_own_request():
 
 
 def test_close_fails_waiting_requests_and_unblocks_schedule():
-    scheduler = _scheduler(wait_ms=20_000)
-    request = _request("a")
+    clock = Clock()
+    scheduler = _scheduler(wait_ms=20_000, clock=clock)
+    _busy(scheduler, clock, gap=5.0)
+    request = _request("a", at=clock.now)  # held by the admission wait (the test's clock stands still)
     scheduler.add(request)
     threading.Timer(0.1, scheduler.close, args=("shutting down",)).start()
     assert scheduler.schedule() == []
@@ -200,8 +284,8 @@ def test_close_fails_waiting_requests_and_unblocks_schedule():
 # LoRA: a batch holds at most max_loras distinct adapters.
 
 
-def _lora_scheduler(max_loras=1, max_num_seqs=4, wait_ms=0.0) -> BatchScheduler:
-    return _scheduler(max_num_seqs=max_num_seqs, wait_ms=wait_ms, enable_lora=True, max_loras=max_loras)
+def _lora_scheduler(max_loras=1, max_num_seqs=4, wait_ms=0.0, clock=time.monotonic) -> BatchScheduler:
+    return _scheduler(max_num_seqs=max_num_seqs, wait_ms=wait_ms, clock=clock, enable_lora=True, max_loras=max_loras)
 
 
 def _with(name: str, *adapters: str, **params) -> DiffusionRequest:
@@ -284,10 +368,12 @@ def test_a_batch_that_left_a_request_out_for_its_adapter_does_not_wait():
 
 
 def test_without_a_request_left_out_the_admission_wait_still_holds():
-    scheduler = _lora_scheduler(max_loras=1, wait_ms=600_000)
-    scheduler.add(_with("a1", "a"))
-    scheduler.add(_with("a2", "a"))
-    scheduler.add(_with("big", "b", size=64))  # another key: not left out for its adapter
+    clock = Clock()
+    scheduler = _lora_scheduler(max_loras=1, wait_ms=600_000, clock=clock)
+    _busy(scheduler, clock, gap=0.5)
+    scheduler.add(_with("a1", "a", at=clock.now))
+    scheduler.add(_with("a2", "a", at=clock.now))
+    scheduler.add(_with("big", "b", size=64, at=clock.now))  # another key: not left out for its adapter
     assert scheduler.schedule(timeout=0) == []
 
 
@@ -345,8 +431,10 @@ def test_a_pending_call_comes_before_a_due_batch():
 
 
 def test_a_call_wakes_an_idle_schedule():
-    scheduler = _scheduler(wait_ms=600_000)
-    scheduler.add(_request("a"))  # not due for ten minutes
+    clock = Clock()
+    scheduler = _scheduler(wait_ms=600_000, clock=clock)
+    _busy(scheduler, clock, gap=300.0)
+    scheduler.add(_request("a", at=clock.now))  # not due for ten minutes
     result = []
     waiter = threading.Thread(target=lambda: result.append(scheduler.schedule()))
     waiter.start()
@@ -423,8 +511,53 @@ def test_a_request_larger_than_the_budget_runs_alone_and_n_counts():
 
 
 def test_a_batch_that_spent_the_budget_starts_without_the_admission_wait():
-    scheduler = _scheduler(max_num_seqs=4, wait_ms=3_600_000, max_batch_pixels=2 * 32 * 32)
-    scheduler.add(_request("a"))
-    assert scheduler.schedule(timeout=0) == []  # room left: the hour-long admission wait holds it
-    scheduler.add(_request("b"))
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=3_600_000, max_batch_pixels=2 * 32 * 32, clock=clock)
+    _busy(scheduler, clock, gap=600.0)
+    scheduler.add(_request("a", at=clock.now))
+    assert scheduler.schedule(timeout=0) == []  # room left: the admission wait holds it
+    scheduler.add(_request("b", at=clock.now))
     assert _ids(scheduler.schedule(timeout=0)) == ["a", "b"]  # the budget is spent: waiting cannot fill it more
+
+
+# Priority (scheduling_policy: priority): the waiting queue by (priority, arrival); a running batch runs on.
+
+
+def test_by_priority_the_best_waiting_requests_batch_first_in_arrival_order_among_equals():
+    scheduler = _scheduler(max_num_seqs=2, scheduling_policy="priority")
+    for name, priority in (("low1", 5), ("low2", 5), ("high", -1), ("default", 0)):
+        scheduler.add(_request(name, priority=priority))
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["high", "default"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["low1", "low2"]
+
+
+def test_by_priority_a_batch_forms_from_the_best_requests_key():
+    scheduler = _scheduler(max_num_seqs=4, scheduling_policy="priority")
+    scheduler.add(_request("old", priority=1))
+    scheduler.add(_request("big", size=64, priority=0))
+    scheduler.add(_request("big2", size=64, priority=2))  # worse than old, but of the best request's key
+    first = scheduler.schedule(timeout=0)
+    assert _ids(first) == ["big", "big2"]
+    _run(scheduler, first)
+    assert _ids(scheduler.schedule(timeout=0)) == ["old"]
+
+
+def test_by_priority_a_running_batch_is_not_interrupted_and_a_better_arrival_goes_next():
+    scheduler = _scheduler(max_num_seqs=2, scheduling_policy="priority")
+    for name in ("a", "b", "c"):
+        scheduler.add(_request(name, priority=3))
+    running = scheduler.schedule(timeout=0)
+    scheduler.add(_request("urgent", priority=-5))
+    assert scheduler.state("a")[0] == "running" and scheduler.state("urgent")[0] == "waiting"
+    _run(scheduler, running)
+    assert _ids(running) == ["a", "b"]
+    assert _ids(scheduler.schedule(timeout=0)) == ["urgent", "c"]
+
+
+def test_fcfs_keeps_arrival_order_whatever_the_priorities():
+    scheduler = _scheduler(max_num_seqs=1)  # the engine's own order; the API refuses priorities under fcfs
+    for name, priority in (("first", 5), ("second", -5)):
+        scheduler.add(_request(name, priority=priority))
+    assert _ids(scheduler.schedule(timeout=0)) == ["first"]

@@ -334,3 +334,58 @@ def test_the_pixel_budget_bounds_the_running_batch_and_the_next_joins_when_one_l
     assert _ids(plan.batch) == ["a", "b"]  # c is encoded, but a third 64x64 would pass the budget
     scheduler.retire([requests[0]])
     assert _ids(scheduler.plan(timeout=0).batch) == ["b", "c"]
+
+
+# Priority (scheduling_policy: priority): who is encoded and joins next; running requests are never preempted.
+
+
+def _prioritized(name: str, priority: int, key="64x64") -> DiffusionRequest:
+    params = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=4, priority=priority)
+    return DiffusionRequest.create(name, f"prompt {name}", params, key=key)
+
+
+def test_by_priority_a_better_request_joins_next_and_the_running_ones_run_on():
+    scheduler = _scheduler(max_num_seqs=2, scheduling_policy="priority")
+    a, b, c = (_prioritized(name, 1) for name in "abc")
+    for request in (a, b, c):
+        scheduler.add(request)
+    _encode(scheduler, scheduler.plan(timeout=0))  # a and b
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["a", "b"] and _ids(plan.to_prepare) == ["c"]
+    _encode(scheduler, plan)
+    scheduler.add(_prioritized("urgent", -1))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["a", "b"]  # no preemption: the running batch runs on
+    assert _ids(plan.to_prepare) == ["urgent"]
+    _encode(scheduler, plan)
+    scheduler.retire([a])
+    assert _ids(scheduler.plan(timeout=0).batch) == ["b", "urgent"]  # ahead of c, which waited longer
+
+
+def test_by_priority_a_better_request_behind_a_full_encoding_budget_does_not_block_it():
+    scheduler = _scheduler(max_num_seqs=2, scheduling_policy="priority")
+    for name in ("low1", "low2"):
+        scheduler.add(_prioritized(name, 5))
+    plan = scheduler.plan(timeout=0)
+    scheduler.add(_prioritized("urgent", 0, key="32x32"))  # the best, another key, and the budget is spent
+    _encode(scheduler, plan)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["low1", "low2"]  # the encoded ones run: they hold the budget until they join
+    assert _ids(plan.to_prepare) == ["urgent"]
+    _encode(scheduler, plan)
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["low1", "low2"]  # urgent's key waits for the running key to drain
+
+
+def test_by_priority_the_best_waiting_key_drains_the_running_one():
+    scheduler = _scheduler(max_num_seqs=3, scheduling_policy="priority")
+    running, later, other = _prioritized("running", 0), _prioritized("later", 0), _prioritized("other", -1, "32x32")
+    scheduler.add(running)
+    _encode(scheduler, scheduler.plan(timeout=0))
+    assert _ids(scheduler.plan(timeout=0).batch) == ["running"]
+    scheduler.add(later)
+    scheduler.add(other)
+    _encode(scheduler, scheduler.plan(timeout=0))
+    assert _ids(scheduler.plan(timeout=0).batch) == ["running"]  # later, of the running key, does not join
+    scheduler.retire([running])
+    assert _ids(scheduler.plan(timeout=0).batch) == ["other"]

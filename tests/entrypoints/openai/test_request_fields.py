@@ -34,6 +34,7 @@ def test_an_images_body_gives_its_sampling_fields_under_their_sampling_names():
         "seed": 7,
         "cache": True,
         "enhance_prompt": None,
+        "priority": 0,
         "extra_args": {"true_cfg_scale": 4.0},  # flow_shift is unset: left to the pipeline
     }
     assert api_names(ImageGenerationRequest) == {"num_outputs_per_prompt": "n"}

@@ -8,17 +8,21 @@ schedulers that the steppers drive).
   ``od_config.stage.max_batch_pixels`` of ``width × height × frames × n`` summed over
   them when set (a request larger than that runs alone). The budget only makes
   batches smaller: the oldest request always goes first.
-- Only requests with the same `BatchKey` share a batch. The oldest waiting
-  request's key goes first, so no key starves, and requests with other keys
-  never block it (no head-of-line blocking).
+- Order: the waiting queue is ordered by arrival (``scheduling_policy: fcfs``) or by (``priority``, arrival)
+  (``priority``: lower first). "The best waiting request" below is its head.
+- Only requests with the same `BatchKey` share a batch. The best waiting
+  request's key goes first, so no key starves within a priority, and requests with other keys
+  never block it (no head-of-line blocking). A running batch is never interrupted.
 - Lifecycle: the scheduler owns every request from `add` to `finish`, where its
   future is resolved: its output, `RequestFailedError` or `RequestAbortedError`.
   A future cancelled by its caller while waiting is dropped at scheduling time;
   one that is scheduled is marked running, so from then on only `abort` stops it.
-- Admission wait: when the oldest waiting request arrived at an idle engine,
-  the batch starts once it is full or ``request_batch_max_wait_ms`` after that
-  arrival, whichever comes first. Requests that queued behind a running batch
-  start as soon as it finishes: they have waited already.
+- Admission wait: when the best waiting request arrived at an idle engine,
+  the batch starts once it is full or at `admission_deadline`, at most
+  ``request_batch_max_wait_ms`` after that arrival: at once unless recent
+  arrivals say company is likely, and then only while the next one is
+  expected. Requests that queued behind a running batch start as soon as it
+  finishes: they have waited already.
 - LoRA: a batch (in step mode, the requests running and being encoded) uses at
   most ``max_loras`` distinct adapters, so every adapter it needs is resident.
 - Engine calls (`call`): work that must run on the engine's thread between
@@ -32,10 +36,13 @@ schedulers that the steppers drive).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -51,17 +58,60 @@ def adapters_of(requests: Iterable[DiffusionRequest]) -> set[str]:
     return {selection.name for request in requests for selection in request.params.lora}
 
 
+class Arrival(NamedTuple):
+    """One request's arrival at a scheduler, as the admission wait reads it (`admission_deadline`)."""
+
+    time: float
+    company: bool
+    """Whether another request was waiting or running when it arrived."""
+
+
+ARRIVAL_HISTORY = 32
+"""Arrivals the admission wait remembers: enough for several bursts of a closed loop, few enough to follow a change
+of load within a few batches."""
+
+
+def admission_deadline(arrivals: Sequence[Arrival], first: float, window_s: float) -> float:
+    """When a batch whose best request arrived at an idle engine at ``first`` starts if it has not filled before:
+    ``arrivals`` are the recent ones, oldest first (the batch's own included), ``window_s`` the stage's
+    ``request_batch_max_wait_ms``, an upper bound.
+
+    Company is likely when at least half of the recent arrivals came within the window of the one before, while
+    another request was in flight: a closed loop of several clients or a busy open stream does that, a lone client
+    never (its next request waits for this one's answer). Then the batch waits while the stream is alive: until
+    twice the longest of those gaps after the latest arrival, because a straggler that misses the batch waits a whole
+    batch, and a short wait costs the batch little. Else it starts at once. Pure, so the tests drive it without
+    timing."""
+    if window_s <= 0:
+        return first
+    gaps = [
+        later.time - earlier.time
+        for earlier, later in itertools.pairwise(arrivals)
+        if later.company and later.time - earlier.time <= window_s
+    ]
+    if not gaps or 2 * len(gaps) < len(arrivals) - 1:
+        return first
+    return min(first + window_s, max(first, arrivals[-1].time) + 2 * max(gaps))
+
+
 class BatchScheduler:
-    def __init__(self, od_config: OmniDiffusionConfig):
+    def __init__(self, od_config: OmniDiffusionConfig, clock: Callable[[], float] = time.monotonic):
         self.capacity = od_config.stage.max_num_seqs
         self.max_pixels = od_config.stage.max_batch_pixels
         self.max_wait_s = od_config.stage.request_batch_max_wait_ms / 1000.0
         self.max_loras = od_config.stage.max_loras
+        self.by_priority = od_config.stage.scheduling_policy == "priority"
+        """Whether the waiting queue is ordered by (``priority``, arrival) rather than by arrival."""
+        self._clock = clock
+        """Where the scheduler reads the time (``time.monotonic``, the clock of `DiffusionRequest.arrival_time`;
+        the tests give their own)."""
         self._waiting: list[DiffusionRequest] = []
+        """Best first: by arrival, or by (``priority``, arrival)."""
         self._running: list[DiffusionRequest] = []
         self._calls: list[_Call] = []
+        self._arrivals: deque[Arrival] = deque(maxlen=ARRIVAL_HISTORY)
         self._cond = threading.Condition()
-        self._idle_since = time.monotonic()
+        self._idle_since = clock()
         self._closed = False
         self.paused = False
         """Whether the engine sleeps: no request starts until `pause` (False)."""
@@ -88,7 +138,7 @@ class BatchScheduler:
     def pause(self, paused: bool) -> None:
         """Sleep (True) or serve again (False; the requests that waited meanwhile start at once)."""
         with self._cond:
-            self.paused, self._idle_since = paused, time.monotonic()
+            self.paused, self._idle_since = paused, self._clock()
             self._cond.notify_all()
 
     def _due_calls(self) -> list[_Call]:
@@ -141,8 +191,15 @@ class BatchScheduler:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the diffusion engine is shut down")
-            self._waiting.append(request)
+            if self.max_wait_s > 0:
+                self._arrivals.append(Arrival(request.arrival_time, bool(self._waiting or self._in_progress())))
+            # After every request of its rank: arrival order among equals (fcfs ranks all alike, so it appends).
+            bisect.insort(self._waiting, request, key=self._rank)
             self._cond.notify()
+
+    def _rank(self, request: DiffusionRequest) -> int:
+        """Where a request queues: by its ``priority`` under the ``priority`` policy, else all alike."""
+        return request.params.priority if self.by_priority else 0
 
     def abort(self, request_id: str) -> bool:
         """Fail a waiting request now, or flag a running one (its batch finishes, `finish` drops it)."""
@@ -183,10 +240,10 @@ class BatchScheduler:
         return batch
 
     def _next_batch(self, timeout: float | None) -> list[DiffusionRequest]:
-        give_up = None if timeout is None else time.monotonic() + timeout
+        give_up = None if timeout is None else self._clock() + timeout
         with self._cond:
             while not self._closed:
-                now = time.monotonic()
+                now = self._clock()
                 wait = None if give_up is None else give_up - now
                 self._waiting = [r for r in self._waiting if not r.future.cancelled()]
                 if self._calls:
@@ -194,7 +251,9 @@ class BatchScheduler:
                 if self._waiting and not self.paused:
                     head = self._waiting[0]
                     batch, left_out = self._fitting([r for r in self._waiting if r.key == head.key], set())
-                    start_at = head.arrival_time + self.max_wait_s if head.arrival_time >= self._idle_since else now
+                    start_at = now
+                    if head.arrival_time >= self._idle_since:
+                        start_at = admission_deadline(self._arrivals, head.arrival_time, self.max_wait_s)
                     if len(batch) == self.capacity or left_out or now >= start_at:
                         chosen = set(map(id, batch))
                         self._waiting = [r for r in self._waiting if id(r) not in chosen]
@@ -214,7 +273,7 @@ class BatchScheduler:
         """Resolve each request's future with its output; the engine is idle from now on."""
         with self._cond:
             self._running = []
-            self._idle_since = time.monotonic()
+            self._idle_since = self._clock()
         for request, output in zip(batch, outputs, strict=True):
             _resolve(request, output)
 
@@ -286,21 +345,24 @@ class StepBatchScheduler(BatchScheduler):
     """Step-level policy: requests join and leave the running batch at denoising-step boundaries.
 
     - At every boundary, waiting requests whose prompt is encoded join the running
-      batch, oldest first, while it holds fewer than ``max_num_seqs`` requests
-      and the next one fits the pixel budget.
+      batch, best first (by arrival, or by (``priority``, arrival)), while it holds fewer than ``max_num_seqs``
+      requests and the next one fits the pixel budget. A better request that is not yet handed to the encoder does
+      not hold back encoded ones (with priorities it may arrive behind a full encoding budget). Running requests
+      are never preempted.
     - Only requests with the same key share the running batch (what must match
       inside one forward: size, frames, text length). Steps and guidance may differ.
-    - Fairness: when the oldest waiting request needs another key, the running key
-      stops admitting and drains; the oldest key starts once it is empty. So a
-      request waits at most for the requests that were running when it arrived.
+    - Fairness: when the best waiting request needs another key, the running key
+      stops admitting and drains; the best key starts once it is empty. So a
+      request waits at most for the requests that were running when it arrived (and, by priority, for the better
+      ones that arrive meanwhile).
     - Encoding runs ahead of admission: at most ``max_num_seqs`` waiting requests
-      are encoded (or being encoded) at a time, oldest first.
+      are encoded (or being encoded) at a time, best first.
     - An abort of a running request frees its slot at the next boundary; one of a
       request that is being decoded drops its result.
     """
 
-    def __init__(self, od_config: OmniDiffusionConfig):
-        super().__init__(od_config)
+    def __init__(self, od_config: OmniDiffusionConfig, clock: Callable[[], float] = time.monotonic):
+        super().__init__(od_config, clock)
         self._finishing: list[DiffusionRequest] = []
 
     def _in_progress(self) -> list[DiffusionRequest]:
@@ -329,7 +391,7 @@ class StepBatchScheduler(BatchScheduler):
         return plan
 
     def _next_plan(self, timeout: float | None) -> StepPlan:
-        give_up = None if timeout is None else time.monotonic() + timeout
+        give_up = None if timeout is None else self._clock() + timeout
         with self._cond:
             while True:
                 self._waiting = [r for r in self._waiting if not r.future.cancelled()]
@@ -358,17 +420,20 @@ class StepBatchScheduler(BatchScheduler):
                     or (self._closed and not self._finishing)
                 ):
                     return plan
-                wait = None if give_up is None else give_up - time.monotonic()
+                wait = None if give_up is None else give_up - self._clock()
                 if wait is not None and wait <= 0:
                     return plan
                 self._cond.wait(wait)
 
     def _admit(self) -> None:
         """Move encoded waiting requests into the running batch (the policy of the class docstring)."""
-        if not self._waiting or self._draining or self.paused:
+        # A request not yet handed to the encoder (a better one that arrived behind a full encoding budget) does
+        # not count here: waiting for it would hold the budget's requests, and so the budget, forever.
+        handed = [r for r in self._waiting if r.preparing]
+        if not handed or self._draining or self.paused:
             return
-        key = self._running[0].key if self._running else self._waiting[0].key
-        for request in list(self._waiting):
+        key = self._running[0].key if self._running else handed[0].key
+        for request in handed:
             if (
                 len(self._running) >= self.capacity
                 or request.key != key

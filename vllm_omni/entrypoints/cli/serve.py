@@ -36,6 +36,7 @@ _USED_VLLM_FLAGS = frozenset(
         "api_key",
         "served_model_name",
         "max_num_seqs",
+        "scheduling_policy",
         "dtype",
         "allowed_origins",
         "allowed_methods",
@@ -341,11 +342,15 @@ def _stage_knobs(args: argparse.Namespace, explicit: set[str]) -> dict:
         given["dtype"] = _VLLM_DTYPES.get(args.dtype, args.dtype)
     if "quantization" in explicit:  # vLLM's flag takes any text; the resolver checks it against our values
         given["quantization"] = args.quantization
-    # vLLM's LoRA flags, parsed by vLLM (--lora-modules as name=path or JSON); its defaults are not ours.
+    # vLLM's flags that are knobs here, parsed by vLLM (--lora-modules as name=path or JSON), taken only when given:
+    # its defaults are not ours, or not from our layer (provenance).
     given.update(
         {
             name: getattr(args, name)
-            for name in ("enable_lora", "max_loras", "max_lora_rank", "tensor_parallel_size", "trust_remote_code")
+            for name in (
+                *("enable_lora", "max_loras", "max_lora_rank"),
+                *("tensor_parallel_size", "trust_remote_code", "scheduling_policy"),
+            )
             if name in explicit
         }
     )

@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, f
 from vllm_omni.config.serving import QualityLevel
 from vllm_omni.entrypoints.openai.request_fields import Ignored, Sampling
 from vllm_omni.entrypoints.openai.rollout_fields import RolloutFields
-from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, LoraChoice
+from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, PRIORITY_BOUND, LoraChoice
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
@@ -155,6 +155,10 @@ class ImageGenerationRequest(RolloutFields):
     ([prompt enhancement](#prompt-enhancement-enhance_prompt-and-revised_prompt)): unset, if there is one; ``false``
     skips it; ``true`` without an ``llm`` stage is a 400 naming ``enhance_prompt``. Also on edits, videos and
     chat."""
+    priority: Annotated[StrictInt, Sampling()] = Field(default=0, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
+    """Extension (vLLM's): with ``--scheduling-policy priority`` a lower value starts sooner, arrival order among
+    equals ([priority scheduling](#priority-scheduling)); a running batch is not interrupted. Under ``fcfs`` (the
+    default) any value but 0 is a 400 naming ``priority`` and the flag. Also on edits, videos and chat."""
 
     @field_validator("size")
     @classmethod
@@ -336,6 +340,9 @@ class VideoGenerationRequest(RolloutFields):
     enhance_prompt: Annotated[bool | None, Sampling()] = None
     """Extension, as for images: let the deploy's ``llm`` stage rewrite the prompt (the job's ``revised_prompt``);
     ``false`` skips it, ``true`` without an ``llm`` stage is a 400."""
+    priority: Annotated[int, Sampling()] = Field(default=0, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
+    """Extension (vLLM's), as for images: with ``--scheduling-policy priority`` a lower value starts sooner; under
+    ``fcfs`` any value but 0 is a 400."""
     partial_images: Annotated[int, Sampling()] = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
     """Extension: previews of the running job, each shown by ``GET /v1/videos/{id}/content?variant=thumbnail``
     while it runs; the job's ``preview_index`` counts them."""
