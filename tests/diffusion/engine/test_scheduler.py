@@ -8,7 +8,7 @@ import pytest
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.engine.request import BatchKey, DiffusionRequest
-from vllm_omni.diffusion.engine.scheduler import Arrival, BatchScheduler, admission_deadline
+from vllm_omni.diffusion.engine.scheduler import Arrival, BatchScheduler, Finish, admission_deadline
 from vllm_omni.errors import RequestAbortedError, RequestFailedError
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
@@ -187,6 +187,32 @@ def test_admission_wait_ends_as_soon_as_the_batch_is_full():
     assert _ids(scheduler.schedule(timeout=0)) == ["a", "b", "c"]  # full: no more waiting
 
 
+def test_clients_coming_back_are_waited_for_and_heal_a_split_batch():
+    """Four closed-loop clients that started split (one request alone, three queued behind it): once the engine has
+    seen answers come back, the three waiting when the lone one finishes wait for its client, and the batch is
+    whole again."""
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=50, clock=clock)
+    for i in range(3):  # a lone client first: each answer comes back 5 ms after it (the engine learns the delay)
+        scheduler.add(_request(f"solo{i}", at=clock.now))
+        batch = scheduler.schedule(timeout=0)
+        assert _ids(batch) == [f"solo{i}"]
+        clock.now += 0.010
+        _run(scheduler, batch)
+        clock.now += 0.005
+    scheduler.add(_request("a", at=clock.now))
+    alone = scheduler.schedule(timeout=0)
+    assert _ids(alone) == ["a"]  # nothing said company was coming
+    for name in "bcd":
+        scheduler.add(_request(name, at=clock.now))  # they queue behind it
+    clock.now += 0.010
+    _run(scheduler, alone)
+    assert scheduler.schedule(timeout=0) == []  # a's client is expected back within 2 x 5 ms
+    clock.now += 0.005
+    scheduler.add(_request("a2", at=clock.now))
+    assert _ids(scheduler.schedule(timeout=0)) == ["b", "c", "d", "a2"]
+
+
 def _a(time: float, company: bool = True) -> Arrival:
     return Arrival(time, company)
 
@@ -204,8 +230,35 @@ def _a(time: float, company: bool = True) -> Arrival:
         ([_a(9.0, False), _a(9.01), _a(10.0, False)], 10.0, 0.0, 10.0),  # no window: never waits
     ],
 )
-def test_admission_deadline(arrivals, first, window, deadline):
+def test_admission_deadline_of_a_stream(arrivals, first, window, deadline):
     assert admission_deadline(arrivals, first, window) == pytest.approx(deadline)
+
+
+_F = Finish
+
+
+def _r(time: float) -> Arrival:
+    """An answer's client coming back: no other request in flight (the stream sign stays out of it)."""
+    return Arrival(time, False)
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "finishes", "first", "deadline"),
+    [
+        # Two batches of 2, each answered by 2 arrivals 3 and 5 ms later; the last batch's clients are not back yet.
+        ([_r(1.003), _r(1.005), _r(2.003), _r(2.005)], [_F(1.0, 2), _F(2.0, 2), _F(3.0, 2)], 3.0, 3.01),
+        # One of them is back (it is the batch's first request): the other is waited for.
+        ([_r(1.003), _r(1.005), _r(2.003), _r(2.005), _r(3.003)], [_F(1.0, 2), _F(2.0, 2), _F(3.0, 2)], 3.003, 3.01),
+        # Both are back: nothing more is expected.
+        ([_r(1.003), _r(1.005), _r(2.003), _r(3.003), _r(3.004)], [_F(1.0, 2), _F(2.0, 1), _F(3.0, 2)], 3.004, 3.004),
+        # Answers were not followed by arrivals within the window (an open stream): no wait.
+        ([_r(1.3), _r(2.4), _r(2.9)], [_F(1.0, 1), _F(2.0, 1), _F(3.0, 1)], 3.0, 3.0),
+        # Clients come back, but 40 ms later: twice that is past the window, which bounds it.
+        ([_r(1.04), _r(2.04)], [_F(1.0, 1), _F(2.0, 1), _F(3.0, 1)], 3.0, 3.05),
+    ],
+)
+def test_admission_deadline_of_returning_clients(arrivals, finishes, first, deadline):
+    assert admission_deadline(arrivals, first, 0.05, finishes) == pytest.approx(deadline)
 
 
 def test_no_admission_wait_for_requests_that_queued_behind_a_running_batch():

@@ -267,6 +267,15 @@ def test_trust_remote_code_is_vllms_flag_and_a_stage_knob(parser, tiny_flux):
     assert (stages[0].trust_remote_code, stages[0].provenance["trust_remote_code"]) == (False, "default")
 
 
+def test_scheduling_policy_is_vllms_flag_and_a_stage_knob_with_provenance(parser, tiny_flux, capsys):
+    _, stages, _ = _config(parser, [tiny_flux, "--scheduling-policy", "priority"])
+    assert (stages[0].scheduling_policy, stages[0].provenance["scheduling_policy"]) == ("priority", "cli")
+    assert "scheduling_policy='priority' (cli)" in stages[0].describe()
+    _, stages, _ = _config(parser, [tiny_flux])
+    assert (stages[0].scheduling_policy, stages[0].provenance["scheduling_policy"]) == ("fcfs", "default")
+    assert "--scheduling-policy" in _error(parser, [tiny_flux, "--scheduling-policy", "lifo"], capsys)
+
+
 def test_num_gpus_is_an_inline_stages_device_count(parser, tiny_flux, capsys):
     """Upstream's --num-gpus: the product of the parallel degrees, given with them; a mismatch names both."""
     _, stages, _ = _config(parser, [tiny_flux, "--num-gpus", "2", "--ulysses-degree", "2"])

@@ -17,12 +17,11 @@ schedulers that the steppers drive).
   future is resolved: its output, `RequestFailedError` or `RequestAbortedError`.
   A future cancelled by its caller while waiting is dropped at scheduling time;
   one that is scheduled is marked running, so from then on only `abort` stops it.
-- Admission wait: when the best waiting request arrived at an idle engine,
-  the batch starts once it is full or at `admission_deadline`, at most
-  ``request_batch_max_wait_ms`` after that arrival: at once unless recent
-  arrivals say company is likely, and then only while the next one is
-  expected. Requests that queued behind a running batch start as soon as it
-  finishes: they have waited already.
+- Admission wait: the batch starts once it is full or at `admission_deadline`,
+  at most ``request_batch_max_wait_ms`` after the best waiting request arrived
+  at an idle engine (or after the engine became idle with it waiting): at once
+  unless recent arrivals and finished batches say company is likely, and then
+  only while the next request is expected.
 - LoRA: a batch (in step mode, the requests running and being encoded) uses at
   most ``max_loras`` distinct adapters, so every adapter it needs is resident.
 - Engine calls (`call`): work that must run on the engine's thread between
@@ -39,6 +38,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -66,32 +66,68 @@ class Arrival(NamedTuple):
     """Whether another request was waiting or running when it arrived."""
 
 
-ARRIVAL_HISTORY = 32
-"""Arrivals the admission wait remembers: enough for several bursts of a closed loop, few enough to follow a change
-of load within a few batches."""
+class Finish(NamedTuple):
+    """A batch that finished, as the admission wait reads it: its clients may send their next requests."""
+
+    time: float
+    size: int
 
 
-def admission_deadline(arrivals: Sequence[Arrival], first: float, window_s: float) -> float:
-    """When a batch whose best request arrived at an idle engine at ``first`` starts if it has not filled before:
-    ``arrivals`` are the recent ones, oldest first (the batch's own included), ``window_s`` the stage's
-    ``request_batch_max_wait_ms``, an upper bound.
+ARRIVAL_HISTORY = 16
+"""Arrivals the admission wait remembers: enough for a few bursts of a closed loop, few enough to follow a change of
+load within about ten arrivals."""
 
-    Company is likely when at least half of the recent arrivals came within the window of the one before, while
-    another request was in flight: a closed loop of several clients or a busy open stream does that, a lone client
-    never (its next request waits for this one's answer). Then the batch waits while the stream is alive: until
-    twice the longest of those gaps after the latest arrival, because a straggler that misses the batch waits a whole
-    batch, and a short wait costs the batch little. Else it starts at once. Pure, so the tests drive it without
-    timing."""
+FINISH_HISTORY = 4
+"""Finished batches the admission wait remembers (their clients' answers are the arrivals after them)."""
+
+
+def admission_deadline(
+    arrivals: Sequence[Arrival], first: float, window_s: float, finishes: Sequence[Finish] = ()
+) -> float:
+    """When a batch starts if it has not filled before: its best request arrived at ``first``, or ``first`` is when
+    the engine became idle with it waiting; ``arrivals`` and ``finishes`` are the recent ones, oldest first;
+    ``window_s`` (the stage's ``request_batch_max_wait_ms``) bounds the wait. It waits while company is expected,
+    by either of two signs, and then for twice the gap that sign has seen (a straggler that misses the batch waits
+    a whole batch; a short wait costs the batch little); else it starts at once. Pure: the tests drive it without
+    timing.
+
+    - A busy stream: at least half of the recent arrivals came within the window of the one before while another
+      request was in flight. It waits until twice the longest such gap after the latest arrival.
+    - Clients coming back: at least half of the requests of the earlier finished batches were followed by an
+      arrival within the window (a closed loop), and fewer have arrived since the last batch finished than it
+      held. It waits until twice the longest such delay after that finish.
+
+    A lone client shows neither (its next request comes after its answer, and alone)."""
     if window_s <= 0:
         return first
+    wait_until = max(first, _stream_deadline(arrivals, window_s), _return_deadline(arrivals, finishes, window_s))
+    return min(first + window_s, wait_until)
+
+
+def _stream_deadline(arrivals: Sequence[Arrival], window_s: float) -> float:
     gaps = [
         later.time - earlier.time
         for earlier, later in itertools.pairwise(arrivals)
         if later.company and later.time - earlier.time <= window_s
     ]
     if not gaps or 2 * len(gaps) < len(arrivals) - 1:
-        return first
-    return min(first + window_s, max(first, arrivals[-1].time) + 2 * max(gaps))
+        return -math.inf
+    return arrivals[-1].time + 2 * max(gaps)
+
+
+def _return_deadline(arrivals: Sequence[Arrival], finishes: Sequence[Finish], window_s: float) -> float:
+    if not finishes or not arrivals:
+        return -math.inf
+    seen = [f for f in finishes if f.time >= arrivals[0].time]  # those whose answers' arrivals are remembered
+    delays: list[float] = []
+    for finish, following in itertools.pairwise(seen):
+        end = min(finish.time + window_s, following.time)  # an arrival after the next finish is that one's
+        delays += [a.time - finish.time for a in arrivals if finish.time <= a.time < end][: finish.size]
+    latest = finishes[-1]
+    back = sum(a.time >= latest.time for a in arrivals)
+    if not delays or 2 * len(delays) < sum(f.size for f in seen[:-1]) or back >= latest.size:
+        return -math.inf
+    return latest.time + 2 * max(delays)
 
 
 class BatchScheduler:
@@ -110,6 +146,7 @@ class BatchScheduler:
         self._running: list[DiffusionRequest] = []
         self._calls: list[_Call] = []
         self._arrivals: deque[Arrival] = deque(maxlen=ARRIVAL_HISTORY)
+        self._finishes: deque[Finish] = deque(maxlen=FINISH_HISTORY)
         self._cond = threading.Condition()
         self._idle_since = clock()
         self._closed = False
@@ -251,9 +288,9 @@ class BatchScheduler:
                 if self._waiting and not self.paused:
                     head = self._waiting[0]
                     batch, left_out = self._fitting([r for r in self._waiting if r.key == head.key], set())
-                    start_at = now
-                    if head.arrival_time >= self._idle_since:
-                        start_at = admission_deadline(self._arrivals, head.arrival_time, self.max_wait_s)
+                    # From its arrival at an idle engine, or from when the engine became idle with it waiting.
+                    first = max(head.arrival_time, self._idle_since)
+                    start_at = admission_deadline(self._arrivals, first, self.max_wait_s, self._finishes)
                     if len(batch) == self.capacity or left_out or now >= start_at:
                         chosen = set(map(id, batch))
                         self._waiting = [r for r in self._waiting if id(r) not in chosen]
@@ -274,6 +311,8 @@ class BatchScheduler:
         with self._cond:
             self._running = []
             self._idle_since = self._clock()
+            if self.max_wait_s > 0:
+                self._finishes.append(Finish(self._idle_since, len(batch)))
         for request, output in zip(batch, outputs, strict=True):
             _resolve(request, output)
 
