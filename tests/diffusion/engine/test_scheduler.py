@@ -114,14 +114,15 @@ def test_without_admission_wait_a_partial_batch_starts_at_once():
 
 
 def _busy(scheduler: BatchScheduler, clock: Clock, rounds: int = 4, gap: float = 0.002) -> None:
-    """What a closed loop of two clients leaves in the arrival history: pairs ``gap`` apart at an idle engine."""
+    """A busy stream in the arrival history: pairs ``gap`` apart at an idle engine (and nothing coming back after an
+    answer)."""
     for i in range(rounds):
         scheduler.add(_request(f"warm{i}a", size=16, at=clock.now))
         clock.now += gap
         scheduler.add(_request(f"warm{i}b", size=16, at=clock.now))
         clock.now += 2 * gap + 1.0  # past its deadline: the pair starts, and the engine is idle again after it
         _run(scheduler, scheduler.schedule(timeout=0))
-        clock.now += 2 * gap + 1.0
+        clock.now += 1e6  # the next pair comes long after any window: not the answered clients coming back
 
 
 def test_with_company_likely_a_lone_request_waits_until_the_next_is_no_longer_expected():
@@ -251,6 +252,13 @@ def _r(time: float) -> Arrival:
         ([_r(1.003), _r(1.005), _r(2.003), _r(2.005), _r(3.003)], [_F(1.0, 2), _F(2.0, 2), _F(3.0, 2)], 3.003, 3.01),
         # Both are back: nothing more is expected.
         ([_r(1.003), _r(1.005), _r(2.003), _r(3.003), _r(3.004)], [_F(1.0, 2), _F(2.0, 1), _F(3.0, 2)], 3.004, 3.004),
+        # All back, however busy the stream looked (company 1-2 ms apart): the closed loop decides, nobody is expected.
+        (
+            [_a(1.003), _a(1.005), _a(2.003), _a(2.005), _a(3.003), _a(3.004)],
+            [_F(1.0, 2), _F(2.0, 2), _F(3.0, 2)],
+            3.004,
+            3.004,
+        ),
         # Answers were not followed by arrivals within the window (an open stream): no wait.
         ([_r(1.3), _r(2.4), _r(2.9)], [_F(1.0, 1), _F(2.0, 1), _F(3.0, 1)], 3.0, 3.0),
         # Clients come back, but 40 ms later: twice that is past the window, which bounds it.

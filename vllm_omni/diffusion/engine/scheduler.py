@@ -97,11 +97,15 @@ def admission_deadline(
       arrival within the window (a closed loop), and fewer have arrived since the last batch finished than it
       held. It waits until twice the longest such delay after that finish.
 
-    A lone client shows neither (its next request comes after its answer, and alone)."""
+    A lone client shows neither (its next request comes after its answer, and alone). Where clients come back, the
+    second sign decides alone: once all are back nobody is expected."""
     if window_s <= 0:
         return first
-    wait_until = max(first, _stream_deadline(arrivals, window_s), _return_deadline(arrivals, finishes, window_s))
-    return min(first + window_s, wait_until)
+    returning = _return_deadline(arrivals, finishes, window_s)
+    # A closed loop whose clients are all back expects nobody, whatever the stream looked like (a lone client after
+    # a busy spell would else pay the window until the busy arrivals leave the history).
+    sign = returning if returning is not None else _stream_deadline(arrivals, window_s)
+    return min(first + window_s, max(first, sign))
 
 
 def _stream_deadline(arrivals: Sequence[Arrival], window_s: float) -> float:
@@ -115,17 +119,19 @@ def _stream_deadline(arrivals: Sequence[Arrival], window_s: float) -> float:
     return arrivals[-1].time + 2 * max(gaps)
 
 
-def _return_deadline(arrivals: Sequence[Arrival], finishes: Sequence[Finish], window_s: float) -> float:
+def _return_deadline(arrivals: Sequence[Arrival], finishes: Sequence[Finish], window_s: float) -> float | None:
+    """``None`` without a sign of a closed loop; ``-inf`` when its clients are all back."""
     if not finishes or not arrivals:
-        return -math.inf
+        return None
     seen = [f for f in finishes if f.time >= arrivals[0].time]  # those whose answers' arrivals are remembered
     delays: list[float] = []
     for finish, following in itertools.pairwise(seen):
         end = min(finish.time + window_s, following.time)  # an arrival after the next finish is that one's
         delays += [a.time - finish.time for a in arrivals if finish.time <= a.time < end][: finish.size]
+    if not delays or 2 * len(delays) < sum(f.size for f in seen[:-1]):
+        return None
     latest = finishes[-1]
-    back = sum(a.time >= latest.time for a in arrivals)
-    if not delays or 2 * len(delays) < sum(f.size for f in seen[:-1]) or back >= latest.size:
+    if sum(a.time >= latest.time for a in arrivals) >= latest.size:
         return -math.inf
     return latest.time + 2 * max(delays)
 
