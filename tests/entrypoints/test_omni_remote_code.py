@@ -5,8 +5,6 @@ knob; loaded and served, in Python and over HTTP, with it."""
 
 import base64
 import io
-import json
-import shutil
 import sys
 from collections.abc import Iterator
 
@@ -15,58 +13,24 @@ import pytest
 from PIL import Image
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
+from vllm_omni.testing.custom_code import CUSTOM_DEFAULT_SIZE, make_custom_code_flux
 from vllm_omni.testing.server import in_process_server
 
 pytestmark = pytest.mark.slow
 
-CUSTOM_PIPELINE = '''
-from diffusers import FluxPipeline
-
-
-class CustomFluxPipeline(FluxPipeline):
-    """The model's own pipeline class, as a Hub repo ships one in its pipeline.py: Flux with a default size of its
-    own (the components spelled out: diffusers reads them from this signature)."""
-
-    def __init__(
-        self, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer, image_encoder=None,
-        feature_extractor=None,
-    ):
-        super().__init__(
-            scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer, image_encoder,
-            feature_extractor,
-        )
-        self.default_sample_size = 16  # 32x32 images with the tiny VAE (FluxPipeline's 128: 256x256)
-'''
-
-CUSTOM_TRANSFORMER = '''
-from diffusers import FluxTransformer2DModel
-
-
-class CustomFluxTransformer(FluxTransformer2DModel):
-    """The model's own denoiser class, in its subfolder."""
-'''
-
 
 @pytest.fixture
 def custom_flux(tiny_flux, tmp_path, monkeypatch) -> Iterator[str]:
-    """The tiny Flux whose pipeline and transformer classes are its own: ``CustomFluxPipeline`` (``pipeline.py``)
-    and ``CustomFluxTransformer`` (``transformer/custom_transformer.py``)."""
+    """The tiny Flux whose pipeline and transformer classes are its own (`make_custom_code_flux`)."""
     import diffusers.utils.dynamic_modules_utils as dynamic_modules
 
-    folder = tmp_path / "custom-flux"
-    shutil.copytree(tiny_flux, folder)
-    (folder / "pipeline.py").write_text(CUSTOM_PIPELINE)
-    (folder / "transformer" / "custom_transformer.py").write_text(CUSTOM_TRANSFORMER)
-    index = json.loads((folder / "model_index.json").read_text())
-    index["_class_name"] = ["pipeline", "CustomFluxPipeline"]
-    index["transformer"] = ["custom_transformer", "CustomFluxTransformer"]
-    (folder / "model_index.json").write_text(json.dumps(index))
+    folder = make_custom_code_flux(tiny_flux, tmp_path / "custom-flux")
     # diffusers copies the code into its modules cache (HF_MODULES_CACHE, read when diffusers is imported), puts that
     # on sys.path and imports it as diffusers_modules.local.pipeline: all of it this test's, none left behind.
     monkeypatch.setattr(dynamic_modules, "HF_MODULES_CACHE", str(tmp_path / "modules"))
     monkeypatch.setattr(sys, "path", list(sys.path))
     imported = set(sys.modules)
-    yield str(folder)
+    yield folder
     for name in set(sys.modules) - imported:
         if name.startswith("diffusers_modules"):
             del sys.modules[name]
@@ -91,7 +55,7 @@ def test_a_custom_pipeline_loads_and_serves_with_trust_remote_code(custom_flux):
         assert type(pipeline.transformer).__name__ == "CustomFluxTransformer"
         params = OmniDiffusionSamplingParams(num_inference_steps=1, seed=0)  # the size: the custom class's
         (output,) = omni.generate(["a red fox"], params)
-    assert output.error is None and [image.size for image in output.images] == [(32, 32)]
+    assert output.error is None and [image.size for image in output.images] == [CUSTOM_DEFAULT_SIZE]
 
 
 def test_a_custom_pipeline_serves_over_http_with_trust_remote_code(custom_flux):
@@ -101,4 +65,4 @@ def test_a_custom_pipeline_serves_over_http_with_trust_remote_code(custom_flux):
         served = app.state.server.omni.model_card.pipeline_name
     assert answer.status_code == 200, answer.text
     assert served == "CustomFluxPipeline"
-    assert Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"]))).size == (32, 32)
+    assert Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"]))).size == CUSTOM_DEFAULT_SIZE
