@@ -7,12 +7,13 @@ import json
 import pytest
 
 from vllm_omni.entrypoints.openai.protocol import (
+    ImageEditJSONBody,
     ImageEditRequest,
     ImageGenerationRequest,
     VideoGenerationRequest,
 )
 from vllm_omni.entrypoints.openai.request_fields import api_names, sampled, sampling_fields
-from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES, OmniDiffusionSamplingParams
 
 REQUESTS = (ImageGenerationRequest, ImageEditRequest, VideoGenerationRequest)
 
@@ -75,6 +76,21 @@ def test_the_openapi_schema_carries_the_docstrings_and_no_marker(tiny_flux):
     assert {name: p.get("description") for name, p in properties.items()} == {
         name: info.description for name, info in ImageGenerationRequest.model_fields.items()
     }
-    form = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    bodies = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]
+    assert set(bodies) == {"multipart/form-data", "application/json"}  # the form, and OpenAI's JSON by image_url
+    form = bodies["multipart/form-data"]["schema"]
     assert form["properties"]["strength"]["description"] == ImageEditRequest.model_fields["strength"].description
+    by_url = bodies["application/json"]["schema"]
+    assert set(by_url["properties"]) == set(ImageEditJSONBody.model_fields) and by_url["required"] == [
+        "prompt",
+        "images",
+    ]
+    images, mask = by_url["properties"]["images"], by_url["properties"]["mask"]
+    assert images["items"]["required"] == ["image_url"] and images["items"]["additionalProperties"] is False
+    assert (images["minItems"], images["maxItems"]) == (1, MAX_INPUT_IMAGES)
+    assert (
+        mask["anyOf"][0] == images["items"]
+        and mask["description"] == ImageEditJSONBody.model_fields["mask"].description
+    )
+    assert "$defs" not in json.dumps(schema)  # each reference resolves in the document
     assert "Sampling" not in json.dumps(schema)

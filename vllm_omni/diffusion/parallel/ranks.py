@@ -210,7 +210,8 @@ def check_not_bootstrapping() -> None:
     without an ``if __name__ == "__main__":`` guard), end it at once with `MAIN_REIMPORTED`, naming the cause and
     the fix, rather than start processes that Python refuses there; the group's owner names them too."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        main = getattr(sys.modules.get("__main__"), "__file__", "<the main module>")
+        # The script being imported again runs as __mp_main__; __main__ is still the forkserver's own until it ends.
+        main = getattr(sys.modules.get("__mp_main__"), "__file__", "<the main module>")
         print(f"RuntimeError: {_unguarded(main)}", file=sys.stderr, flush=True)
         os._exit(MAIN_REIMPORTED)
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, f
 from vllm_omni.config.serving import QualityLevel
 from vllm_omni.entrypoints.openai.request_fields import Ignored, Sampling
 from vllm_omni.entrypoints.openai.rollout_fields import RolloutFields
-from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, LoraChoice
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES, MAX_PARTIAL_IMAGES, MAX_SEED, LoraChoice
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
@@ -208,6 +208,28 @@ class ImageEditRequest(ImageGenerationRequest):
         """Not strict: the integers a JSON body must give as JSON integers (``StrictInt``) are parsed from a form's
         text, with the same bounds."""
         return super().model_validate(obj, strict=strict, **kwargs)
+
+
+class ImageReference(BaseModel):
+    """An input image by reference, as OpenAI's API gives one: ``{"image_url": URL}``."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    image_url: str = Field(min_length=1)
+    """A data URL (``data:image/png;base64,...``), an ``http(s)`` URL the server fetches (from the hosts
+    ``--allowed-media-domains`` lists; unset, any host with only public addresses), or a ``file://`` URL of a file
+    under ``--allowed-local-media-path``."""
+
+
+class ImageEditJSONBody(ImageEditRequest):
+    """``POST /v1/images/edits`` as OpenAI's JSON body: the form's fields, with the images by reference. The shape
+    its OpenAPI schema shows; the route takes ``images`` and ``mask`` out with `media.edit_references` (whose
+    refusals name the field as OpenAI's do) and reads the rest as an `ImageEditRequest`."""
+
+    images: list[ImageReference] = Field(min_length=1, max_length=MAX_INPUT_IMAGES)
+    """The images to edit (the form's ``image`` / ``image[]`` files)."""
+    mask: ImageReference | None = None
+    """OpenAI's mask (the form's ``mask`` file): a PNG whose fully transparent pixels mark what to repaint."""
 
 
 class ImageData(BaseModel):
