@@ -1,7 +1,8 @@
 """The prepared GPU check (benchmarks/gpu_check.py) smoke-run on the CPU: every stepper and the engine in float32
-against the stock pipeline, and the audio family batched against alone. Its Poisson part is step_batching.py, whose quick run has its own test
-(test_scripts.py), so it is skipped here; its speed-knob part runs speed_knobs.py with the one variant that shows the
-subprocess's table reaches the report (the knobs themselves are test_scripts.py's). Nothing here depends on timing."""
+against the stock pipeline, and the audio family batched against alone. Its Poisson part is step_batching.py, whose
+quick run has its own test (test_scripts.py), so it is skipped here; its speed-knob part runs speed_knobs.py with the
+one variant that shows the subprocess's table reaches the report (the knobs themselves are test_scripts.py's).
+Nothing here depends on timing."""
 
 import json
 
