@@ -20,7 +20,7 @@ GEMM tilings), and a hundred times under what two seeds differ by."""
 
 
 def _params(seed: int, **fields) -> OmniDiffusionSamplingParams:
-    return OmniDiffusionSamplingParams(num_inference_steps=3, guidance_scale=3.0, seed=seed, **fields)
+    return OmniDiffusionSamplingParams(**{"num_inference_steps": 3, "guidance_scale": 3.0, "seed": seed} | fields)
 
 
 def _stock(model: str, prompt: str, seed: int, length: float, start: float = 0.0, **call) -> np.ndarray:
@@ -104,6 +104,7 @@ def test_a_requests_waveforms_each_have_their_own_sde_noise_batched_or_alone(omn
         ({"audio_start": LONGEST}, "audio_start", f"below {LONGEST:g}"),
         ({"audio_start": -0.5}, "audio_start", "0 or more"),
         ({"partial_images": 1}, "partial_images", "it makes audio"),
+        ({"extra_args": {"sde_type": "sde"}}, "extra_args.sde_type", "StableAudioPipeline makes audio"),
         ({"num_inference_steps": 2, "extra_args": {"audio_end_in_s": 1.0}}, "extra_args.audio_end_in_s", "may not"),
     ],
 )
@@ -121,3 +122,38 @@ def test_the_picture_fields_are_dropped_and_a_clip_defaults_to_the_longest(omni)
     assert (params.height, params.width, params.num_frames) == (None, None, None)
     assert params.audio_start == 0.5 and params.audio_length == pytest.approx(LONGEST - 0.5)
     assert (params.num_inference_steps, params.guidance_scale) == (100, 7.0)  # StableAudioPipeline's defaults
+
+
+@pytest.mark.parametrize(
+    ("fixture", "pipeline_class", "channels", "hop"),
+    [
+        ("tiny_stable_audio_3", "StableAudio3Pipeline", 2, 1),  # trimmed to the asked samples
+        ("tiny_longcat_audio", "LongCatAudioDiTPipeline", 1, 256),  # whole latent frames, rounded down
+        ("tiny_ace_step", "AceStepPipeline", 2, 1920),  # rounded up
+    ],
+)
+def test_the_other_audio_families_batched_equal_stock_diffusers_alone(request, fixture, pipeline_class, channels, hop):
+    """Each family's clip length reaches its own argument (``duration``, ``audio_duration_s``, ``audio_duration``),
+    and ACE-Step's lyrics go one per prompt. The prompts tokenize to the same length: diffusers 0.42's ACE-Step
+    moves a padded prompt's waveform by ~1e-3 when it batches prompts of different lengths (docs/models.md)."""
+    model = request.getfixturevalue(fixture)
+    prompts = ["a photo of a cat", "a photo of a dog"]
+    with Omni(model=model, max_num_seqs=2, request_batch_max_wait_ms=2000) as omni:
+        card = omni.model_card
+        assert card.pipeline_name == pipeline_class and card.output == "audio"
+        outputs = omni.generate(prompts, [_params(seed, num_inference_steps=2, audio_length=0.5) for seed in (1, 2)])
+    rate, length_arg = card.audio.sample_rate, card.audio.call_args(0.5, None)
+    for output, prompt, seed in zip(outputs, prompts, (1, 2), strict=True):
+        assert output.error is None and output.metrics["batch_size"] == 2 and output.sample_rate == rate
+        (waveform,) = output.audios
+        assert waveform.shape[0] == channels and abs(waveform.shape[1] - 0.5 * rate) < hop
+        assert output.metrics["audio_seconds"] == waveform.shape[1] / rate
+        stock = stock_pipeline(model)(
+            prompt,
+            num_inference_steps=2,
+            guidance_scale=3.0,
+            generator=torch.Generator("cpu").manual_seed(seed),
+            output_type="np",
+            **length_arg,
+        ).audios[0]
+        assert np.abs(waveform - stock).max() <= TOLERANCE

@@ -62,6 +62,8 @@ class AudioCard:
     default_length: float | None = None
     """The length of a clip a request gives none for: its call's default, else the longest (less the start);
     ``None``: the pipeline works it out (left to it)."""
+    per_row: tuple[str, ...] = ()
+    """Its call's arguments taken one per prompt (`AudioArgs.per_row`)."""
 
     @classmethod
     def of(cls, pipeline, pipeline_class: type, defaults: Mapping[str, Any]) -> AudioCard | None:
@@ -80,6 +82,7 @@ class AudioCard:
             length_arg=args.length,
             start_arg=args.start,
             default_length=float(default) if isinstance(default, int | float) else longest,
+            per_row=args.per_row,
         )
 
     def call_args(self, length: float | None, start: float | None) -> dict[str, float]:
@@ -362,7 +365,7 @@ class ModelCard:
         if length is None:
             length = room if audio.start_arg is not None else audio.default_length
         if length is not None and (length <= 0 or (room is not None and length > room + 1e-9)):
-            allowed = "more than 0" if room is None else f"more than 0 and at most {room:g}"
+            allowed = "more than 0" if room is None else f"more than 0 and at most {room:g} s"
             if room is not None:
                 allowed += f" ({name} makes clips up to {longest:g} s" + (
                     f", from audio_start={start:g})" if start else ")"

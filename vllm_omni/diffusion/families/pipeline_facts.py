@@ -28,6 +28,9 @@ class AudioArgs:
     longest: Callable[[Any], float] | None = None
     """The longest clip it makes, in seconds, read off the loaded pipeline (with ``start``: the latest end);
     ``None``: its code states no bound."""
+    per_row: tuple[str, ...] = ()
+    """Arguments its call takes one per prompt when the prompt is a list (the request's ``extra_args`` value, else
+    the call's default, repeated): diffusers 0.42's ACE-Step indexes ``lyrics`` per prompt, a string included."""
 
 
 def _stable_audio_longest(pipeline) -> float:
@@ -42,7 +45,7 @@ AUDIO_PIPELINES: dict[str, AudioArgs] = {
     "StableAudio3Pipeline": AudioArgs("duration"),
     # diffusers clamps a longer duration to max_wav_duration (30 s) without a word: refused above it instead
     "LongCatAudioDiTPipeline": AudioArgs("audio_duration_s", longest=lambda pipeline: pipeline.max_wav_duration),
-    "AceStepPipeline": AudioArgs("audio_duration"),
+    "AceStepPipeline": AudioArgs("audio_duration", per_row=("lyrics",)),
     "AudioLDM2Pipeline": AudioArgs("audio_length_in_s"),
 }
 """The audio pipelines by class: the call arguments a request's ``audio_length`` and ``audio_start`` become. An audio

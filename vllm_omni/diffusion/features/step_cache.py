@@ -239,7 +239,12 @@ class CallCache(_SkipCount):
                     f"Bn_compute_blocks {self._config.Bn_compute_blocks} leave none of the {len(blocks)} blocks of "
                     f"{type(denoiser).__name__} to cache: lower them"
                 )
-            cache_dit.enable_cache(denoiser, cache_config=self._config)
+            try:
+                cache_dit.enable_cache(denoiser, cache_config=self._config)
+            except (
+                AssertionError
+            ) as exc:  # its adapter registry matches by name: StableAudio3DiTModel as Stable Audio's
+                raise ValueError(f"cache-dit cannot take {type(denoiser).__name__}: {exc}") from exc
             denoiser.register_forward_pre_hook(functools.partial(self._count, "expected", len(blocks)))
             for block in blocks:
                 block.register_forward_pre_hook(functools.partial(self._count, "ran", 1))

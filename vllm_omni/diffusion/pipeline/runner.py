@@ -276,6 +276,8 @@ class DiffusionRunner:
         )
         if card.audio is not None:
             kwargs.update(card.audio.call_args(params.audio_length, params.audio_start))
+            for arg in card.audio.per_row:  # the batch key makes the request's value the batch's
+                kwargs[arg] = [kwargs.get(arg, card.call_defaults.get(arg))] * len(kwargs["prompt"])
         if "height" in card.call_args:  # SD's image-to-image keeps its input's size, which is the request's
             kwargs.update(height=params.height, width=params.width)
         if "max_area" in card.call_args:  # Kontext sizes its output by area (at the requested aspect ratio)
