@@ -9,7 +9,8 @@ from diffusers import CosineDPMSolverMultistepScheduler, DiffusionPipeline, Flux
 
 from vllm_omni.diffusion.engine.request import PipelineCall
 from vllm_omni.diffusion.families.pipeline_facts import check_batchable
-from vllm_omni.diffusion.pipeline.runner import _noise_per_request, select_device, select_dtype
+from vllm_omni.diffusion.pipeline.noise import noise_per_request
+from vllm_omni.diffusion.pipeline.runner import select_device, select_dtype
 
 
 class SinglePromptPipeline(DiffusionPipeline):
@@ -62,7 +63,7 @@ def test_each_request_of_a_call_gets_the_brownian_noise_it_gets_alone_from_a_fre
     call = PipelineCall(requests, types.SimpleNamespace(scheduler=scheduler), False, {}, {}, {}, rows=1, n=2)
     start = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(0))
     shared = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
-    with _noise_per_request(call):
+    with noise_per_request(call):
         batched = _sde_steps(scheduler, start, [g for g in shared for _ in range(2)])
     assert "step" not in vars(scheduler)  # the class's own step again
     for i, seed in enumerate((5, 6)):

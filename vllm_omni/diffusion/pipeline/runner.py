@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -26,6 +24,7 @@ from vllm_omni.diffusion.lora.adapters import LoraAdapters, LoraExtension
 from vllm_omni.diffusion.parallel.ranks import RanksExtension
 from vllm_omni.diffusion.pipeline.extensions import CompileExtension, Extensions, StepHook
 from vllm_omni.diffusion.pipeline.image_inputs import fitted_inputs
+from vllm_omni.diffusion.pipeline.noise import noise_per_request
 from vllm_omni.diffusion.pipeline.timings import TimingsExtension
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OutputKind
@@ -220,7 +219,7 @@ class DiffusionRunner:
         call = self._call(batch, previews)
         configured = _configured(call.pipeline, call.config, call.scheduler_overrides)
         # the call's own config and noise, then its extensions
-        with configured, _noise_per_request(call), self.extensions.around_call(call) as step_hooks:
+        with configured, noise_per_request(call), self.extensions.around_call(call) as step_hooks:
             if call.callback:
                 call.kwargs.update(self._step_callback(batch, step_hooks))
             result = (call.invoke or call.pipeline)(**call.kwargs)
@@ -397,54 +396,3 @@ def _configured(pipeline, config: dict[str, Any], scheduler_overrides: dict[str,
         pipeline.scheduler = scheduler
         if before:
             pipeline.register_to_config(**before)
-
-
-class _RequestNoise:
-    """Brownian noise for a call's latent rows: one tree per request over its ``n`` rows, seeded with its seed
-    (`_noise_per_request`)."""
-
-    def __init__(self, sample: torch.Tensor, sigma_min: float, sigma_max: float, seeds: list[int]):
-        from diffusers.schedulers.scheduling_dpmsolver_sde import BrownianTreeNoiseSampler
-
-        rows = sample.chunk(len(seeds))
-        self.samplers = [
-            BrownianTreeNoiseSampler(part, sigma_min, sigma_max, seed=seed)
-            for part, seed in zip(rows, seeds, strict=True)
-        ]
-
-    def __call__(self, sigma, sigma_next) -> torch.Tensor:
-        return torch.cat([sampler(sigma, sigma_next) for sampler in self.samplers])
-
-
-@contextlib.contextmanager
-def _noise_per_request(call: PipelineCall) -> Iterator[None]:
-    """A scheduler whose SDE steps draw Brownian noise (diffusers' ``BrownianTreeNoiseSampler``: Stable Audio's
-    ``CosineDPMSolverMultistepScheduler``) seeds one tree per generator of a list, with the generator's
-    ``initial_seed``. The runner hands a request's ``n`` rows the same generator (so that their initial noise is
-    drawn from it in turn, as diffusers draws it for one request called alone with one generator): their trees
-    would share a seed, and their noise would be the same. Here each request of the call gets the tree diffusers
-    makes for that request alone with one generator, one over its ``n`` rows, seeded with its seed: a request's
-    noise does not depend on its batch, and its ``n`` outputs do not share it."""
-    scheduler = call.pipeline.scheduler
-    module = sys.modules.get(type(scheduler).__module__)
-    # such a scheduler has no noise_sampler before its first set_timesteps: its module, and its step's generator, say
-    if (
-        not hasattr(module, "BrownianTreeNoiseSampler")
-        or "generator" not in inspect.signature(scheduler.step).parameters
-    ):
-        yield
-        return
-    step, seeds = scheduler.step, [request.seed for request in call.batch]
-
-    def stepping(model_output, timestep, sample, *args, **kwargs):
-        first = getattr(scheduler, "noise_sampler", None) is None  # set_timesteps resets it: the call's first step
-        if first and len(model_output) == len(seeds) * call.n:
-            config = scheduler.config
-            scheduler.noise_sampler = _RequestNoise(model_output, config.sigma_min, config.sigma_max, seeds)
-        return step(model_output, timestep, sample, *args, **kwargs)
-
-    scheduler.step = stepping
-    try:
-        yield
-    finally:
-        scheduler.__dict__.pop("step", None)  # the class's own again (an extension may have popped it already)
