@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
+from vllm_omni.diffusion.features.step_cache import CallCache
 from vllm_omni.testing.stock import stock_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -157,3 +158,11 @@ def test_the_other_audio_families_batched_equal_stock_diffusers_alone(request, f
             **length_arg,
         ).audios[0]
         assert np.abs(waveform - stock).max() <= TOLERANCE
+
+
+def test_cache_dit_refuses_at_start_up_a_config_that_leaves_stable_audios_blocks_nothing_to_cache(tiny_stable_audio):
+    """Stable Audio's DiT names no repeated blocks: its transformer_blocks are what cache-dit caches, counted before
+    it asserts on the first request."""
+    transformer = stock_pipeline(tiny_stable_audio).transformer
+    with pytest.raises(ValueError, match="Fn_compute_blocks 8 .* leave none of the 2 blocks of StableAudioDiTModel"):
+        CallCache([transformer], None)  # cache-dit's default config computes 8 blocks in full

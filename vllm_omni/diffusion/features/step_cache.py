@@ -232,6 +232,8 @@ class CallCache(_SkipCount):
         for denoiser in self._denoisers:
             names = set(getattr(denoiser, "_repeated_blocks", None) or ())
             blocks = [m for m in denoiser.modules() if type(m).__name__ in names]
+            # a denoiser that names no repeated blocks (Stable Audio's DiT): the blocks cache-dit caches
+            blocks = blocks or list(getattr(denoiser, "transformer_blocks", None) or ())
             computed = self._config.Fn_compute_blocks + self._config.Bn_compute_blocks
             if blocks and computed >= len(blocks):  # cache-dit would only assert at the first request
                 raise ValueError(
