@@ -203,6 +203,13 @@ def tiny_hunyuan_video15(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_stable_audio(tmp_path_factory) -> str:
+    """A tiny random-weight StableAudioPipeline folder (stereo, 44.1 kHz, clips of up to 1.49 s; its real scheduler),
+    built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "stable-audio")
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tmp_path_factory) -> str:
     """A tiny random-weight Llama folder (transformers), the model of an llm stage, built offline once."""
     return _tiny_model(tmp_path_factory, "llm")

@@ -37,7 +37,7 @@ class EngineMetrics:
         self._component_seconds = self._component_histogram(labels)
         self._labels = labels
         self._components: dict[str, Histogram] = {}
-        self.oom_batch_splits, self.cache_skipped_steps = self._event_counters(ids)
+        self.oom_batch_splits, self.cache_skipped_steps, self.audio_seconds = self._event_counters(ids)
         self.num_requests_running, self.num_requests_waiting, self.lora_adapters_resident, self.engine_sleeping = (
             self._state_gauges(ids)
         )
@@ -81,9 +81,9 @@ class EngineMetrics:
             registry=self.registry,
         )
 
-    def _event_counters(self, ids: dict[str, str]) -> tuple[Counter, Counter]:
-        """Events the replica counts: batches split after running out of memory, and computations the step cache
-        skipped."""
+    def _event_counters(self, ids: dict[str, str]) -> tuple[Counter, Counter, Counter]:
+        """What the replica counts: batches split after running out of memory, computations the step cache
+        skipped, and the seconds of audio it made."""
         oom_batch_splits = Counter(
             "vllm_omni:oom_batch_splits",
             "Batches that ran out of device memory and were split in halves and retried.",
@@ -97,7 +97,14 @@ class EngineMetrics:
             list(ids),
             registry=self.registry,
         ).labels(**ids)
-        return oom_batch_splits, cache_skipped_steps
+        audio_seconds = Counter(
+            "vllm_omni:audio_seconds",
+            "Seconds of audio an audio model made: each output's num_outputs_per_prompt waveforms, samples over the "
+            "sample rate (its metrics.audio_seconds; the warm-up's included).",
+            list(ids),
+            registry=self.registry,
+        ).labels(**ids)
+        return oom_batch_splits, cache_skipped_steps, audio_seconds
 
     def _state_gauges(self, ids: dict[str, str]) -> tuple[Gauge, Gauge, Gauge, Gauge]:
         """The replica's state now: requests running and waiting, LoRA adapters loaded, and whether it sleeps."""

@@ -172,7 +172,7 @@ def test_a_text_to_video_model_remixes_with_its_video_to_video_variant(tiny_wan)
     wan = card_of(tiny_wan)
     assert wan.tasks == {"text", "video"} and wan.for_task("text") is wan
     variant = wan.for_task("video")
-    assert variant.pipeline_name == "WanVideoToVideoPipeline" and variant.is_video
+    assert variant.pipeline_name == "WanVideoToVideoPipeline" and variant.output == "video"
     assert not variant.batches_images  # one video per call: a remix runs alone
     remix = complete(wan, video=_frames(9), num_inference_steps=2, fps=8)
     assert (remix.height, remix.width, remix.num_frames, remix.fps, remix.strength) == (32, 32, 9, 8, 0.8)

@@ -107,14 +107,14 @@ def check_sequence_split(card: ModelCard, params: OmniDiffusionSamplingParams, r
     side, height, width, num_frames = card.latent_pixels, params.height, params.width, params.num_frames
     assert height is not None and width is not None, "incomplete params"
     rows, columns = height // side, width // side
-    if card.is_video:
+    if card.output == "video":
         assert num_frames is not None, "incomplete params"
         frames = (num_frames - 1) // card.frame_multiple + 1
     else:
         frames = 1
     tokens = rows * columns * frames
     if tokens % ranks:
-        shape = f"{rows}x{columns}" + (f" x {frames} latent frames" if card.is_video else "")
+        shape = f"{rows}x{columns}" + (f" x {frames} latent frames" if card.output == "video" else "")
         raise SamplingParamsError(
             "height",
             f"height={params.height} and width={params.width} make {tokens} tokens ({shape}, one per {side}x{side} "
