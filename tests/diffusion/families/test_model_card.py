@@ -77,6 +77,8 @@ def test_what_a_pipeline_cannot_take_is_refused_naming_the_field(sd, flux, tiny_
         (wan, dict(image=noise_image(0)), "image"),
         (sd, dict(image=[noise_image(0), noise_image(1)]), "image"),
         (flux, dict(num_frames=5), "num_frames"),  # a video from an image model: not what it makes
+        (flux, dict(audio_length=1.0), "audio_length"),  # audio from an image or video model, neither
+        (wan, dict(audio_start=0.5), "audio_start"),
         (sd, dict(extra_args={"steps": 2}), "extra_args.steps"),  # not a field at all
         (sd, dict(extra_args={"generator": None}), "extra_args.generator"),
     ]

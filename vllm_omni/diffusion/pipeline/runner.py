@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -423,13 +424,19 @@ def _noise_per_request(call: PipelineCall) -> Iterator[None]:
     makes for that request alone with one generator, one over its ``n`` rows, seeded with its seed: a request's
     noise does not depend on its batch, and its ``n`` outputs do not share it."""
     scheduler = call.pipeline.scheduler
-    if not hasattr(scheduler, "noise_sampler") or "generator" not in inspect.signature(scheduler.step).parameters:
+    module = sys.modules.get(type(scheduler).__module__)
+    # such a scheduler has no noise_sampler before its first set_timesteps: its module, and its step's generator, say
+    if (
+        not hasattr(module, "BrownianTreeNoiseSampler")
+        or "generator" not in inspect.signature(scheduler.step).parameters
+    ):
         yield
         return
     step, seeds = scheduler.step, [request.seed for request in call.batch]
 
     def stepping(model_output, timestep, sample, *args, **kwargs):
-        if scheduler.noise_sampler is None and len(model_output) == len(seeds) * call.n:  # the call's first step
+        first = getattr(scheduler, "noise_sampler", None) is None  # set_timesteps resets it: the call's first step
+        if first and len(model_output) == len(seeds) * call.n:
             config = scheduler.config
             scheduler.noise_sampler = _RequestNoise(model_output, config.sigma_min, config.sigma_max, seeds)
         return step(model_output, timestep, sample, *args, **kwargs)
