@@ -2,8 +2,8 @@
 tiny Stable Audio (stereo, 44.1 kHz, clips of up to 1.49 s), through the ``openai`` client and httpx: every format
 decodes with PyAV at the rate and channels its headers state and the length docs/audio.md gives it; ``n`` answers a
 zip; ``speed`` stretches the clip; the bad requests get 400s naming the field and what it allows; an ignored field
-gets its Warning; the images and videos APIs refuse the audio model and the audio API an image model; the playground
-plays the clip."""
+gets its Warning, or under ``--strict-fields`` its 400; the images and videos APIs refuse the audio model and the
+audio API an image model; the playground plays the clip."""
 
 import concurrent.futures
 import io
@@ -20,7 +20,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from vllm_omni.entrypoints.openai.audio.encoding import AUDIO_FORMATS, FORMATS
-from vllm_omni.testing.server import RemoteOmniServer, outcome_count
+from vllm_omni.testing.server import RemoteOmniServer, in_process_server, outcome_count
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -212,3 +212,13 @@ def test_the_playground_plays_the_clip(server, browser):
     assert browser.execute_script("return arguments[0].readyState", player) >= 1
     assert browser.execute_script("return arguments[0].duration", player) == pytest.approx(LENGTH, abs=1e-3)
     assert f"at {RATE} Hz, {CHANNELS} channel(s)" in status.text
+
+
+def test_strict_fields_refuses_the_field_the_model_would_not_use(tiny_stable_audio):
+    """``--strict-fields``, on an in-process server (no process to start): the same request is a 400 naming it."""
+    with in_process_server(tiny_stable_audio, serving={"strict_fields": True}) as (_, base):
+        body = {"input": "wind", "negative_prompt": "rain", "guidance_scale": 1.0, "audio_length": 0.1, **FAST}
+        answer = httpx.post(f"{base}/v1/audio/generate", json=body, timeout=300)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "negative_prompt" and "unless guidance_scale > 1" in error["message"], error
