@@ -7,6 +7,7 @@ import json
 import pytest
 
 from vllm_omni.entrypoints.openai.protocol import (
+    AudioGenerationRequest,
     ImageEditJSONBody,
     ImageEditRequest,
     ImageGenerationRequest,
@@ -15,7 +16,7 @@ from vllm_omni.entrypoints.openai.protocol import (
 from vllm_omni.entrypoints.openai.request_fields import api_names, sampled, sampling_fields
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES, OmniDiffusionSamplingParams
 
-REQUESTS = (ImageGenerationRequest, ImageEditRequest, VideoGenerationRequest)
+REQUESTS = (ImageGenerationRequest, ImageEditRequest, VideoGenerationRequest, AudioGenerationRequest)
 
 
 @pytest.mark.parametrize("model", REQUESTS)
@@ -48,6 +49,24 @@ def test_an_edit_copies_its_strength_and_parses_a_forms_integers():
     assert (fields["num_outputs_per_prompt"], fields["seed"], fields["strength"]) == (2, 3, 0.5)
     with pytest.raises(ValueError, match="valid integer"):  # a JSON body gives JSON integers
         ImageGenerationRequest.model_validate({"prompt": "a door", "n": "2"})
+
+
+def test_an_audio_body_gives_upstreams_clip_fields_as_the_sampling_parameters_of_the_same_names():
+    body = AudioGenerationRequest(input="rain", audio_length=2.5, n=2, seed=4, speed=2.0, response_format="flac")
+    assert sampling_fields(body) == {
+        "audio_length": 2.5,
+        "audio_start": 0.0,  # upstream's default
+        "negative_prompt": None,
+        "guidance_scale": None,
+        "num_inference_steps": None,
+        "seed": 4,
+        "num_outputs_per_prompt": 2,
+        "cache": True,
+        "extra_args": {},
+    }
+    assert body.prompt == "rain"  # what the shared checks and the engine read
+    # Encoding choices: the route applies them to the waveforms, the pipeline never sees them.
+    assert not {"response_format", "speed", "stream_format", "lora"} & set(sampling_fields(body))
 
 
 def test_a_videos_body_copies_its_steps_and_its_wan_extensions():
