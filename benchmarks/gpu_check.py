@@ -3,7 +3,8 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
 
     python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
         [--families flux,sd3,wan,sd,sdxl,qwen-image,z-image,flux2,ltx,hunyuan-video-1.5]
-        [--engine-families flux,wan] [--skip-engine] [--skip-poisson] [--skip-speed-knobs] [--speed-knobs-args '...']
+        [--engine-families flux,wan] [--skip-engine] [--audio-families stable-audio] [--skip-poisson]
+        [--skip-speed-knobs] [--speed-knobs-args '...']
         [--skip-quantization] [--quantization-args '...'] [--skip-parallel] [--parallel-args '...'] [--quick]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
@@ -21,6 +22,13 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
    ``Omni(model, execution_mode="step", max_num_seqs=3, dtype=...)`` with more requests than slots, so later
    ones join while others run. On CUDA this covers the engine's arrangement there (text encoding and VAE decoding
    on worker threads beside the denoising loop), which the CPU tests only force.
+2b. **Audio** (``--audio-families``, default stable-audio): an audio family's tiny model through ``Omni`` in request
+   mode, three requests (two waveforms each, a start, a negative prompt) in one pipeline call against each alone,
+   in each dtype: what batching moves a waveform by, in 16-bit PCM levels (`pcm_diff`), against the stock
+   pipeline's own batched-vs-alone difference. The bars (`AUDIO_BARS`): float32 ≤ 2 levels (the 2-core CPU
+   measures 0); half dtypes ≤ max(512 levels, the stock pipeline's own), the image bars' reasoning at 16 bits: a
+   bfloat16 rounding of a sample near 0.5 is 2^-10, 32 levels, and a random walk over the layers and steps of
+   ten to twenty of them is a few hundred.
 3. **Poisson** (unless ``--skip-poisson``): ``benchmarks/step_batching.py`` on the ``flux-bench`` family
    (request vs step mode, ``--max-num-seqs 4``, loads 50/80/95 %), run as a subprocess with a time limit; its
    own results go to ``results/<name>-poisson.{json,md,png}`` and its targets are copied here (reported, never an
@@ -86,10 +94,15 @@ if ROOT not in sys.path:  # this checkout's vllm_omni, installed or not
     sys.path.insert(0, ROOT)
 FAMILIES = ("flux", "sd3", "wan", "sd", "sdxl", "qwen-image", "z-image", "flux2", "ltx", "hunyuan-video-1.5")
 """The hand-written steppers' families, then those stepped by their diffusers modular blocks (`ModularStepper`)."""
+AUDIO_FAMILIES = ("stable-audio",)
+"""The audio families (request mode only): batched against alone through ``Omni``."""
 DTYPES = ("float32", "bfloat16", "float16")
 BARS = {"float32": 2, "bfloat16": 16, "float16": 16}
 """Worst pixel difference (0-255) allowed per dtype; half dtypes allow at least the stock pipeline's own batched
 difference and a modular family's blocks' own difference."""
+AUDIO_BARS = {"float32": 2, "bfloat16": 512, "float16": 512}
+"""Worst sample difference (16-bit PCM levels, 0-32767 for a full-scale half wave) allowed per dtype between an audio
+request batched and alone; half dtypes allow at least the stock pipeline's own batched difference."""
 
 
 @dataclass
@@ -273,6 +286,22 @@ ENGINE_SCRIPTS: dict[str, list[Request]] = {
 ENGINE_SCRIPTS["sdxl"] = ENGINE_SCRIPTS["sd"]
 ENGINE_SCRIPTS["sd3"] = ENGINE_SCRIPTS["sd"]
 
+# An audio family through the engine in request mode: three requests in one call (two waveforms each, a start, a
+# negative prompt: classifier-free guidance and a request's own Brownian noise over its rows), against each alone.
+AUDIO_PARAMS = {
+    "num_inference_steps": 4,
+    "guidance_scale": 4.0,
+    "negative_prompt": "low quality",
+    "num_outputs_per_prompt": 2,
+    "audio_start": 0.25,
+    "audio_length": 1.0,
+}
+AUDIO_SCRIPT = [
+    Request(0, "A", "a dog barking", AUDIO_PARAMS, 1),
+    Request(0, "B", "rain on a roof", AUDIO_PARAMS, 2),
+    Request(0, "C", "a piano melody", AUDIO_PARAMS, 3),
+]
+
 POISSON_FULL = [  # sized for an H200: the whole check (correctness + this) in about 8 minutes
     "--size",
     "256x256",
@@ -310,10 +339,12 @@ def pixel_diff(got, want) -> tuple[float, float]:
     return worst, mean
 
 
-def bar_for(dtype: str, reference_worst: float | None, blocks_worst: float | None = None) -> float:
-    if dtype == "float32":  # batching must not move float32 pixels, whatever the stock pipeline does
-        return BARS[dtype]
-    return max(BARS[dtype], reference_worst or 0.0, blocks_worst or 0.0)
+def bar_for(
+    dtype: str, reference_worst: float | None, blocks_worst: float | None = None, bars: dict[str, int] = BARS
+) -> float:
+    if dtype == "float32":  # batching must not move float32 pixels (or samples), whatever the stock pipeline does
+        return bars[dtype]
+    return max(bars[dtype], reference_worst or 0.0, blocks_worst or 0.0)
 
 
 def sampling_params(params: dict[str, Any]):
@@ -480,6 +511,88 @@ def check_engine(family: str, model: str, dtype_name: str, device) -> dict[str, 
         "mean": round(mean, 6),
         "requests": rows,
         "engine_s": round(engine_s, 3),
+    }
+
+
+def pcm_diff(got, want) -> tuple[float, float]:
+    """(worst, mean) absolute difference of waveforms in 16-bit PCM levels: worst of both sides rounded, mean
+    unrounded (as `pixel_diff`, at 32767 levels a half wave)."""
+    import numpy as np
+
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        raise ValueError(f"waveform shape {got.shape} differs from {want.shape}")
+    worst = float(np.abs(np.round(got * 32767) - np.round(want * 32767)).max())
+    return worst, float(np.abs(got - want).mean() * 32767)
+
+
+def _stock_audio(pipeline, prompts: list[str], params, seeds: list[int]):
+    """The stock audio pipeline for ``prompts`` in one call, one generator per prompt repeated for its waveforms (the
+    stock reference of batching: its own batched-vs-alone difference)."""
+    import numpy as np
+    import torch
+
+    n = params.num_outputs_per_prompt
+    with torch.inference_mode():
+        out = pipeline(
+            prompt=prompts,
+            negative_prompt=[params.negative_prompt] * len(prompts),
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            num_waveforms_per_prompt=n,
+            generator=[torch.Generator("cpu").manual_seed(seed) for seed in seeds for _ in range(n)],
+            output_type="np",
+            **pipeline_audio_args(pipeline, params),
+        )
+    return np.asarray(out.audios, dtype=np.float32)
+
+
+def pipeline_audio_args(pipeline, params) -> dict[str, float]:
+    """The pipeline's own arguments of the request's clip (its family's `AUDIO_PIPELINES` entry)."""
+    from vllm_omni.diffusion.families.model_card import ModelCard
+
+    audio = ModelCard.of(pipeline).audio
+    assert audio is not None, "an audio pipeline"
+    return audio.call_args(params.audio_length, params.audio_start)
+
+
+def check_audio(family: str, model: str, dtype_name: str, device) -> dict[str, Any]:
+    """An audio family in request mode through ``Omni``: `AUDIO_SCRIPT`'s requests in one call against each alone;
+    the stock pipeline's own batched-vs-alone difference for reference."""
+    import torch
+
+    from vllm_omni import Omni
+    from vllm_omni.diffusion.pipeline.runner import load_pipeline
+
+    devices = str(device.index) if device.type == "cuda" and device.index is not None else None
+    prompts = [r.prompt for r in AUDIO_SCRIPT]
+    params = [sampling_params(r.params | {"seed": r.seed}) for r in AUDIO_SCRIPT]
+    knobs = {"max_num_seqs": len(AUDIO_SCRIPT), "request_batch_max_wait_ms": 5000, "dtype": dtype_name}
+    with Omni(model, devices=devices, **knobs) as omni:
+        started = time.perf_counter()
+        batched = omni.generate(prompts, params)
+        audio_s = time.perf_counter() - started
+        alone = [omni.generate([prompt], p)[0] for prompt, p in zip(prompts, params, strict=True)]
+    if errors := [f"{o.request_id}: {o.error}" for o in batched + alone if o.error]:
+        raise RuntimeError("; ".join(errors))
+    pipeline = load_pipeline(model, getattr(torch, dtype_name), device)
+    stock_batched = _stock_audio(pipeline, prompts, params[0], [r.seed for r in AUDIO_SCRIPT])  # one key: one call
+    rows, worst, mean, ref_worst = [], 0.0, 0.0, 0.0
+    for i, (r, together, single) in enumerate(zip(AUDIO_SCRIPT, batched, alone, strict=True)):
+        w, m = pcm_diff(together.audios, single.audios)
+        n = params[i].num_outputs_per_prompt
+        rw = pcm_diff(stock_batched[i * n : (i + 1) * n], _stock_audio(pipeline, [r.prompt], params[i], [r.seed]))[0]
+        rows.append({"name": r.name, "worst": w, "mean": round(m, 6), "reference_worst": rw})
+        worst, mean, ref_worst = max(worst, w), max(mean, m), max(ref_worst, rw)
+    del pipeline
+    return {
+        "largest_forward": max(o.metrics["batch_size"] for o in batched),
+        "worst": worst,
+        "mean": round(mean, 6),
+        "reference_worst": ref_worst,
+        "requests": rows,
+        "audio_seconds": sum(o.metrics["audio_seconds"] for o in batched),
+        "engine_s": round(audio_s, 3),
     }
 
 
@@ -684,7 +797,8 @@ def markdown(summary: dict[str, Any]) -> str:
         "forward: most requests in one denoiser forward (engine: the highest of the requests' mean batch). *Blocks "
         "alone* (the families stepped by their diffusers modular blocks): the worst difference between those "
         "blocks run alone by diffusers' `ModularPipeline` and the stock pipeline alone, which step mode cannot "
-        "be held under in a half dtype.",
+        "be held under in a half dtype. *Audio* rows (request mode through the engine): an audio request batched "
+        "against alone, in 16-bit PCM levels (0-32767), its stock batched the stock pipeline's own batched-vs-alone.",
         "",
         "| check | family | dtype | largest forward | worst | mean | stock batched worst | blocks alone worst | bar "
         "| result |",
@@ -762,6 +876,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--families", default=",".join(FAMILIES), help="stepper checks, of " + ", ".join(FAMILIES))
     parser.add_argument("--engine-families", default="flux,wan", help="end-to-end Omni checks ('' for none)")
     parser.add_argument("--skip-engine", action="store_true", help="no end-to-end Omni checks")
+    parser.add_argument(
+        "--audio-families", default=",".join(AUDIO_FAMILIES), help="audio batched-vs-alone checks ('' for none)"
+    )
     parser.add_argument("--skip-poisson", action="store_true", help="no Poisson comparison")
     parser.add_argument(
         "--quick", action="store_true", help="the Poisson and speed-knob parts with their --quick (CPU smoke)"
@@ -793,10 +910,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel-args", default="", help="further parallel.py arguments, e.g. '--variants ...'")
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
-    args.dtypes, args.families, args.engine_families = (
+    args.dtypes, args.families, args.engine_families, args.audio_families = (
         _csv(args.dtypes),
         _csv(args.families),
         [] if args.skip_engine else _csv(args.engine_families),
+        [] if args.skip_engine else _csv(args.audio_families),
     )
     args.poisson_args, args.speed_knobs_args = args.poisson_args.split(), args.speed_knobs_args.split()
     args.quantization_args, args.parallel_args = args.quantization_args.split(), args.parallel_args.split()
@@ -805,6 +923,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for option, chosen in (("--families", args.families), ("--engine-families", args.engine_families)):
         if unknown := [f for f in chosen if f not in FAMILIES]:
             parser.error(f"unknown {option} {unknown}; choose from {', '.join(FAMILIES)}")
+    if unknown := [f for f in args.audio_families if f not in AUDIO_FAMILIES]:
+        parser.error(f"unknown --audio-families {unknown}; choose from {', '.join(AUDIO_FAMILIES)}")
 
     import torch
 
@@ -853,11 +973,12 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": None,
     }
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    engine_families = args.engine_families
-    if engine_families and device.type == "cpu" and torch.cuda.is_available():
+    engine_families, audio_families = args.engine_families, args.audio_families
+    if (engine_families or audio_families) and device.type == "cpu" and torch.cuda.is_available():
         print("[engine] skipped: Omni picks CUDA whenever it is present, and --device is cpu", flush=True)
-        engine_families = []
+        engine_families = audio_families = []
     checks = [("steppers", f) for f in args.families] + [("engine", f) for f in engine_families]
+    checks += [("audio", f) for f in audio_families]
     with tempfile.TemporaryDirectory(prefix="gpu-check-models-") as model_dir:
         models: dict[str, str] = {}
         for dtype_name in args.dtypes:
@@ -870,7 +991,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if family not in models:
                         models[family] = make_tiny_model(os.path.join(model_dir, family), family)
-                    run = check_steppers if check == "steppers" else check_engine
+                    run = {"steppers": check_steppers, "engine": check_engine, "audio": check_audio}[check]
                     row |= run(family, models[family], dtype_name, device)
                     if check == "engine":
                         mine = [
@@ -879,7 +1000,8 @@ def main(argv: list[str] | None = None) -> int:
                             if (r["check"], r["family"], r["dtype"]) == ("steppers", family, dtype_name)
                         ]
                         row["reference_worst"] = mine[0].get("reference_worst") if mine else None
-                    row["bar"] = bar_for(dtype_name, row.get("reference_worst"), row.get("blocks_worst"))
+                    bars = AUDIO_BARS if check == "audio" else BARS
+                    row["bar"] = bar_for(dtype_name, row.get("reference_worst"), row.get("blocks_worst"), bars)
                     row["pass"] = row["worst"] <= row["bar"]
                 except Exception:  # noqa: BLE001 - a check that raises fails, the others still run
                     row |= {"pass": False, "error": traceback.format_exc(limit=8)}
@@ -892,7 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
                     + (
                         "ERROR"
                         if row.get("error")
-                        else f"worst {row['worst']:.0f}/255 (mean {row['mean']:.4f}, stock batched worst "
+                        else f"worst {row['worst']:.0f}/{32767 if check == 'audio' else 255} (mean {row['mean']:.4f}, "
+                        f"stock batched worst "
                         f"{row.get('reference_worst')}), bar {row['bar']:.0f}: {'PASS' if row['pass'] else 'FAIL'}"
                     )
                     + f" ({row['wall_s']} s)",

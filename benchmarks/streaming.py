@@ -310,7 +310,7 @@ def preview_worker(model: str, family: str, config: dict) -> dict:
     previews.emit = timed_emit
 
     fields: dict = {"seed": 0}
-    if card.is_video:
+    if card.output == "video":
         fields["width"], fields["height"], fields["num_frames"] = config["video_shape"]
     elif config["size"]:
         fields["width"], fields["height"] = (int(v) for v in config["size"].split("x"))
@@ -352,7 +352,7 @@ def preview_worker(model: str, family: str, config: dict) -> dict:
         reps.append({variant: run(variant) for variant in _rotated(PREVIEW_VARIANTS, rep)})
     with torch.inference_mode():
         for _ in range(config["fit_reps"]):
-            TimedProjection(engine.runner.pipeline.vae, card.is_video)
+            TimedProjection(engine.runner.pipeline.vae, card.output == "video")
     params = warm["none"]["params"]
     try:
         engine.close()
@@ -365,7 +365,7 @@ def preview_worker(model: str, family: str, config: dict) -> dict:
         "family": family,
         "pipeline": card.pipeline_name,
         "execution_mode": config["execution_mode"],
-        "size": f"{params.width}x{params.height}" + (f"x{params.num_frames}" if card.is_video else ""),
+        "size": f"{params.width}x{params.height}" + (f"x{params.num_frames}" if card.output == "video" else ""),
         "steps": params.num_inference_steps,
         "default_size": "x".join(str(v) for v in reversed(card.default_size)) if card.default_size else None,
         "default_steps": card.default_steps,

@@ -203,6 +203,31 @@ def tiny_hunyuan_video15(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_stable_audio(tmp_path_factory) -> str:
+    """A tiny random-weight StableAudioPipeline folder (stereo, 44.1 kHz, clips of up to 1.49 s; its real scheduler),
+    built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "stable-audio")
+
+
+@pytest.fixture(scope="session")
+def tiny_stable_audio_3(tmp_path_factory) -> str:
+    """A tiny random-weight StableAudio3Pipeline folder (stereo, 44.1 kHz), built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "stable-audio-3")
+
+
+@pytest.fixture(scope="session")
+def tiny_longcat_audio(tmp_path_factory) -> str:
+    """A tiny random-weight LongCatAudioDiTPipeline folder (mono, 24 kHz), built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "longcat-audio")
+
+
+@pytest.fixture(scope="session")
+def tiny_ace_step(tmp_path_factory) -> str:
+    """A tiny random-weight AceStepPipeline folder (stereo, 48 kHz), built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "ace-step")
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tmp_path_factory) -> str:
     """A tiny random-weight Llama folder (transformers), the model of an llm stage, built offline once."""
     return _tiny_model(tmp_path_factory, "llm")

@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
+
+OutputKind = Literal["image", "video", "audio"]
+"""What a model makes (`ModelCard.output`): which field of `OmniRequestOutput` carries it."""
 
 
 class _Record(Mapping[str, Any]):
@@ -50,6 +53,9 @@ class RequestMetrics(_Record):
     """Step mode: the engine steps it took part in."""
     fps: int | None = None
     """Video models: the frame rate its videos are meant to play at."""
+    audio_seconds: float | None = None
+    """Audio models: the seconds of audio it made, over its ``num_outputs_per_prompt`` waveforms (each waveform's
+    samples over `OmniRequestOutput.sample_rate`); what ``vllm_omni:audio_seconds_total`` counts."""
     stages: list[StageMetrics] | None = None
     """A split pipeline: one record per stage, in request order."""
     weights_version: int | None = None
@@ -88,6 +94,7 @@ def across_stages(stages: list[StageMetrics], denoiser_id: int) -> RequestMetric
         exec_ms=sum(s.exec_ms for s in stages),
         seed=last.seed,
         fps=last.fps,
+        audio_seconds=last.audio_seconds,
         stages=stages,
         weights_version=denoiser.weights_version,
         components=_summed_components(stages, denoiser),
@@ -157,7 +164,13 @@ class OmniRequestOutput:
     images: list[Any] = field(default_factory=list)
     """``num_outputs_per_prompt`` images (PIL images, or arrays for ``output_type='np'``); empty for videos."""
     videos: list[list[Any]] = field(default_factory=list)
-    """``num_outputs_per_prompt`` videos, each a list of frames like ``images``; empty for images."""
+    """``num_outputs_per_prompt`` videos, each a list of frames like ``images``; empty for images and audio."""
+    audios: list[Any] = field(default_factory=list)
+    """``num_outputs_per_prompt`` waveforms of an audio model, each a float32 NumPy array shaped ``(channels,
+    samples)``, the values as its VAE (or vocoder) made them: nominally in [-1, 1], not clipped (an encoder clips);
+    empty for images and videos."""
+    sample_rate: int | None = None
+    """The rate of ``audios`` in Hz; ``None`` for images and videos."""
     metrics: RequestMetrics | None = None
     """How it ran; ``None`` when it failed."""
     error: str | None = None
@@ -201,11 +214,13 @@ def build_output(
     metrics: RequestMetrics,
     *,
     final: bool,
-    video: bool,
+    kind: OutputKind,
+    sample_rate: int | None = None,
     trajectory: Trajectory | None = None,
 ) -> OmniRequestOutput | StageOutput:
-    """The one place a request's output is made: images or videos from a final stage (``result``: its
-    ``num_outputs_per_prompt`` items) with the ``trajectory`` it recorded, else the payload the next stage takes."""
+    """The one place a request's output is made: images, videos or waveforms (``kind``; audio at ``sample_rate``)
+    from a final stage (``result``: its ``num_outputs_per_prompt`` items) with the ``trajectory`` it recorded, else
+    the payload the next stage takes."""
     if not final:
         return StageOutput(request_id, result, metrics)
     recorded = {}
@@ -215,8 +230,10 @@ def build_output(
     return OmniRequestOutput(
         request_id=request_id,
         prompt=prompt,
-        images=[] if video else result,
-        videos=result if video else [],
+        images=result if kind == "image" else [],
+        videos=result if kind == "video" else [],
+        audios=result if kind == "audio" else [],
+        sample_rate=sample_rate if kind == "audio" else None,
         metrics=metrics,
         **recorded,
     )

@@ -71,13 +71,24 @@ class OmniDiffusionSamplingParams(BaseModel):
     """Guidance scale (classifier-free, or embedded guidance for distilled models)."""
 
     num_outputs_per_prompt: int = Field(default=1, ge=1, le=64)
-    """Images (or videos) generated for the prompt."""
+    """Images (or videos, or waveforms) generated for the prompt."""
 
     num_frames: int | None = Field(default=None, ge=1, le=1024)
     """Frames of each video (video pipelines only; ``None``: the pipeline's default)."""
 
     fps: int | None = Field(default=None, ge=1, le=240)
     """Frames per second the video is meant to play at (carried to the output; video pipelines only)."""
+
+    audio_length: float | None = Field(default=None, allow_inf_nan=False)
+    """Seconds of audio each waveform holds (audio pipelines only; ``None``: the pipeline's default, Stable Audio's
+    longest clip). Upstream vllm-omni's name; the pipeline's own argument is its family's (Stable Audio's
+    ``audio_end_in_s``, start + length; AudioLDM 2's ``audio_length_in_s``). Checked against what the model makes
+    (more than 0, at most its longest clip) when the request is admitted."""
+
+    audio_start: float | None = Field(default=None, allow_inf_nan=False)
+    """Where the clip starts, in seconds, for audio pipelines conditioned on a start (Stable Audio's
+    ``audio_start_in_s``: the clip is ``[audio_start, audio_start + audio_length]`` of its longest one); ``None``:
+    0. Upstream vllm-omni's name."""
 
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     """Seed of the request's own generator; a random one is drawn (and reported) when unset."""
@@ -102,7 +113,8 @@ class OmniDiffusionSamplingParams(BaseModel):
     default); the request runs ``int(num_inference_steps * strength)`` steps."""
 
     output_type: Literal["pil", "np"] = "pil"
-    """``pil``: PIL images; ``np``: float arrays in [0, 1] of shape (H, W, 3)."""
+    """``pil``: PIL images; ``np``: float arrays in [0, 1] of shape (H, W, 3). Audio is always float arrays
+    (`OmniRequestOutput.audios`)."""
 
     extra_args: dict[str, Any] = Field(default_factory=dict)
     """Further keyword arguments of the pipeline call (e.g. ``max_sequence_length``); batched requests must agree."""

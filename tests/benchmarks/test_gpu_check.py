@@ -1,9 +1,10 @@
 """The prepared GPU check (benchmarks/gpu_check.py) smoke-run on the CPU: the steppers of one family of each kind
-and of each special case, and the engine, in float32 against the stock pipeline (every family's stepper against its
-stock pipeline is tests/diffusion/families/test_steppers.py's business; here it is the script's rows). Its Poisson
-part is step_batching.py, whose quick run has its own test (test_scripts.py), so it is skipped here; its speed-knob
-part runs speed_knobs.py with the one variant that shows the subprocess's table reaches the report (the knobs
-themselves are test_scripts.py's). Nothing here depends on timing."""
+and of each special case, the engine, and the audio family batched against alone, in float32 against the stock
+pipeline (every family's stepper against its stock pipeline is tests/diffusion/families/test_steppers.py's business;
+here it is the script's rows). Its Poisson part is step_batching.py, whose quick run has its own test
+(test_scripts.py), so it is skipped here; its speed-knob part runs speed_knobs.py with the one variant that shows
+the subprocess's table reaches the report (the knobs themselves are test_scripts.py's). Nothing here depends on
+timing."""
 
 import json
 
@@ -37,10 +38,13 @@ def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(ben
     assert sorted((r["check"], r["family"], r["dtype"]) for r in rows) == sorted(
         [("steppers", f, "float32") for f in HAND_WRITTEN + MODULAR]
         + [("engine", f, "float32") for f in ("flux", "wan")]
+        + [("audio", "stable-audio", "float32")]
     )
     for row in rows:
         assert row["pass"] is True and "error" not in row, row
         assert 0 <= row["worst"] <= row["bar"] == 2
+    (audio,) = (r for r in rows if r["check"] == "audio")  # three requests of two waveforms in one call
+    assert audio["largest_forward"] == 3 and audio["audio_seconds"] == 6.0 and len(audio["requests"]) == 3, audio
     for row in (r for r in rows if r["check"] == "engine"):  # each component timed, none longer than the request
         assert row["components_consistent"] is True and "denoise" in row["components"], row
     for row in (r for r in rows if r["check"] == "steppers"):
@@ -61,5 +65,6 @@ def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(ben
     assert "| steppers | flux | float32 |" in markdown
     assert "## Speed and memory knobs against none (flux-bench)" in markdown and "| request | none |" in markdown
     assert "| steppers | hunyuan-video-1.5 | float32 |" in markdown
+    assert "| audio | stable-audio | float32 | 3 |" in markdown
     assert result["parallel"] is None  # two ranks need two GPUs: parallel.py's own smoke test is test_scripts.py's
     assert "## Parallel degrees against one process (flux-bench)\n\nSkipped (fewer than 2 GPUs" in markdown

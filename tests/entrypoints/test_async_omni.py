@@ -120,7 +120,7 @@ async def test_parameters_admitted_once_are_not_completed_again(tiny_flux):
     as they are, and the engine's figures are read through `AsyncOmni`."""
     async with AsyncOmni(model=tiny_flux, max_num_seqs=1) as omni:
         await omni.warm_up()
-        assert (omni.model_card.is_video, omni.num_waiting, omni.progress("nope")) == (False, 0, None)
+        assert (omni.model_card.output, omni.num_waiting, omni.progress("nope")) == ("image", 0, None)
         assert [(h.stage_id, h.status) for h in omni.health()] == [(0, "ok")]
         admitted = omni.admit(OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2))
         assert admitted.params.seed is not None and admitted.params.guidance_scale is not None

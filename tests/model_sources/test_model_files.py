@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.model_sources.files import local_model_folder
+from vllm_omni.testing.custom_code import make_custom_code_flux
 from vllm_omni.testing.hub import LocalHub, hub_online
 
 REPO = "tiny-org/flux"
@@ -23,7 +24,8 @@ REPO = "tiny-org/flux"
 def hub(tiny_flux, tmp_path_factory):
     """``tiny-org/flux`` with two commits on main (the first also tag ``v1``), ``tiny-org/flux-dup`` whose denoiser
     has a ``.bin`` copy beside its ``.safetensors`` and files no pipeline reads, a gated ``tiny-org/gated``, and
-    ``tiny-org/flux-gguf``: GGUFs of the tiny Flux's transformer (`_gguf_repo`)."""
+    ``tiny-org/flux-gguf``: GGUFs of the tiny Flux's transformer (`_gguf_repo`), and ``tiny-org/custom``, whose
+    pipeline and transformer classes are its own code (`make_custom_code_flux`)."""
     changed = tmp_path_factory.mktemp("flux-v2") / "flux"
     shutil.copytree(tiny_flux, changed)
     scheduler = changed / "scheduler" / "scheduler_config.json"
@@ -45,6 +47,7 @@ def hub(tiny_flux, tmp_path_factory):
         hub.publish("tiny-org/gated", tiny_flux)
         hub.gate("tiny-org/gated", "hf_granted")
         hub.publish("tiny-org/flux-gguf", str(_gguf_repo(tiny_flux, tmp_path_factory.mktemp("flux-gguf"))))
+        hub.publish("tiny-org/custom", make_custom_code_flux(tiny_flux, tmp_path_factory.mktemp("custom") / "flux"))
         yield hub
 
 
@@ -96,11 +99,12 @@ _DOWNLOAD = """
 import json, sys
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.model_sources.files import local_model_folder
-for repo, revision, token, stages, *base in json.loads(sys.argv[1]):
+for repo, revision, token, stages, *more in json.loads(sys.argv[1]):
     sys.stdin.readline()  # the test's go: it counts the hub's downloads between calls
+    base, trust = (more + [None, False])[:2]
     try:
-        source = ModelSource(repo, revision=revision, hf_token=token, model_config=(base or [None])[0])
-        folder = local_model_folder(source, stages)
+        source = ModelSource(repo, revision=revision, hf_token=token, model_config=base)
+        folder = local_model_folder(source, stages, trust)
         print(json.dumps({"folder": folder}), flush=True)
     except ModelSourceError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
@@ -108,9 +112,10 @@ for repo, revision, token, stages, *base in json.loads(sys.argv[1]):
 
 
 def _download(hub, tmp_path, *calls) -> list[tuple[dict, list[str]]]:
-    """``local_model_folder`` for each ``(repo, revision, token, stage_types[, model_config])`` in turn, in one
-    process whose ``huggingface_hub`` talks to ``hub`` (it reads ``HF_ENDPOINT`` at import), into a fresh cache (and
-    ``$VLLM_CACHE_ROOT``, for a single file's folder): each call's
+    """``local_model_folder`` for each ``(repo, revision, token, stage_types[, model_config[, trust_remote_code]])``
+    in turn, in one process whose ``huggingface_hub`` talks to ``hub`` (it reads ``HF_ENDPOINT`` at import), into a
+    fresh cache (and ``$VLLM_CACHE_ROOT``, for a single file's folder; ``HF_MODULES_CACHE``, for a repo's code): each
+    call's
     answer, and the paths the hub served for it (a call starts only when told to, and answers after its last
     download was served)."""
     env = os.environ | {
@@ -120,6 +125,7 @@ def _download(hub, tmp_path, *calls) -> list[tuple[dict, list[str]]]:
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
         "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
     }
     command = [sys.executable, "-c", _DOWNLOAD, json.dumps(calls)]
     answers = []
@@ -161,13 +167,17 @@ def test_a_download_fetches_each_needed_file_once_in_one_format(hub, tmp_path):
 
 @pytest.mark.slow
 def test_hub_failures_name_the_repo_the_revision_and_the_reason(hub, tmp_path):
-    (missing, _), (no_revision, _), (gated, _), (granted, _) = _download(
+    """Each failure names the repo, the revision and the reason, and what fixes it: a token for a gated repo,
+    ``--trust-remote-code`` for a repo whose pipeline class is its own code (which then downloads, code included)."""
+    (missing, _), (no_revision, _), (gated, _), (granted, _), (untrusted, _), (trusted, _) = _download(
         hub,
         tmp_path,
         ("tiny-org/missing", None, None, ["diffusion"]),
         (REPO, "v9", None, ["diffusion"]),
         ("tiny-org/gated", None, None, ["diffusion"]),
         ("tiny-org/gated", None, "hf_granted", ["diffusion"]),
+        ("tiny-org/custom", None, None, ["diffusion"]),
+        ("tiny-org/custom", None, None, ["diffusion"], None, True),
     )
     assert missing["error"].startswith("model 'tiny-org/missing' at revision 'main': no such repo on " + hub.url)
     assert (
@@ -180,6 +190,13 @@ def test_hub_failures_name_the_repo_the_revision_and_the_reason(hub, tmp_path):
     )
     assert "--hf-token" in gated["error"]
     assert os.path.isfile(os.path.join(granted["folder"], "model_index.json"))
+    assert untrusted["error"] == (
+        "model 'tiny-org/custom' at revision 'main': its pipeline class CustomFluxPipeline is the repo's own code "
+        "(pipeline.py), which runs only when you trust it: read it, then give --trust-remote-code (vllm serve) or "
+        "trust_remote_code=True (Omni)"
+    )
+    for code in ("pipeline.py", "transformer/custom_transformer.py"):
+        assert os.path.isfile(os.path.join(trusted["folder"], code)), code
 
 
 @pytest.mark.network

@@ -67,7 +67,7 @@ def test_two_requests_batched_equal_stock_diffusers_alone(request, fixture, pipe
         # (whether two stepped requests overlap is the engine's timing: tests/diffusion/families/test_steppers.py
         # shares)
         assert output.error is None and (stepped or output.metrics["batch_size"] == 2)
-        (item,) = output.videos if omni.model_card.is_video else output.images
+        (item,) = output.videos if omni.model_card.output == "video" else output.images
         made.append(np.asarray(item))
         assert np.isfinite(made[-1]).all() and made[-1].std() > 1e-3, "a constant or broken output"
         assert np.abs(made[-1] - _stock(model, prompt, seed, **call)).max() * 255 <= 2

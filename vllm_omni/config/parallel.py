@@ -104,7 +104,8 @@ def _check_model(stage_id: int, values: Mapping[str, Any], written: Callable[...
                 "ring_degree"
             )
     if values["cfg_parallel_size"] > 1:
-        pipeline = getattr(diffusers, index.get("_class_name", ""), None)
+        class_name = index.get("_class_name")  # [module, class] for the model's own pipeline class: not known here
+        pipeline = getattr(diffusers, class_name, None) if isinstance(class_name, str) else None
         call = inspect.signature(pipeline.__call__).parameters if pipeline is not None else {}
         if pipeline is not None and not {"negative_prompt", "negative_prompt_embeds"} & set(call):
             raise ValueError(

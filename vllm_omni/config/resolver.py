@@ -11,6 +11,7 @@ Precedence, lowest to highest (docs/configuration.md):
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NoReturn
@@ -276,11 +277,42 @@ def check_model(stage_configs: list[StageDeployConfig], model: ModelSource) -> N
 def check_model_folder(stage_configs: list[StageDeployConfig], folder: str) -> None:
     """Stage configs checked against the diffusers folder every stage loads, once it exists: a repo id or a single
     file has none while the knobs resolve (`_local_folder`), so what the parallel knobs ask of the model (a
-    ``_cp_plan``, heads the degree divides, guidance) is checked here, before any weights load."""
+    ``_cp_plan``, heads the degree divides, guidance) is checked here, before any weights load, and so is a folder
+    that loads with its own code (a custom pipeline or component class), which needs ``trust_remote_code``."""
     for stage in stage_configs:
         values = {k: getattr(stage, k) for k in STAGE_KNOBS}
         provenance = {k: stage.provenance.get(k, "default") for k in STAGE_KNOBS}
         check_parallel(stage.stage_id, values, _writer(values, provenance), folder)
+        if stage.stage_type in STAGE_TYPES_OF_KNOB["trust_remote_code"] and not stage.trust_remote_code:
+            _check_untrusted_code(stage.stage_id, _writer(values, provenance), folder)
+
+
+def _model_code(folder: str) -> list[str]:
+    """The model's own code that the diffusers folder's ``model_index.json`` names, which diffusers runs only with
+    ``trust_remote_code``: a pipeline class given as ``[module, class]`` (in ``module.py`` beside it) and a
+    component whose library is a file of its subfolder (``transformer/my_model.py``)."""
+    with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as file:
+        index = json.load(file)
+    found = []
+    if isinstance(index.get("_class_name"), list):
+        module, cls = index["_class_name"]
+        found.append(f"the pipeline class {cls} in {module}.py")
+    for name, entry in index.items():
+        library = entry[0] if isinstance(entry, list) and len(entry) == 2 and not name.startswith("_") else None
+        if isinstance(library, str) and os.path.isfile(os.path.join(folder, name, f"{library}.py")):
+            found.append(f"the {name} class {entry[1]} in {name}/{library}.py")
+    return found
+
+
+def _check_untrusted_code(stage_id: int, written: Callable[..., str], folder: str) -> None:
+    """A folder that needs its own code to load is refused before anything loads, naming that code and the flag
+    that trusts it (diffusers' own error names only its Python keyword, after the stage has started)."""
+    if code := _model_code(folder):
+        raise ValueError(
+            f"stage {stage_id}: the model {folder} loads with its own code, which runs only when you trust it: "
+            f"{'; '.join(code)}. Read it, then give --trust-remote-code (vllm serve), trust_remote_code=True "
+            f"(Omni) or trust_remote_code: true (a deploy YAML's stage); {written('trust_remote_code', 'is ')}"
+        )
 
 
 def _local_folder(model: ModelSource | None) -> str | None:

@@ -143,8 +143,9 @@ class StageDeployConfig(BaseModel):
 
     trust_remote_code: Annotated[bool, Knob("pipeline", flag="vllm")] = False
     """Load the pipeline's own code from its folder (a custom pipeline or component class named in
-    ``model_index.json``): passed to diffusers' ``from_pretrained`` as ``trust_remote_code``. vLLM's
-    ``--trust-remote-code``. Not on ``llm`` stages (vLLM's goes into ``engine_args``)."""
+    ``model_index.json``): passed to diffusers' ``from_pretrained`` as ``trust_remote_code``; without it, such a
+    folder is refused before anything loads, naming its code. vLLM's ``--trust-remote-code``. Not on ``llm``
+    stages (vLLM's goes into ``engine_args``)."""
 
     tensor_parallel_size: Annotated[int, Knob("pipeline", flag="vllm")] = 1
     """vLLM's ``--tensor-parallel-size``: accepted as 1 only, as diffusion stages do not shard weights (an ``llm``

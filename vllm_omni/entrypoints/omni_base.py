@@ -125,7 +125,8 @@ class OmniBase:
     ) -> None:
         check_model(stage_configs, source)  # configs resolved without the model (from_stage_configs)
         self.model_source = source
-        self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs])
+        trusted = any(stage.trust_remote_code for stage in stage_configs)
+        self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs], trusted)
         """The diffusers folder every stage loads (the snapshot or converted folder for a repo id or a file)."""
         check_model_folder(stage_configs, self.model)
         self.stage_configs = stage_configs

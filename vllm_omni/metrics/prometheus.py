@@ -37,7 +37,7 @@ class EngineMetrics:
         self._component_seconds = self._component_histogram(labels)
         self._labels = labels
         self._components: dict[str, Histogram] = {}
-        self.oom_batch_splits, self.cache_skipped_steps = self._event_counters(ids)
+        self.oom_batch_splits, self.cache_skipped_steps, self.audio_seconds = self._event_counters(ids)
         self.num_requests_running, self.num_requests_waiting, self.lora_adapters_resident, self.engine_sleeping = (
             self._state_gauges(ids)
         )
@@ -81,9 +81,9 @@ class EngineMetrics:
             registry=self.registry,
         )
 
-    def _event_counters(self, ids: dict[str, str]) -> tuple[Counter, Counter]:
-        """Events the replica counts: batches split after running out of memory, and computations the step cache
-        skipped."""
+    def _event_counters(self, ids: dict[str, str]) -> tuple[Counter, Counter, Counter]:
+        """What the replica counts: batches split after running out of memory, computations the step cache
+        skipped, and the seconds of audio it made."""
         oom_batch_splits = Counter(
             "vllm_omni:oom_batch_splits",
             "Batches that ran out of device memory and were split in halves and retried.",
@@ -97,7 +97,14 @@ class EngineMetrics:
             list(ids),
             registry=self.registry,
         ).labels(**ids)
-        return oom_batch_splits, cache_skipped_steps
+        audio_seconds = Counter(
+            "vllm_omni:audio_seconds",
+            "Seconds of audio an audio model made: each output's num_outputs_per_prompt waveforms, samples over the "
+            "sample rate (its metrics.audio_seconds; the warm-up's included).",
+            list(ids),
+            registry=self.registry,
+        ).labels(**ids)
+        return oom_batch_splits, cache_skipped_steps, audio_seconds
 
     def _state_gauges(self, ids: dict[str, str]) -> tuple[Gauge, Gauge, Gauge, Gauge]:
         """The replica's state now: requests running and waiting, LoRA adapters loaded, and whether it sleeps."""
@@ -215,16 +222,22 @@ image_requests = Counter(
     "(requests refused for a missing or wrong API key are not counted).",
     ["outcome"],
 )
+audio_requests = Counter(
+    "vllm_omni:audio_generation_requests",
+    "Audio generation requests (POST /v1/audio/generate) by outcome: completed, invalid, overloaded, unavailable, "
+    "failed, aborted (requests refused for a missing or wrong API key are not counted).",
+    ["outcome"],
+)
 ignored_fields = Counter(
     "vllm_omni:ignored_fields",
     "Request fields the served model would not use, accepted with a Warning header and dropped, by API (images, "
-    "videos) and field (without --strict-fields; with it they are refused).",
+    "videos, audio) and field (without --strict-fields; with it they are refused).",
     ["api", "field"],
 )
 
 request_phase_seconds = Histogram(
     "vllm_omni:request_phase_seconds",
-    "Where a completed request's time went on the server, by API (images, videos) and phase: parse, validation, "
+    "Where a completed request's time went on the server, by API (images, videos, audio) and phase: parse, validation, "
     "completion, handoff, queue, execution, encoding, response (see docs/serving.md).",
     ["api", "phase"],
     buckets=_PHASE_BUCKETS,

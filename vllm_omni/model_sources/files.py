@@ -31,21 +31,26 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.ckpt", "*.pt", "*.pth", "*.gguf
 """Weight files: what a full single-file checkpoint replaces in the repo that supplies its configs."""
 
 
-def local_model_folder(source: ModelSource, stage_types: Iterable[str]) -> str:
-    """The diffusers folder to load for a deployment of ``stage_types``; downloads and converts as needed."""
+def local_model_folder(source: ModelSource, stage_types: Iterable[str], trust_remote_code: bool = False) -> str:
+    """The diffusers folder to load for a deployment of ``stage_types``; downloads and converts as needed.
+    ``trust_remote_code``: a stage trusts the repo's own code (diffusers imports its pipeline class to download)."""
     if source.kind == "folder":
         return source.model
     if source.kind == "repo":
         skips = {ROLES[stage_type].skips for stage_type in stage_types if stage_type in ROLES}  # not llm stages
-        return hub_snapshot(source.model, source, skips or {()})
+        return hub_snapshot(source.model, source, skips or {()}, trust_remote_code)
     if source.kind == "hub_file":
         return single_file_folder(source, hub_file(source))
     return single_file_folder(source)
 
 
-def hub_snapshot(repo_id: str, source: ModelSource, skips: Iterable[tuple[str, ...]]) -> str:
+def hub_snapshot(
+    repo_id: str, source: ModelSource, skips: Iterable[tuple[str, ...]], trust_remote_code: bool = False
+) -> str:
     """The snapshot folder of ``repo_id`` at ``source.revision`` in the hub cache, holding at least the components
-    each stage loads (one ``skips`` tuple per stage). Every stage is pinned to the same commit."""
+    each stage loads (one ``skips`` tuple per stage). Every stage is pinned to the same commit. A repo whose
+    pipeline class is its own code downloads only with ``trust_remote_code`` (diffusers imports that class to
+    learn its components)."""
     from diffusers import DiffusionPipeline
     from huggingface_hub import constants, resolve_revision
 
@@ -57,7 +62,14 @@ def hub_snapshot(repo_id: str, source: ModelSource, skips: Iterable[tuple[str, .
         for skipped in sorted(set(skips)):
             # diffusers fetches only the pipeline's own files, one weight format per component, none of the
             # components passed in (here: None for those the stage skips).
-            folder = DiffusionPipeline.download(repo_id, revision=revision, **where, **dict.fromkeys(skipped))
+            try:
+                folder = DiffusionPipeline.download(
+                    repo_id, revision=revision, trust_remote_code=trust_remote_code, **where, **dict.fromkeys(skipped)
+                )
+            except ValueError:
+                if not trust_remote_code:
+                    _refuse_untrusted_pipeline(repo_id, source)
+                raise
     folder = os.fspath(folder)
     logger.info("Model %s at revision %s: %s", repo_id, source.revision or "main", folder)
     return folder
@@ -324,6 +336,19 @@ def _save_converted(
             f"({type(exc).__name__}: {exc}); check that --model-config names its base model"
         ) from exc
     model.save_pretrained(os.path.join(into, denoiser))
+
+
+def _refuse_untrusted_pipeline(repo_id: str, source: ModelSource) -> None:
+    """When ``repo_id``'s pipeline class is its own code, which diffusers refused to run, say so naming the flag
+    (diffusers' error names only its Python keyword); else return, for the caller to raise what failed."""
+    index = read_model_index_of(repo_id, source)  # fetched already by the download that failed
+    if isinstance(index.get("_class_name"), list):
+        module, cls = index["_class_name"]
+        raise ModelSourceError(
+            f"model {repo_id!r} at revision {source.revision or 'main'!r}: its pipeline class {cls} is the repo's own "
+            f"code ({module}.py), which runs only when you trust it: read it, then give --trust-remote-code (vllm "
+            "serve) or trust_remote_code=True (Omni)"
+        )
 
 
 def read_model_index_of(repo_id: str, source: ModelSource) -> dict:

@@ -53,10 +53,11 @@ class ReplicaInfo:
 
 def warm_up_params(card: ModelCard, compile_sizes: tuple[str, ...] = ()) -> list[OmniDiffusionSamplingParams]:
     """One step at the model's default size (or the fewest its scheduler takes, `ModelCard.min_steps`; a single frame
-    for video models, a grey input image for a model that needs one): it initialises every component, so the first
-    real request does not pay for that. Then the same at each of ``compile_sizes``, so that a compiled denoiser has
-    compiled them."""
-    sizes = [(None, None, 1 if card.is_video else None)] + [parse_size(size) for size in compile_sizes]
+    for video models, its default length for audio models, a grey input image for a model that needs one): it
+    initialises every component, so the first real request does not pay for that. Then the same at each of
+    ``compile_sizes`` (sizes of pictures: none for an audio model), so that a compiled denoiser has compiled them."""
+    sizes: list[tuple[int | None, int | None, int | None]] = [(None, None, 1 if card.output == "video" else None)]
+    sizes += [parse_size(size) for size in compile_sizes if card.output != "audio"]
     warm_ups = []
     for width, height, frames in sizes:
         image = None

@@ -4,6 +4,7 @@ tests, the benchmarks and the demo build (`make_tiny_model`).
     vllm-omni make-tiny-model DIR --family sd|sdxl|sd3|flux|flux-bench|flux-schnell|wan|wan2.2  (tiny_models)
                                            |kontext|qwen-image-edit|qwen-image-edit-plus|wan-i2v  (tiny_edit_models)
                                            |qwen-image|z-image|flux2|ltx|hunyuan-video-1.5  (tiny_families)
+                                           |stable-audio|stable-audio-3|longcat-audio|ace-step  (tiny_audio)
                                            |llm  (tiny_llm: the LLM of an ``llm`` stage)
 
 The table lives apart from the builders, so that the builder modules import one another in one direction only.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_omni.testing import tiny_edit_models, tiny_families, tiny_llm
+from vllm_omni.testing import tiny_audio, tiny_edit_models, tiny_families, tiny_llm
 from vllm_omni.testing.tiny_models import (
     build_tiny_flux,
     build_tiny_sd,
@@ -40,6 +41,10 @@ FAMILIES = {
     "flux2": tiny_families.build_tiny_flux2,
     "ltx": tiny_families.build_tiny_ltx,
     "hunyuan-video-1.5": tiny_families.build_tiny_hunyuan_video_15,
+    "stable-audio": tiny_audio.build_tiny_stable_audio,
+    "stable-audio-3": tiny_audio.build_tiny_stable_audio_3,
+    "longcat-audio": tiny_audio.build_tiny_longcat_audio,
+    "ace-step": tiny_audio.build_tiny_ace_step,
 }
 """The tiny diffusers pipelines, by family."""
 

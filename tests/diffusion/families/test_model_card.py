@@ -77,6 +77,8 @@ def test_what_a_pipeline_cannot_take_is_refused_naming_the_field(sd, flux, tiny_
         (wan, dict(image=noise_image(0)), "image"),
         (sd, dict(image=[noise_image(0), noise_image(1)]), "image"),
         (flux, dict(num_frames=5), "num_frames"),  # a video from an image model: not what it makes
+        (flux, dict(audio_length=1.0), "audio_length"),  # audio from an image or video model, neither
+        (wan, dict(audio_start=0.5), "audio_start"),
         (sd, dict(extra_args={"steps": 2}), "extra_args.steps"),  # not a field at all
         (sd, dict(extra_args={"generator": None}), "extra_args.generator"),
     ]
@@ -172,7 +174,7 @@ def test_a_text_to_video_model_remixes_with_its_video_to_video_variant(tiny_wan)
     wan = card_of(tiny_wan)
     assert wan.tasks == {"text", "video"} and wan.for_task("text") is wan
     variant = wan.for_task("video")
-    assert variant.pipeline_name == "WanVideoToVideoPipeline" and variant.is_video
+    assert variant.pipeline_name == "WanVideoToVideoPipeline" and variant.output == "video"
     assert not variant.batches_images  # one video per call: a remix runs alone
     remix = complete(wan, video=_frames(9), num_inference_steps=2, fps=8)
     assert (remix.height, remix.width, remix.num_frames, remix.fps, remix.strength) == (32, 32, 9, 8, 0.8)

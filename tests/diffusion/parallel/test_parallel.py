@@ -198,14 +198,11 @@ def test_an_idle_rank_waits_on_its_inbox_and_ends_once_the_groups_owner_is_gone(
 
 
 def test_a_script_without_a_main_guard_is_told_the_cause_and_the_fix(tiny_flux, tmp_path):
-    """The ranks start from a forkserver that imports the main script again: a script that makes its ranks as it is
-    imported (no ``if __name__ == "__main__":``) fails naming that and the guard, not only "rank(s) ended"."""
+    """The ranks start from a forkserver that imports the main script again: a script that makes its parallel `Omni`
+    as it is imported (no ``if __name__ == "__main__":``) fails naming that and the guard, not only "rank(s) ended";
+    each rank says it too, naming the script."""
     script = tmp_path / "no_guard.py"
-    script.write_text(
-        "from vllm_omni.diffusion.parallel.ranks import RankGroup\n"
-        f"group = RankGroup({tiny_flux!r}, ulysses_degree=2)\n"
-        "group.close()\n"
-    )
+    script.write_text(f"from vllm_omni import Omni\n\nomni = Omni({tiny_flux!r}, ulysses_degree=2)\nomni.close()\n")
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=os.environ
     )
@@ -213,3 +210,5 @@ def test_a_script_without_a_main_guard_is_told_the_cause_and_the_fix(tiny_flux, 
     last = done.stderr.strip().splitlines()[-1]
     assert re.match(r"RuntimeError: rank\(s\) \[[01, ]+\] of the group ended before it answered \(ready\): ", last)
     assert f"imports the main script {script} again" in last and 'if __name__ == "__main__":' in last
+    told = [line for line in done.stderr.splitlines() if line.startswith("RuntimeError: the ranks of a parallel")]
+    assert told and all(f"imports the main script {script} again" in line for line in told)

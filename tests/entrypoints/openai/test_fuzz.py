@@ -83,9 +83,10 @@ def test_schema_driven_fuzzing(server):
                 continue  # no body, no query: nothing to make invalid (a path segment is any string)
             _fuzz_operation(operation, label, mode)
     assert counts["requests"] >= 900 and counts[f"{EDITS} requests"] >= 400, counts
-    # The generated bodies reach the route: its own refusals (a file missing or not an image, the form's fields).
+    # The generated bodies reach the route: its own refusals (a file missing or not an image, the form's fields; a
+    # JSON body's images by image_url, the schema's other content type).
     params = {param for _, param, _ in edit_errors}
-    assert {"image", "prompt"} <= params, edit_errors
+    assert {"image", "images", "prompt"} <= params, edit_errors
     assert {status for status, _, _ in edit_errors} <= {400, 404}, edit_errors  # 404: a model of another name
     assert httpx.get(server.url_for("health")).status_code == 200
 
@@ -113,13 +114,14 @@ def _fuzz_operation(operation, label: str, mode: GenerationMode) -> None:
 
 
 def _check_edit_param(error: dict, what: str) -> None:
-    """An edit's refusal names one of the form's fields, the unknown field it got, or none (the whole form)."""
-    from vllm_omni.entrypoints.openai.protocol import ImageEditRequest  # imported here: it imports torch
+    """An edit's refusal names one of the form's fields or the JSON body's (``images``), the unknown field it got,
+    or none (the whole body)."""
+    from vllm_omni.entrypoints.openai.protocol import ImageEditJSONBody  # imported here: it imports torch
 
     if error["code"] == "unknown_parameter":
         assert isinstance(error["param"], str), what
     else:
-        assert error["param"] in {None, "image", "mask", *ImageEditRequest.model_fields}, (error, what)
+        assert error["param"] in {None, "image", "image[]", *ImageEditJSONBody.model_fields}, (error, what)
 
 
 def _encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
@@ -285,9 +287,13 @@ def test_schema_driven_edits_with_real_images(server):
     operation = schemathesis.openapi.from_url(server.url_for("openapi.json"))[EDITS]["POST"]
     properties = set(operation.definition.raw["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"])
     outcomes = real_image_outcomes
+    # The form's cases (the schema's other body is OpenAI's JSON, whose images are URLs)
+    form = operation.as_strategy(generation_mode=GenerationMode.POSITIVE).filter(
+        lambda case: case.media_type == "multipart/form-data"
+    )
 
     @settings(max_examples=100, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(operation.as_strategy(generation_mode=GenerationMode.POSITIVE), st.data())
+    @given(form, st.data())
     def fuzz(case, data):
         # Absent rather than null (a form has no null); one model name; one image file (the model takes one).
         body = {k: v for k, v in case.body.items() if k in properties - {"image[]", "model"} and v is not None}

@@ -201,6 +201,56 @@ def test_the_edit_fields():
         assert raised.value.param == param
 
 
+def _route_takes(body: dict) -> bool:
+    """Whether the JSON edit route reads ``body``: its references (`edit_references`), then its fields."""
+    from pydantic import ValidationError
+
+    from vllm_omni.entrypoints.openai.protocol import ImageEditRequest
+
+    fields = dict(body)
+    try:
+        edit_references(fields)
+        ImageEditRequest.model_validate(fields, strict=None)
+    except (APIError, ValidationError):
+        return False
+    return True
+
+
+def test_the_json_edit_schema_takes_what_the_route_takes():
+    """`ImageEditJSONBody` (the JSON body's OpenAPI schema) and the route that reads the body apart agree."""
+    from pydantic import ValidationError
+
+    from vllm_omni.entrypoints.openai.protocol import ImageEditJSONBody
+
+    url = data_url(PNG)
+    one = {"prompt": "a door", "images": [{"image_url": url}]}
+    bodies = [
+        one,
+        one | {"images": [{"image_url": url}] * 16, "mask": {"image_url": url}, "strength": 0.5, "n": 2},
+        one | {"mask": None},
+        {"images": [{"image_url": url}]},  # no prompt
+        {"prompt": "a door"},  # no images
+        one | {"images": []},
+        one | {"images": [{"image_url": url}] * 17},
+        one | {"images": [{"image_url": ""}]},
+        one | {"images": [{"file_id": "file-1"}]},
+        one | {"images": [{"image_url": url, "detail": "high"}]},
+        one | {"images": [url]},
+        one | {"mask": {"file_id": "f"}},
+        one | {"image": url},
+        one | {"sharpness": "high"},
+        one | {"n": "2"},  # a JSON body's integers are JSON integers
+    ]
+    for body in bodies:
+        try:
+            ImageEditJSONBody.model_validate(body, strict=None)
+            schema_takes = True
+        except ValidationError:
+            schema_takes = False
+        assert schema_takes == _route_takes(body), body
+    assert sum(map(_route_takes, bodies)) == 3
+
+
 def test_the_sdk_form_spelling_folds_into_the_json_shape():
     assert fold_form_references({"prompt": "x", "input_reference[image_url]": "u"}) == {
         "prompt": "x",

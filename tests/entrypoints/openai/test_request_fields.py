@@ -7,14 +7,16 @@ import json
 import pytest
 
 from vllm_omni.entrypoints.openai.protocol import (
+    AudioGenerationRequest,
+    ImageEditJSONBody,
     ImageEditRequest,
     ImageGenerationRequest,
     VideoGenerationRequest,
 )
 from vllm_omni.entrypoints.openai.request_fields import api_names, sampled, sampling_fields
-from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES, OmniDiffusionSamplingParams
 
-REQUESTS = (ImageGenerationRequest, ImageEditRequest, VideoGenerationRequest)
+REQUESTS = (ImageGenerationRequest, ImageEditRequest, VideoGenerationRequest, AudioGenerationRequest)
 
 
 @pytest.mark.parametrize("model", REQUESTS)
@@ -50,6 +52,24 @@ def test_an_edit_copies_its_strength_and_parses_a_forms_integers():
         ImageGenerationRequest.model_validate({"prompt": "a door", "n": "2"})
 
 
+def test_an_audio_body_gives_upstreams_clip_fields_as_the_sampling_parameters_of_the_same_names():
+    body = AudioGenerationRequest(input="rain", audio_length=2.5, n=2, seed=4, speed=2.0, response_format="flac")
+    assert sampling_fields(body) == {
+        "audio_length": 2.5,
+        "audio_start": 0.0,  # upstream's default
+        "negative_prompt": None,
+        "guidance_scale": None,
+        "num_inference_steps": None,
+        "seed": 4,
+        "num_outputs_per_prompt": 2,
+        "cache": True,
+        "extra_args": {},
+    }
+    assert body.prompt == "rain"  # what the shared checks and the engine read
+    # Encoding choices: the route applies them to the waveforms, the pipeline never sees them.
+    assert not {"response_format", "speed", "stream_format", "lora"} & set(sampling_fields(body))
+
+
 def test_a_videos_body_copies_its_steps_and_its_wan_extensions():
     body = VideoGenerationRequest(prompt="a wave", num_inference_steps=3, fps=8, guidance_scale_2=2.0, seconds=1)
     fields = sampling_fields(body)
@@ -76,6 +96,21 @@ def test_the_openapi_schema_carries_the_docstrings_and_no_marker(tiny_flux):
     assert {name: p.get("description") for name, p in properties.items()} == {
         name: info.description for name, info in ImageGenerationRequest.model_fields.items()
     }
-    form = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    bodies = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]
+    assert set(bodies) == {"multipart/form-data", "application/json"}  # the form, and OpenAI's JSON by image_url
+    form = bodies["multipart/form-data"]["schema"]
     assert form["properties"]["strength"]["description"] == ImageEditRequest.model_fields["strength"].description
+    by_url = bodies["application/json"]["schema"]
+    assert set(by_url["properties"]) == set(ImageEditJSONBody.model_fields) and by_url["required"] == [
+        "prompt",
+        "images",
+    ]
+    images, mask = by_url["properties"]["images"], by_url["properties"]["mask"]
+    assert images["items"]["required"] == ["image_url"] and images["items"]["additionalProperties"] is False
+    assert (images["minItems"], images["maxItems"]) == (1, MAX_INPUT_IMAGES)
+    assert (
+        mask["anyOf"][0] == images["items"]
+        and mask["description"] == ImageEditJSONBody.model_fields["mask"].description
+    )
+    assert "$defs" not in json.dumps(schema)  # each reference resolves in the document
     assert "Sampling" not in json.dumps(schema)

@@ -3,18 +3,26 @@
 import pytest
 
 from vllm_omni.entrypoints.openai import docs
-from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest
+from vllm_omni.entrypoints.openai.protocol import (
+    AudioGenerationRequest,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    VideoGenerationRequest,
+)
 
 
 def test_the_request_field_tables_in_the_docs_are_current():
     assert docs.main(["--check"]) == 0, "run: python -m vllm_omni.entrypoints.openai.docs"
 
 
-@pytest.mark.parametrize("model", [ImageGenerationRequest, VideoGenerationRequest])
-def test_every_field_has_one_row_with_its_docstring(model):
+@pytest.mark.parametrize(
+    ("model", "prompt"),
+    [(ImageGenerationRequest, "prompt"), (VideoGenerationRequest, "prompt"), (AudioGenerationRequest, "input")],
+)
+def test_every_field_has_one_row_with_its_docstring(model, prompt):
     rows = docs.fields_table(model).splitlines()[2:]
     assert sorted(row.split("`")[1] for row in rows) == sorted(model.model_fields)
-    assert rows[0].split("`")[1] == "prompt"  # its own fields first, the shared extensions (RolloutFields) last
+    assert rows[0].split("`")[1] == prompt  # its own fields first, the shared extensions (RolloutFields) last
     for name, info in model.model_fields.items():
         assert info.description, f"{model.__name__}.{name} needs a docstring: it is its row and its OpenAPI text"
 

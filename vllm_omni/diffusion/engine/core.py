@@ -55,8 +55,7 @@ class EngineCore:
             od_config.stage.execution_mode, self.runner.card, sequence_ranks(od_config.stage)
         )
         self.scheduler = scheduler
-        task = "video" if self.runner.card.is_video else "image"
-        self.metrics = EngineMetrics(od_config.stage.stage_id, od_config.replica, task)
+        self.metrics = EngineMetrics(od_config.stage.stage_id, od_config.replica, self.runner.card.output)
         self.metrics.num_requests_running.set_function(lambda: scheduler.num_running)
         self.metrics.num_requests_waiting.set_function(lambda: scheduler.num_waiting)
         lora = self.runner.lora
@@ -136,9 +135,13 @@ class EngineCore:
             error = non_finite_error(request.request_id, self.runner.card, request.params)
             logger.warning("request %s failed: %s", request.request_id, error)
             return error
-        video = self.runner.card.is_video
-        if video:
+        card = self.runner.card
+        if card.output == "video":
             metrics.fps = request.params.fps
+        rate = None if card.audio is None else card.audio.sample_rate
+        if rate is not None and self.role.final:
+            metrics.audio_seconds = sum(waveform.shape[-1] for waveform in result) / rate
+            self.metrics.audio_seconds.inc(metrics.audio_seconds)
         metrics.components = self.timer.finish(request)
         return build_output(
             request.request_id,
@@ -146,7 +149,8 @@ class EngineCore:
             result,
             metrics,
             final=self.role.final,
-            video=video,
+            kind=card.output,
+            sample_rate=rate,
             trajectory=request.trajectory,
         )
 

@@ -18,8 +18,9 @@ from vllm_omni.sampling_params import MAX_SEED, OmniDiffusionSamplingParams
 class BatchKey(NamedTuple):
     """Requests batch together only when every field is equal: one pipeline call takes one value of each."""
 
-    height: int
-    width: int
+    height: int | None
+    """``None`` for audio, as ``width``."""
+    width: int | None
     num_inference_steps: int
     guidance_scale: float | None
     num_outputs_per_prompt: int
@@ -31,15 +32,18 @@ class BatchKey(NamedTuple):
     task: str
     strength: float | None
     image_sizes: tuple[tuple[int, int], ...]
+    audio_length: float | None
+    """An audio pipeline's call takes one clip length (and start) for all its rows."""
+    audio_start: float | None
 
     @classmethod
     def of(cls, params: OmniDiffusionSamplingParams) -> BatchKey:
-        """The key of complete ``params`` (no ``None`` left in the fields it reads)."""
-        height, width, steps = params.height, params.width, params.num_inference_steps
-        assert height is not None and width is not None and steps is not None, "incomplete params"
+        """The key of complete ``params`` (no ``None`` left in the fields it reads, but an audio request's size)."""
+        steps = params.num_inference_steps
+        assert steps is not None, "incomplete params"
         return cls(
-            height=height,
-            width=width,
+            height=params.height,
+            width=params.width,
             num_inference_steps=steps,
             guidance_scale=params.guidance_scale,
             num_outputs_per_prompt=params.num_outputs_per_prompt,
@@ -51,6 +55,8 @@ class BatchKey(NamedTuple):
             task=params.task,
             strength=params.strength,
             image_sizes=tuple(image.size for image in params.image or ()),
+            audio_length=params.audio_length,
+            audio_start=params.audio_start,
         )
 
 
@@ -96,7 +102,8 @@ class DiffusionRequest:
 
     @property
     def pixels(self) -> int:
-        """``width × height × frames × n``: what the stage's ``max_batch_pixels`` budget counts."""
+        """``width × height × frames × n``: what the stage's ``max_batch_pixels`` budget counts (an audio request, which
+        has no size: ``n``)."""
         p = self.params
         return (p.width or 1) * (p.height or 1) * (p.num_frames or 1) * p.num_outputs_per_prompt
 

@@ -295,6 +295,8 @@ class StageAdmission:
         name = self.card.pipeline_name
         cls = stepper_class(name)
         why = f"previews are made for {', '.join(SUPPORTED_PIPELINES)}" if cls is None else None
+        if self.card.output == "audio":
+            why = "it makes audio, and a preview is an image of the partial result"
         if cls is not None and self.stepper is None:  # request mode: the stock pipeline's loop, not the stepper's
             why = cls.request_mode_previews_refusal(name)
             if why is None and "callback_on_step_end" not in self.card.call_args:  # HunyuanVideo 1.5

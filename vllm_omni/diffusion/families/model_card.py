@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.diffusion.families.pipeline_facts import (
+    AUDIO_PIPELINES,
     IMAGE_REQUIRED,
     ONE_IMAGE_PER_CALL,
     RESERVED_ARGS,
@@ -23,20 +24,75 @@ from vllm_omni.diffusion.families.pipeline_facts import (
     image_variants,
     keeps_everything,
     min_steps,
+    returns_audio,
+    sample_rate,
     sequence_limit,
 )
 from vllm_omni.diffusion.features.sde import SDE_ARGS, steps_flow_euler
 from vllm_omni.errors import SamplingParamsError
-from vllm_omni.outputs import IgnoredField
+from vllm_omni.outputs import IgnoredField, OutputKind
 from vllm_omni.sampling_params import DEFAULT_VIDEO_FPS, MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
 
 _PLAIN = (int, float, str, bool)
 ENGINE_ARGS = SDE_ARGS | {"flow_shift"}
 """``extra_args`` keys the engine applies itself: no pipeline call takes them."""
 
+OUTPUTS_ARGS = ("num_images_per_prompt", "num_videos_per_prompt", "num_waveforms_per_prompt")
+"""The call arguments of outputs per prompt, by what a pipeline makes."""
+
 DEFAULT_STRENGTH: dict[ImageTask, float] = {"image": 0.6, "inpaint": 1.0, "video": 0.8}
 """``strength`` of a request that gives none: keep much of the image when transforming it, repaint the masked
 area from scratch when inpainting, and diffusers' default for video-to-video (a remix)."""
+
+
+@dataclass(frozen=True)
+class AudioCard:
+    """What admission reads of an audio pipeline (`ModelCard.audio`): its rate, the longest clip it makes and the
+    call arguments a request's clip becomes (its entry of `AUDIO_PIPELINES`, as plain data)."""
+
+    sample_rate: int
+    """The rate of its waveforms in Hz."""
+    longest: float | None = None
+    """The longest clip it makes in seconds (with a start argument: the latest end); ``None``: no bound known."""
+    length_arg: str | None = None
+    """Its call's argument for the clip's length (with ``start_arg``: for its end); ``None``: none known, and
+    ``audio_length`` is refused."""
+    start_arg: str | None = None
+    """Its call's argument for the clip's start; ``None``: its clips start at 0."""
+    default_length: float | None = None
+    """The length of a clip a request gives none for: its call's default, else the longest (less the start);
+    ``None``: the pipeline works it out (left to it)."""
+    per_row: tuple[str, ...] = ()
+    """Its call's arguments taken one per prompt (`AudioArgs.per_row`)."""
+
+    @classmethod
+    def of(cls, pipeline, pipeline_class: type, defaults: Mapping[str, Any]) -> AudioCard | None:
+        """The audio facts of ``pipeline`` (as ``pipeline_class``); ``None`` for a pipeline that makes no audio."""
+        rate = sample_rate(pipeline)
+        if not returns_audio(pipeline_class) or rate is None:
+            return None
+        args = AUDIO_PIPELINES.get(pipeline_class.__name__)
+        if args is None:
+            return cls(rate)
+        longest = None if args.longest is None else float(args.longest(pipeline))
+        default = defaults.get(args.length) if args.start is None else None
+        return cls(
+            sample_rate=rate,
+            longest=longest,
+            length_arg=args.length,
+            start_arg=args.start,
+            default_length=float(default) if isinstance(default, int | float) else longest,
+            per_row=args.per_row,
+        )
+
+    def call_args(self, length: float | None, start: float | None) -> dict[str, float]:
+        """The pipeline's arguments for a clip of ``length`` seconds from ``start`` (complete parameters)."""
+        if self.length_arg is None or length is None:
+            return {}
+        if self.start_arg is None:
+            return {self.length_arg: length}
+        start = start or 0.0
+        return {self.start_arg: start, self.length_arg: start + length}
 
 
 @dataclass(frozen=True)
@@ -56,7 +112,8 @@ class ModelCard:
     frame_multiple: int
     """A video's num_frames must be 1 more than a multiple of this: the VAE's temporal compression."""
     outputs_arg: str | None
-    """Its argument for outputs per prompt (``num_images_per_prompt`` or ``num_videos_per_prompt``), if any."""
+    """Its argument for outputs per prompt (``num_images_per_prompt``, ``num_videos_per_prompt`` or
+    ``num_waveforms_per_prompt``), if any."""
     latent_pixels: int = 8
     """Pixels per side of one position of its denoiser's input: the VAE's spatial factor, times 2 for transformer
     (DiT) pipelines, which pack or patch latents 2×2 (16 for Flux, SD3 and Qwen-Image; 8 for SD and SDXL)."""
@@ -88,15 +145,23 @@ class ModelCard:
     max_sequence_length: int | None = None
     """The largest ``max_sequence_length`` (the prompt's tokens for its T5-style text encoder) its call takes
     (`sequence_limit`); ``None``: its call takes no ``max_sequence_length``."""
+    audio: AudioCard | None = None
+    """An audio pipeline's rate and clip arguments; ``None`` for image and video pipelines."""
     variants: Mapping[ImageTask, ModelCard] = field(default_factory=dict)
     """Cards of the pipelines it serves image tasks with (``image``: image-to-image, ``inpaint``; ``video``:
     video-to-video), built on its components with ``from_pipe``; empty for a pipeline that takes ``image`` itself
     or has no such variant."""
 
     @property
-    def is_video(self) -> bool:
-        """Whether it generates videos (it takes ``num_frames``, or a ``video`` whose frames it keeps)."""
-        return "num_frames" in self.call_args or "video" in self.call_args
+    def output(self) -> OutputKind:
+        """What it makes, the one place every layer reads it (the output's field, the engine's metrics, the HTTP
+        APIs' model checks): ``audio`` (its call returns diffusers' ``AudioPipelineOutput``), ``video`` (it takes
+        ``num_frames``, or a ``video`` whose frames it keeps), else ``image``."""
+        if self.audio is not None:
+            return "audio"
+        if "num_frames" in self.call_args or "video" in self.call_args:
+            return "video"
+        return "image"
 
     @property
     def default_steps(self) -> int:
@@ -163,7 +228,7 @@ class ModelCard:
             default_size=default_size(pipeline, defaults),
             size_multiple=max(8, 2 * int(scale)),
             frame_multiple=int(getattr(pipeline, "vae_scale_factor_temporal", 1) or 1),
-            outputs_arg=next((n for n in ("num_images_per_prompt", "num_videos_per_prompt") if n in parameters), None),
+            outputs_arg=next((n for n in OUTPUTS_ARGS if n in parameters), None),
             latent_pixels=int(scale) * (2 if "transformer" in pipeline.components else 1),
             config_args=frozenset({"boundary_ratio"})
             if getattr(pipeline, "transformer_2", None) is not None
@@ -183,6 +248,7 @@ class ModelCard:
             flow_euler=steps_flow_euler(getattr(pipeline, "scheduler", None)),
             min_steps=min_steps(getattr(pipeline, "scheduler", None)),
             max_sequence_length=sequence_limit(pipeline_class, defaults),
+            audio=AudioCard.of(pipeline, pipeline_class, defaults),
             variants={}
             if image is not None or pipeline_class is not type(pipeline)
             else {
@@ -230,10 +296,32 @@ class ModelCard:
                     f"extra_args.{arg}", f"extra_args key {arg!r} is not an argument of {name}.__call__"
                 )
         params = self._check_guidance(params, ignored)
-        size = self.default_size
+        steps = params.num_inference_steps or self.default_steps
+        guidance = (
+            params.guidance_scale if params.guidance_scale is not None else self.call_defaults.get("guidance_scale")
+        )
+        if self.audio is not None:
+            params = self._complete_audio(params, ignored)
+            return params.model_copy(update={"num_inference_steps": steps, "guidance_scale": guidance})
+        for asked in [f for f in ("audio_length", "audio_start") if getattr(params, f) is not None]:
+            raise SamplingParamsError(asked, f"{asked} applies to audio pipelines; {name} makes {self.output}s")
+        return params.model_copy(
+            update={
+                **self._complete_size(params),
+                **self._complete_video(params),
+                **self._complete_strength(params, steps),
+                "num_inference_steps": steps,
+                "guidance_scale": guidance,
+            }
+        )
+
+    def _complete_size(self, params: OmniDiffusionSamplingParams) -> dict[str, int]:
+        """An image or video request's height and width: given, else its input's (a video-to-video request keeps its
+        video's size, an edit its first image's), else the pipeline's default; checked against its multiple."""
+        name, size = self.pipeline_name, self.default_size
         if params.video is not None:  # a video-to-video request keeps its video's size by default
             size = (params.video[0].height, params.video[0].width)
-        if params.image is not None and not self.is_video:  # an edit keeps the first image's size by default
+        if params.image is not None and self.output == "image":  # an edit keeps the first image's size by default
             width, height = params.image[0].size
             size = (height - height % self.size_multiple, width - width % self.size_multiple)
             if min(size) == 0:
@@ -245,24 +333,46 @@ class ModelCard:
             raise SamplingParamsError("height", f"{name} has no default size: give height and width")
         else:
             height, width = params.height or size[0], params.width or size[1]
-        video = self._complete_video(params)
         for side, value in (("height", height), ("width", width)):
             if value % self.size_multiple:
                 raise SamplingParamsError(
                     side, f"{side}={value} is not a multiple of {self.size_multiple}, which {name} requires"
                 )
-        steps = params.num_inference_steps or self.default_steps
+        return {"height": height, "width": width}
+
+    def _complete_audio(
+        self, params: OmniDiffusionSamplingParams, ignored: list[IgnoredField]
+    ) -> OmniDiffusionSamplingParams:
+        """An audio request: the picture fields dropped into ``ignored`` (it makes no picture), its clip's start and
+        length filled in and checked against the longest clip the pipeline makes: a clip it cannot make as asked is
+        refused, where diffusers would fail the batch or crop or clamp the clip without a word."""
+        name, audio = self.pipeline_name, self.audio
+        assert audio is not None, "an audio pipeline's card"
+        for unused in [f for f in ("height", "width", "num_frames", "fps") if getattr(params, f) is not None]:
+            why = f"{unused} applies to image and video pipelines; {name} makes audio (audio_length sets its length)"
+            params = _drop(params, ignored, unused, why)
+        start, longest = params.audio_start or 0.0, audio.longest
+        if start and audio.start_arg is None:
+            raise SamplingParamsError("audio_start", f"{name} makes clips from 0 s: leave audio_start out, or 0")
+        if start < 0 or (longest is not None and start >= longest):
+            bound = "" if longest is None else f" and below {longest:g} (its longest clip)"
+            raise SamplingParamsError("audio_start", f"audio_start must be 0 or more{bound} for {name}, not {start:g}")
+        if params.audio_length is not None and audio.length_arg is None:
+            why = f"{name} makes clips of its own length: vllm-omni knows no argument of its call to set it"
+            raise SamplingParamsError("audio_length", why + "; leave audio_length out")
+        room = None if longest is None else longest - start
+        length = params.audio_length
+        if length is None:
+            length = room if audio.start_arg is not None else audio.default_length
+        if length is not None and (length <= 0 or (room is not None and length > room + 1e-9)):
+            allowed = "more than 0" if room is None else f"more than 0 and at most {room:g} s"
+            if room is not None:
+                allowed += f" ({name} makes clips up to {longest:g} s" + (
+                    f", from audio_start={start:g})" if start else ")"
+                )
+            raise SamplingParamsError("audio_length", f"audio_length must be {allowed}, not {length:g}")
         return params.model_copy(
-            update={
-                **video,
-                **self._complete_strength(params, steps),
-                "height": height,
-                "width": width,
-                "num_inference_steps": steps,
-                "guidance_scale": params.guidance_scale
-                if params.guidance_scale is not None
-                else self.call_defaults.get("guidance_scale"),
-            }
+            update={"audio_length": length, "audio_start": start if audio.start_arg is not None else None}
         )
 
     def _drop_unused(
@@ -407,7 +517,7 @@ class ModelCard:
 
     def _complete_video(self, params: OmniDiffusionSamplingParams) -> dict[str, int]:
         """num_frames and fps for a video pipeline (checked against its temporal VAE factor); none for images."""
-        if not self.is_video:
+        if self.output != "video":
             for field in [f for f in ("num_frames", "fps") if getattr(params, f) is not None]:
                 why = f"{field} applies to video pipelines; {self.pipeline_name} makes images"
                 raise SamplingParamsError(field, why)

@@ -1,17 +1,71 @@
 """What a pipeline's class, call signature and scheduler say about the requests it takes, read by `ModelCard` when
 a pipeline loads: the call arguments vllm-omni sets itself, the pipelines that need or take several input images,
 the scheduler's shift key, the text encoder's sequence limit, the default size and the image- and video-conditioned
-variants of a text-to-image or text-to-video pipeline; and whether it batches requests (`check_batchable`)."""
+variants of a text-to-image or text-to-video pipeline; how an audio pipeline takes a clip's length and start
+(`AUDIO_PIPELINES`) and at what rate it makes it; and whether it batches requests (`check_batchable`)."""
 
 from __future__ import annotations
 
 import inspect
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.sampling_params import ImageTask
+
+
+@dataclass(frozen=True)
+class AudioArgs:
+    """How an audio pipeline's call takes a clip's length and start (`OmniDiffusionSamplingParams.audio_length`,
+    ``audio_start``), and the longest clip it makes: its entry of `AUDIO_PIPELINES`."""
+
+    length: str
+    """Its argument for the clip's length in seconds; with ``start``, for the clip's end (start + length)."""
+    start: str | None = None
+    """Its argument for where the clip starts, in seconds; ``None``: its clips start at 0."""
+    longest: Callable[[Any], float] | None = None
+    """The longest clip it makes, in seconds, read off the loaded pipeline (with ``start``: the latest end);
+    ``None``: its code states no bound."""
+    per_row: tuple[str, ...] = ()
+    """Arguments its call takes one per prompt when the prompt is a list (the request's ``extra_args`` value, else
+    the call's default, repeated): diffusers 0.42's ACE-Step indexes ``lyrics`` per prompt, a string included."""
+
+
+def _stable_audio_longest(pipeline) -> float:
+    """Stable Audio denoises a latent of a fixed length (its transformer's ``sample_size``) and crops the clip out
+    of its decode: ``sample_size`` × the VAE's hop length samples, at the VAE's rate (47.55 s for Stable Audio
+    Open 1.0)."""
+    return pipeline.transformer.config.sample_size * pipeline.vae.hop_length / pipeline.vae.config.sampling_rate
+
+
+AUDIO_PIPELINES: dict[str, AudioArgs] = {
+    "StableAudioPipeline": AudioArgs("audio_end_in_s", start="audio_start_in_s", longest=_stable_audio_longest),
+    "StableAudio3Pipeline": AudioArgs("duration"),
+    # diffusers clamps a longer duration to max_wav_duration (30 s) without a word: refused above it instead
+    "LongCatAudioDiTPipeline": AudioArgs("audio_duration_s", longest=lambda pipeline: pipeline.max_wav_duration),
+    "AceStepPipeline": AudioArgs("audio_duration", per_row=("lyrics",)),
+    "AudioLDM2Pipeline": AudioArgs("audio_length_in_s"),
+}
+"""The audio pipelines by class: the call arguments a request's ``audio_length`` and ``audio_start`` become. An audio
+pipeline missing here serves at its own default length, and refuses ``audio_length``."""
+
+
+def returns_audio(pipeline_class: type) -> bool:
+    """Whether a pipeline's call makes audio: it returns diffusers' ``AudioPipelineOutput`` (``.audios``)."""
+    return "AudioPipelineOutput" in str(inspect.signature(pipeline_class.__call__).return_annotation)
+
+
+def sample_rate(pipeline) -> int | None:
+    """The rate of an audio pipeline's waveforms in Hz: its own ``sample_rate`` (LongCat-AudioDiT, ACE-Step), its
+    vocoder's (AudioLDM 2), else its VAE's ``sampling_rate`` (Stable Audio's Oobleck); ``None`` where none says."""
+    rate = getattr(pipeline, "sample_rate", None)
+    for component in ("vocoder", "vae"):
+        if rate is None:
+            rate = getattr(getattr(getattr(pipeline, component, None), "config", None), "sampling_rate", None)
+    return int(rate) if isinstance(rate, int | float) else None
+
 
 RESERVED_ARGS = frozenset(
     {
@@ -25,7 +79,10 @@ RESERVED_ARGS = frozenset(
         "output_type",
         "num_images_per_prompt",
         "num_videos_per_prompt",
+        "num_waveforms_per_prompt",
         "num_frames",
+        "callback",
+        "callback_steps",
         "callback_on_step_end",
         "callback_on_step_end_tensor_inputs",
         "return_dict",
@@ -36,6 +93,7 @@ RESERVED_ARGS = frozenset(
         "video",
         "strength",
     }
+    | {arg for args in AUDIO_PIPELINES.values() for arg in (args.length, args.start) if arg is not None}
 )
 """Arguments the runner sets itself; ``extra_args`` may not carry them."""
 

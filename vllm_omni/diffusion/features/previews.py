@@ -107,7 +107,7 @@ class Previews:
     def __init__(self, stepper: Stepper, method: PreviewMethod = "latent_rgb"):
         self.stepper = stepper
         self.method = method
-        self.video = stepper.card.is_video
+        self.video = stepper.card.output == "video"
         self._projection: LatentProjection | None = None
         """Fitted on the first preview, so that a server whose requests never ask for one does not pay for it."""
 

@@ -378,6 +378,14 @@ def check_sde(card, params: OmniDiffusionSamplingParams) -> None:
             "stochastic sampling does not take a mask_image: inpainting blends the kept image back into the latents "
             "after each step, so a recorded step's result would not be the next step's input",
         )
+    if card.output == "audio":
+        key = next(k for k in params.extra_args if k in SDE_ARGS)
+        raise _error(
+            key,
+            f"{card.pipeline_name} makes audio: stochastic sampling for RL rollouts is served on image and video "
+            "pipelines, whose steps and trajectories it was checked against (on the audio pipelines' own loops it is "
+            "not: LongCat-AudioDiT's inverted sigmas make NaN of it)",
+        )
     if not card.flow_euler:
         key = next(k for k in params.extra_args if k in SDE_ARGS)
         raise _error(

@@ -232,6 +232,8 @@ class CallCache(_SkipCount):
         for denoiser in self._denoisers:
             names = set(getattr(denoiser, "_repeated_blocks", None) or ())
             blocks = [m for m in denoiser.modules() if type(m).__name__ in names]
+            # a denoiser that names no repeated blocks (Stable Audio's DiT): the blocks cache-dit caches
+            blocks = blocks or list(getattr(denoiser, "transformer_blocks", None) or ())
             computed = self._config.Fn_compute_blocks + self._config.Bn_compute_blocks
             if blocks and computed >= len(blocks):  # cache-dit would only assert at the first request
                 raise ValueError(
@@ -239,7 +241,12 @@ class CallCache(_SkipCount):
                     f"Bn_compute_blocks {self._config.Bn_compute_blocks} leave none of the {len(blocks)} blocks of "
                     f"{type(denoiser).__name__} to cache: lower them"
                 )
-            cache_dit.enable_cache(denoiser, cache_config=self._config)
+            try:
+                cache_dit.enable_cache(denoiser, cache_config=self._config)
+            except (
+                AssertionError
+            ) as exc:  # its adapter registry matches by name: StableAudio3DiTModel as Stable Audio's
+                raise ValueError(f"cache-dit cannot take {type(denoiser).__name__}: {exc}") from exc
             denoiser.register_forward_pre_hook(functools.partial(self._count, "expected", len(blocks)))
             for block in blocks:
                 block.register_forward_pre_hook(functools.partial(self._count, "ran", 1))

@@ -34,6 +34,7 @@ from vllm_omni.diffusion.features.sde import SdeSettings
 from vllm_omni.diffusion.parallel.cfg import enable_cfg_parallel
 from vllm_omni.diffusion.parallel.vae_patch import enable_vae_patch_parallel
 from vllm_omni.diffusion.pipeline.components import loaded_denoisers
+from vllm_omni.diffusion.pipeline.noise import draws_brownian_noise
 from vllm_omni.errors import SamplingParamsError, SleepModeError, WeightUpdateError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
@@ -82,10 +83,15 @@ def enable_context_parallel(pipeline, ulysses_degree: int, ring_degree: int, mes
     return names
 
 
-def check_on_ranks(batch: list, variant: bool, config: dict, overrides: dict, samplers: list) -> None:
+def check_on_ranks(
+    batch: list, variant: bool, config: dict, overrides: dict, samplers: list, brownian: bool = False
+) -> None:
     """Refuse a batch that asks what the ranks do not run yet: they run the loaded pipeline's own call, with its
-    config and noise scheduler as loaded, and no callback (hence no previews and no SDE sampling)."""
+    config and noise scheduler as loaded, and no callback (hence no previews and no SDE sampling); ``brownian``:
+    the batch's requests would need their own Brownian trees (`noise.noise_per_request`), which the ranks' call
+    does not make."""
     asked = {
+        "several outputs per prompt with Brownian SDE noise (Stable Audio's scheduler)": brownian,
         "partial_images (previews)": any(r.params.partial_images for r in batch),
         "an image variant of the pipeline": variant,
         f"pipeline config {sorted(config)}": bool(config),
@@ -107,14 +113,14 @@ def check_sequence_split(card: ModelCard, params: OmniDiffusionSamplingParams, r
     side, height, width, num_frames = card.latent_pixels, params.height, params.width, params.num_frames
     assert height is not None and width is not None, "incomplete params"
     rows, columns = height // side, width // side
-    if card.is_video:
+    if card.output == "video":
         assert num_frames is not None, "incomplete params"
         frames = (num_frames - 1) // card.frame_multiple + 1
     else:
         frames = 1
     tokens = rows * columns * frames
     if tokens % ranks:
-        shape = f"{rows}x{columns}" + (f" x {frames} latent frames" if card.is_video else "")
+        shape = f"{rows}x{columns}" + (f" x {frames} latent frames" if card.output == "video" else "")
         raise SamplingParamsError(
             "height",
             f"height={params.height} and width={params.width} make {tokens} tokens ({shape}, one per {side}x{side} "
@@ -210,7 +216,8 @@ def check_not_bootstrapping() -> None:
     without an ``if __name__ == "__main__":`` guard), end it at once with `MAIN_REIMPORTED`, naming the cause and
     the fix, rather than start processes that Python refuses there; the group's owner names them too."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        main = getattr(sys.modules.get("__main__"), "__file__", "<the main module>")
+        # The script being imported again runs as __mp_main__; __main__ is still the forkserver's own until it ends.
+        main = getattr(sys.modules.get("__mp_main__"), "__file__", "<the main module>")
         print(f"RuntimeError: {_unguarded(main)}", file=sys.stderr, flush=True)
         os._exit(MAIN_REIMPORTED)
 
@@ -378,7 +385,8 @@ class RanksExtension:
     def around_call(self, call: PipelineCall) -> Iterator[None]:
         if self.group is not None:
             sde = [SdeSettings.of(request.params) for request in call.batch]
-            check_on_ranks(call.batch, call.variant, call.config, call.scheduler_overrides, sde)
+            brownian = call.n > 1 and draws_brownian_noise(call.pipeline.scheduler)  # n = 1: diffusers' own trees do
+            check_on_ranks(call.batch, call.variant, call.config, call.scheduler_overrides, sde, brownian)
             call.invoke, call.callback = self.group.call, False  # the ranks call no callback
         yield None
 

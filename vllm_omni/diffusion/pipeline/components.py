@@ -5,6 +5,10 @@ them from here."""
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 """The text-encoder components of the pipelines we serve."""
 
+CONDITIONERS = ("projection_model", "duration_embedder", "condition_encoder")
+"""What the audio pipelines condition their denoiser with besides their text encoders: Stable Audio's projection of
+the text and of the clip's start and end seconds, Stable Audio 3's duration embedder, ACE-Step's condition encoder."""
+
 DENOISERS = ("transformer", "transformer_2", "unet")
 """The denoiser components of the pipelines we serve."""
 

@@ -30,6 +30,9 @@ NOT_FINITE = "vllm_omni_not_finite"
 _WATCHED = "_vllm_omni_watched"
 
 
+_AN = {"image": "an image", "video": "a video", "audio": "audio"}
+
+
 def non_finite_error(request_id: str, card: ModelCard, params: OmniDiffusionSamplingParams) -> NonFiniteOutputError:
     """The error that fails a request whose output is not finite, naming the likely causes (too few steps for the
     scheduler is refused at admission: `ModelCard.min_steps`)."""
@@ -37,9 +40,9 @@ def non_finite_error(request_id: str, card: ModelCard, params: OmniDiffusionSamp
     asked = f"its flow_shift={shift!r}, " if shift is not None else ""
     return NonFiniteOutputError(
         request_id,
-        f"{card.pipeline_name}'s output is not finite (NaN or inf), so it is not answered as an image: likely "
-        f"{asked}a numerical overflow at the stage's dtype (float16: serve it in bfloat16 or float32), or weights "
-        "that are not finite",
+        f"{card.pipeline_name}'s output is not finite (NaN or inf), so it is not answered as {_AN[card.output]}: "
+        f"likely {asked}a numerical overflow at the stage's dtype (float16: serve it in bfloat16 or float32), or "
+        "weights that are not finite",
     )
 
 

@@ -6,9 +6,10 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_omni.config import OmniDiffusionConfig
@@ -23,10 +24,29 @@ from vllm_omni.diffusion.lora.adapters import LoraAdapters, LoraExtension
 from vllm_omni.diffusion.parallel.ranks import RanksExtension
 from vllm_omni.diffusion.pipeline.extensions import CompileExtension, Extensions, StepHook
 from vllm_omni.diffusion.pipeline.image_inputs import fitted_inputs
+from vllm_omni.diffusion.pipeline.noise import noise_per_request
 from vllm_omni.diffusion.pipeline.timings import TimingsExtension
 from vllm_omni.logger import init_logger
+from vllm_omni.outputs import OutputKind
 
 logger = init_logger(__name__)
+
+
+def _waveform(audio: Any) -> np.ndarray:
+    """One waveform of an audio pipeline's output as `OmniRequestOutput.audios` holds it: float32, ``(channels,
+    samples)`` (a mono pipeline's ``(samples,)`` as one channel)."""
+    if isinstance(audio, torch.Tensor):
+        audio = audio.detach().float().cpu().numpy()
+    audio = np.asarray(audio, dtype=np.float32)
+    return audio[None] if audio.ndim == 1 else audio
+
+
+OUTPUTS: dict[OutputKind, Callable[[Any], list[Any]]] = {
+    "image": lambda result: list(result.images),
+    "video": lambda result: [list(video) for video in result.frames],  # one frame sequence per video
+    "audio": lambda result: [_waveform(audio) for audio in result.audios],
+}
+"""A pipeline call's outputs, one per row, by what the pipeline makes (`ModelCard.output`)."""
 
 
 def select_device(devices: str | None) -> torch.device:
@@ -194,15 +214,16 @@ class DiffusionRunner:
 
     def run(self, batch: list[DiffusionRequest], previews: Previews | None = None) -> list[list[Any]]:
         """One pipeline call for the whole batch: each request's ``num_outputs_per_prompt`` images (or videos, each
-        a list of frames); raises if the call raises. ``previews`` makes the partial images its requests ask for."""
+        a list of frames, or waveforms); raises if the call raises. ``previews`` makes the partial images its
+        requests ask for."""
         call = self._call(batch, previews)
         configured = _configured(call.pipeline, call.config, call.scheduler_overrides)
-        with configured, self.extensions.around_call(call) as step_hooks:  # the call's own config, then its extensions
+        # the call's own config and noise, then its extensions
+        with configured, noise_per_request(call), self.extensions.around_call(call) as step_hooks:
             if call.callback:
-                call.kwargs["callback_on_step_end"] = self._on_step_end(batch, step_hooks)
+                call.kwargs.update(self._step_callback(batch, step_hooks))
             result = (call.invoke or call.pipeline)(**call.kwargs)
-        # Image pipelines return .images; video pipelines .frames, one frame sequence per video.
-        items = [list(video) for video in result.frames] if self.card.is_video else list(result.images)
+        items = OUTPUTS[self.card.output](result)
         n = call.n
         if len(items) != len(batch) * n:
             raise RuntimeError(
@@ -234,7 +255,7 @@ class DiffusionRunner:
             rows=rows,
             n=n,
             previews=previews,
-            callback="callback_on_step_end" in card.call_args,
+            callback="callback_on_step_end" in card.call_args or "callback" in card.call_args,
         )
 
     def _arguments(self, card: ModelCard, batch: list[DiffusionRequest], rows: int) -> dict[str, Any]:
@@ -248,10 +269,14 @@ class DiffusionRunner:
         kwargs: dict[str, Any] = dict(
             prompt=[r.prompt for r in batch for _ in range(rows)],
             num_inference_steps=params.num_inference_steps,
-            output_type=params.output_type,
+            output_type="np" if card.audio is not None else params.output_type,  # waveforms are arrays
             generator=[g for g in generators for _ in range(n)],
             **params.extra_args,
         )
+        if card.audio is not None:
+            kwargs.update(card.audio.call_args(params.audio_length, params.audio_start))
+            for arg in card.audio.per_row:  # the batch key makes the request's value the batch's
+                kwargs[arg] = [kwargs.get(arg, card.call_defaults.get(arg))] * len(kwargs["prompt"])
         if "height" in card.call_args:  # SD's image-to-image keeps its input's size, which is the request's
             kwargs.update(height=params.height, width=params.width)
         if "max_area" in card.call_args:  # Kontext sizes its output by area (at the requested aspect ratio)
@@ -323,10 +348,24 @@ class DiffusionRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _step_callback(self, batch: list[DiffusionRequest], step_hooks: list[StepHook]) -> dict[str, Any]:
+        """The call's step callback (`_on_step_end`): as ``callback_on_step_end``, or, for a pipeline that takes only
+        diffusers' older ``callback(step, timestep, latents)`` (Stable Audio, AudioLDM 2), as that, every step."""
+        on_step_end = self._on_step_end(batch, step_hooks)
+        if "callback_on_step_end" in self.card.call_args:
+            return {"callback_on_step_end": on_step_end}
+        pipeline = self.pipeline
+
+        def callback(step: int, timestep, latents) -> None:
+            on_step_end(pipeline, step, timestep, {})
+
+        return {"callback": callback, "callback_steps": 1}
+
     @staticmethod
     def _on_step_end(batch: list[DiffusionRequest], step_hooks: list[StepHook]):
         """Track each request's progress and run the extensions' step hooks (the timings' end of the step, the
-        previews due); stop early once every request of the batch was aborted."""
+        previews due); stop early once every request of the batch was aborted (where the pipeline's loop reads
+        diffusers' ``_interrupt``)."""
 
         def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
             for request in batch:

@@ -4,8 +4,10 @@ docs/observability.md).
 The components are the pipeline's own modules, timed where they run, so the same hooks serve a whole pipeline
 call (request mode), the stepper (step mode) and every stage of a split pipeline:
 
-- each text encoder (``text_encoder``, ``text_encoder_2``, ..., ``image_encoder``): its ``forward``;
-- ``vae_decode`` / ``vae_encode``: the VAE's ``decode`` / ``encode``;
+- each text encoder (``text_encoder``, ``text_encoder_2``, ..., ``image_encoder``) and each audio pipeline's
+  conditioner (``projection_model``, ``duration_embedder``, ``condition_encoder``): its ``forward``;
+- ``vae_decode`` / ``vae_encode``: the VAE's ``decode`` / ``encode`` (an audio VAE's too: Stable Audio's Oobleck);
+- ``vocoder``: an audio pipeline's vocoder (AudioLDM 2's), its ``forward``, after the VAE's decode;
 - ``postprocess``: the image or video processor turning decoded pixels into the output type;
 - ``preview``: making a partial image (a VAE call inside it counts as the preview's);
 - ``denoise_step``: one denoising step over a batch (its denoiser forwards and scheduler update), and
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from vllm_omni.diffusion.pipeline.components import DENOISERS, OUTPUT_PROCESSORS
+from vllm_omni.diffusion.pipeline.components import CONDITIONERS, DENOISERS, OUTPUT_PROCESSORS
 from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
@@ -38,8 +40,9 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-_ENCODER_PREFIXES = ("text_encoder", "image_encoder")
-_ORDER = ("image_encoder", "vae_encode", "denoise", "denoise_step", "preview", "vae_decode", "postprocess")
+_SECTIONS = ("text_encoder", "image_encoder", *CONDITIONERS, "vocoder")
+"""The components timed by their ``forward``, each under its name (``text_encoder_2`` too: a prefix)."""
+_ORDER = ("image_encoder", "vae_encode", "denoise", "denoise_step", "preview", "vae_decode", "vocoder", "postprocess")
 """The order a record lists its components in, after the text encoders: the order they run in."""
 _HOOKED = "_vllm_omni_timed"
 """The attribute that marks a component as hooked (image variants share their components with the pipeline)."""
@@ -314,7 +317,7 @@ def install(pipeline) -> None:
         if name in DENOISERS:
             component.register_forward_pre_hook(_denoiser_pre_forward)
             component.register_forward_hook(_denoiser_forward, always_call=True)
-        elif name.startswith(_ENCODER_PREFIXES):
+        elif name.startswith(_SECTIONS):
             component.register_forward_pre_hook(torch.compiler.disable(_enter_section))
             exit_hook = torch.compiler.disable(functools.partial(_exit_section, name))
             component.register_forward_hook(exit_hook, always_call=True)

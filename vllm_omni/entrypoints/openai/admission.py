@@ -39,10 +39,11 @@ request field copied under another name is named by its `Sampling`: `api_names`)
 
 
 def check_limits(params: OmniDiffusionSamplingParams, serving: ServingConfig) -> None:
-    """The operator's size and step limits, applied to complete parameters (the model's defaults included)."""
-    assert params.width is not None and params.height is not None, "complete params"
+    """The operator's size and step limits, applied to complete parameters (the model's defaults included); audio
+    has no size (the model card bounds its length)."""
     assert params.num_inference_steps is not None, "complete params"
-    if params.width * params.height > serving.max_image_pixels:
+    pixels = params.width * params.height if params.width is not None and params.height is not None else 0
+    if pixels > serving.max_image_pixels:
         raise APIError(
             400,
             f"size {params.width}x{params.height} exceeds the limit of {serving.max_image_pixels} pixels",
@@ -129,7 +130,7 @@ def report_ignored(raw_request: Request, body: BaseModel, admitted: AdmittedPara
     names them), never silent, as vLLM logs the fields it ignores: one log line with the request's id and route,
     ``vllm_omni:ignored_fields_total{api,field}`` for each, and a ``Warning`` header on the answer with one value
     per field, ``299 - "<field> ignored: <why>"`` (RFC 7234 §5.5: 299 is a persistent warning, ``-`` no agent
-    name). ``api``: ``images`` or ``videos``, the API the request is counted in."""
+    name). ``api``: ``images``, ``videos`` or ``audio``, the API the request is counted in."""
     if not admitted.ignored:
         return
     fields = [_api_param(body, field.param.removeprefix("extra_args.")) for field in admitted.ignored]

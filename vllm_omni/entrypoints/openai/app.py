@@ -20,6 +20,7 @@ from vllm_omni.entrypoints.openai.admin.playground import build_playground_route
 from vllm_omni.entrypoints.openai.admin.profile import build_profile_router
 from vllm_omni.entrypoints.openai.admin.sleep import build_sleep_router, dev_mode
 from vllm_omni.entrypoints.openai.admission import WARNING
+from vllm_omni.entrypoints.openai.audio.api_router import build_audio_router
 from vllm_omni.entrypoints.openai.chat.api_router import build_chat_router
 from vllm_omni.entrypoints.openai.errors import add_error_handlers, error_response
 from vllm_omni.entrypoints.openai.images.api_router import build_images_router
@@ -130,6 +131,7 @@ def build_app(
         app.include_router(build_profile_router())
     app.include_router(build_images_router())
     app.include_router(build_videos_router())
+    app.include_router(build_audio_router())
     app.include_router(build_chat_router())
     if not serving.disable_playground:
         app.include_router(build_playground_router())

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.outputs import OutputKind
 from vllm_omni.sampling_params import ImageTask
 
 if TYPE_CHECKING:
@@ -48,9 +49,10 @@ async def check_query(request: Request) -> None:
         )
 
 
-def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "text") -> None:
+def check_request(state: ServerState, body, *, kind: OutputKind, task: ImageTask = "text") -> None:
     """What every generation request must pass before its parameters are built: a served model name,
-    prompts within the length limit, a ready engine, and a model of the right ``kind`` (image or video) that serves
+    prompts within the length limit, a ready engine, and a model of the right ``kind`` (image, video or audio: the
+    model card's ``output``) that serves
     ``task`` (``text``: no input image; ``image``: one or more; ``video``: an input video, a remix)."""
     serving = state.serving
     adapters = state.lora_adapters()
@@ -72,9 +74,9 @@ def check_request(state: ServerState, body, *, kind: str, task: ImageTask = "tex
     if reason is not None:
         raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
     model, card = serving.served_model_names[0], state.loaded_omni.model_card
-    model_kind = "video" if card.is_video else "image"
+    model_kind = card.output
     if model_kind != kind:
-        article = "an" if model_kind == "image" else "a"
+        article = "a" if model_kind == "video" else "an"
         why = f"{model} is {article} {model_kind} model; this API serves {kind} models only"
     elif task == "video" and task not in card.tasks:
         why = f"{model} ({card.pipeline_name}) has no video-to-video variant: it cannot remix a video"

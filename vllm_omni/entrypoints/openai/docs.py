@@ -1,4 +1,4 @@
-"""The request-field tables of docs/serving.md (Images, edits, Videos), generated from the request models of
+"""The request-field tables of docs/serving.md (Images, edits, Videos, Audio), generated from the request models of
 protocol.py (each field's type with its bounds, default and docstring), and docs/migration.md's table of OpenAI's
 image models (openai_models.py), so that they cannot fall behind them: ``python -m
 vllm_omni.entrypoints.openai.docs`` rewrites them, ``--check`` exits 1 when one is stale
@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from vllm_omni.doc_tables import default, field_type, meaning, regenerate, replace_between
 from vllm_omni.entrypoints.openai.images.openai_models import OPENAI_IMAGE_MODELS
 from vllm_omni.entrypoints.openai.protocol import (
+    AudioGenerationRequest,
     ImageEditRequest,
     ImageGenerationRequest,
     VideoGenerationRequest,
@@ -88,6 +89,7 @@ TABLES = {
     "image generation fields": lambda: fields_table(ImageGenerationRequest),
     "image edit fields": edit_fields_table,
     "video fields": lambda: fields_table(VideoGenerationRequest),
+    "audio fields": lambda: fields_table(AudioGenerationRequest),
 }
 """Each table of the doc, by the name its markers give it."""
 

@@ -1,4 +1,5 @@
-"""Request and response shapes of the OpenAI Images and Videos APIs, plus the extensions of docs/serving.md.
+"""Request and response shapes of the OpenAI Images and Videos APIs and of upstream vllm-omni's
+``POST /v1/audio/generate``, plus the extensions of docs/serving.md.
 
 A request field is one declaration in its request model: its type with bounds, its default, its docstring (the
 field's description in the OpenAPI schema and its row in docs/serving.md, `vllm_omni.entrypoints.openai.docs`) and,
@@ -14,9 +15,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from vllm_omni.config.serving import QualityLevel
+from vllm_omni.entrypoints.openai.audio.encoding import AudioFormat
+from vllm_omni.entrypoints.openai.audio.tempo import MAX_SPEED, MIN_SPEED
 from vllm_omni.entrypoints.openai.request_fields import Ignored, Sampling
 from vllm_omni.entrypoints.openai.rollout_fields import RolloutFields
-from vllm_omni.sampling_params import MAX_PARTIAL_IMAGES, MAX_SEED, PRIORITY_BOUND, LoraChoice
+from vllm_omni.sampling_params import MAX_INPUT_IMAGES, MAX_PARTIAL_IMAGES, MAX_SEED, PRIORITY_BOUND, LoraChoice
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
@@ -214,6 +217,28 @@ class ImageEditRequest(ImageGenerationRequest):
         return super().model_validate(obj, strict=strict, **kwargs)
 
 
+class ImageReference(BaseModel):
+    """An input image by reference, as OpenAI's API gives one: ``{"image_url": URL}``."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    image_url: str = Field(min_length=1)
+    """A data URL (``data:image/png;base64,...``), an ``http(s)`` URL the server fetches (from the hosts
+    ``--allowed-media-domains`` lists; unset, any host with only public addresses), or a ``file://`` URL of a file
+    under ``--allowed-local-media-path``."""
+
+
+class ImageEditJSONBody(ImageEditRequest):
+    """``POST /v1/images/edits`` as OpenAI's JSON body: the form's fields, with the images by reference. The shape
+    its OpenAPI schema shows; the route takes ``images`` and ``mask`` out with `media.edit_references` (whose
+    refusals name the field as OpenAI's do) and reads the rest as an `ImageEditRequest`."""
+
+    images: list[ImageReference] = Field(min_length=1, max_length=MAX_INPUT_IMAGES)
+    """The images to edit (the form's ``image`` / ``image[]`` files)."""
+    mask: ImageReference | None = None
+    """OpenAI's mask (the form's ``mask`` file): a PNG whose fully transparent pixels mark what to repaint."""
+
+
 class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None
@@ -377,6 +402,58 @@ class VideoRemixRequest(VideoGenerationRequest):
 
 SHAPE_FIELDS = ("size", "width", "height", "seconds", "num_frames", "fps")
 """The fields of a video job that a remix takes from its source video (`VideoRemixRequest`)."""
+
+
+class AudioGenerationRequest(BaseModel):
+    """``POST /v1/audio/generate``, upstream vllm-omni's request for its audio diffusion models (Stable Audio): text to
+    a sound clip, answered with the audio file itself. Unknown fields are rejected."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    input: str = Field(min_length=1)
+    """The sound to make, described. At most ``--max-prompt-length`` characters."""
+    model: ModelName = None
+    """One of the served model names (or a LoRA adapter's, as for images). Unset or empty: the served model."""
+    response_format: AudioFormat = "wav"
+    """The file format of the answer ([audio.md](audio.md)): its ``Content-Type``, and its sample rate in
+    ``X-Sample-Rate`` (``opus`` is always 48 kHz; ``mp3`` and ``aac`` take the next rate up where they lack the
+    model's). ``wav`` by default, as upstream vllm-omni."""
+    audio_length: Annotated[float | None, Sampling()] = None
+    """Seconds of audio: more than 0, and at most what the model makes from ``audio_start`` (Stable Audio Open 1.0:
+    47.55 s), else a 400 naming the range. Unset: the model's longest clip from ``audio_start``."""
+    audio_start: Annotated[float | None, Sampling()] = 0.0
+    """Where the clip starts, in seconds, for models conditioned on a start (Stable Audio): 0 or more, below the
+    longest clip; other models take 0 only."""
+    negative_prompt: Annotated[str | None, Sampling()] = None
+    """What the audio should not sound like. At most ``--max-prompt-length`` characters;
+    [ignored](#ignored-fields-and---strict-fields) unless ``guidance_scale`` is above 1."""
+    guidance_scale: Annotated[float | None, Sampling()] = Field(default=None, ge=0.0, le=100.0)
+    """Classifier-free guidance. Unset: the pipeline's default (7 for Stable Audio)."""
+    num_inference_steps: Annotated[StrictInt | None, Sampling()] = Field(default=None, ge=1)
+    """At most ``--max-inference-steps``. Unset: the pipeline's default (100 for Stable Audio)."""
+    seed: Annotated[StrictInt | None, Sampling()] = Field(default=None, ge=0, le=MAX_SEED)
+    """The same seed gives the same audio, alone or batched (up to floating-point rounding). Unset: a random one."""
+    n: Annotated[StrictInt, Sampling("num_outputs_per_prompt")] = Field(default=1, ge=1, le=10)
+    """Extension: waveforms for the prompt, on pipelines that take ``num_waveforms_per_prompt`` (Stable Audio). More
+    than 1 answers a zip (``application/zip``) of ``audio_0.<format>``, ``audio_1.<format>``, ..."""
+    speed: float | None = Field(default=1.0, ge=MIN_SPEED, le=MAX_SPEED)
+    """Upstream vllm-omni's: play the audio this many times as fast, at the same pitch (FFmpeg's ``atempo``): the
+    answer is about ``audio_length / speed`` seconds long. Unset: 1."""
+    stream_format: Literal["audio"] | None = "audio"
+    """Upstream vllm-omni's: the answer is the audio file itself (``audio``); its ``sse`` is not served (a 400 naming
+    the field), as upstream refuses it."""
+    lora: LoraField = None
+    """Extension: LoRA adapters to apply, as for images ([lora.md](lora.md))."""
+    cache: Annotated[bool, Sampling()] = True
+    """Extension: use the server's step cache (``--cache-backend``); ``false``: every block runs at every step."""
+    priority: Annotated[StrictInt, Sampling()] = Field(default=0, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
+    """Extension (vLLM's), as for images: with ``--scheduling-policy priority`` a lower value starts sooner; under
+    ``fcfs`` any value but 0 is a 400."""
+
+    @property
+    def prompt(self) -> str:
+        """``input``, under the name the shared checks and the engine give a prompt."""
+        return self.input
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -121,7 +121,7 @@ async def load_and_warm_up(state: ServerState) -> None:
             state.serving.profiler_config,
         )
         state.omni = omni
-        if not omni.model_card.is_video:
+        if omni.model_card.output != "video":
             state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, omni)
         for stage in state.stage_configs:
             metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(

@@ -8,8 +8,6 @@ import shutil
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -20,20 +18,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 API_KEY = "sk-test"  # the shared servers' (conftest.py)
 PAGES = ("/", "/playground")
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-# Headless, as root, on a closed network: no sandbox (root), no GPU, and none of Chromium's own calls home.
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--window-size=1280,820",
-)
 GENERATION_TIMEOUT_S = 300
 """Generous: CI is a busy 2-core machine; the wait ends as soon as the page says it is done."""
 
@@ -64,8 +48,8 @@ def test_the_page_fetches_nothing_from_elsewhere(server):
     # No stylesheet, script, font or image from anywhere: everything is inline, the API is reached by relative URLs.
     assert not re.search(r"<script[^>]*\bsrc=|@import|url\(", page)
     assert re.findall(r"\b(?:src|href|action)=\"([^\"]*)\"", page) == ["data:,"]  # the empty favicon
-    api_urls = re.findall(r"const (?:IMAGES|VIDEOS)_URL = \"([^\"]*)\"", page)
-    assert api_urls == ["v1/images/generations", "v1/videos"]
+    api_urls = re.findall(r"const (?:IMAGES|VIDEOS|AUDIO)_URL = \"([^\"]*)\"", page)
+    assert api_urls == ["v1/images/generations", "v1/videos", "v1/audio/generate"]
 
 
 @pytest.mark.parametrize(("flags", "status"), [((), 200), (("--disable-playground",), 404)])
@@ -77,18 +61,6 @@ def test_disable_playground_takes_the_page_away(tiny_flux, flags, status):
     for path in PAGES:
         assert client.get(path).status_code == status
     assert client.get("/v1/models").status_code == 401  # the API is there either way
-
-
-@pytest.fixture
-def browser(tmp_path):
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"):
-        options.add_argument(flag)
-    # Both paths given: Selenium does not go looking for (or downloading) a browser or a driver.
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    yield driver
-    driver.quit()
 
 
 def _fill(browser, field_id: str, text: str) -> None:

@@ -26,7 +26,7 @@ from vllm_omni.entrypoints.openai.checks import (
 )
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.images.edit_form import FILE_FIELDS, edit_form_schema, read_edit_form
+from vllm_omni.entrypoints.openai.images.edit_form import FILE_FIELDS, edit_request_body, read_edit_form
 from vllm_omni.entrypoints.openai.images.image_files import MEDIA_TYPES, encode_images, files_response
 from vllm_omni.entrypoints.openai.images.image_stream import failure, image_events
 from vllm_omni.entrypoints.openai.images.image_usage import quality_steps, response_fields
@@ -392,7 +392,7 @@ def build_images_router() -> APIRouter:
     router.add_api_route("/files/{image_id}", get_image, methods=["GET"], name="get_image")
     for path, endpoint, extra in (
         ("/generations", create_image, None),
-        ("/edits", edit_image, {"requestBody": edit_form_schema()}),
+        ("/edits", edit_image, {"requestBody": edit_request_body()}),
     ):
         router.add_api_route(
             path,

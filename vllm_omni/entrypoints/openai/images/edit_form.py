@@ -1,16 +1,18 @@
-"""The ``/v1/images/edits`` multipart form: reading it (files only where the form takes files) and its OpenAPI
-description (the route reads the form itself, so FastAPI cannot infer one)."""
+"""The ``/v1/images/edits`` multipart form: reading it (files only where the form takes files), and the OpenAPI
+description of the route's two bodies, the form and OpenAI's JSON (the route reads its body itself, so FastAPI cannot
+infer one)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import Request
+from pydantic import BaseModel
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.protocol import ImageEditRequest
+from vllm_omni.entrypoints.openai.protocol import ImageEditJSONBody, ImageEditRequest
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES
 
 FILE_FIELDS = ("image", "image[]", "mask")
@@ -44,8 +46,9 @@ async def read_edit_form(raw_request: Request) -> FormData:
     return form
 
 
-def edit_form_schema() -> dict[str, Any]:
-    """The OpenAPI description of the edit form (the route reads the form itself, so FastAPI cannot infer it)."""
+def edit_request_body() -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of ``/v1/images/edits``: the multipart form (files) and OpenAI's JSON body (images
+    by ``image_url``, `ImageEditJSONBody`)."""
     schema = ImageEditRequest.model_json_schema()
     files = {"type": "array", "items": {"type": "string", "format": "binary"}, "maxItems": MAX_INPUT_IMAGES}
     properties = schema["properties"] | {
@@ -57,4 +60,25 @@ def edit_form_schema() -> dict[str, Any]:
         "lora": {"type": "string", "description": 'LoRA adapters as JSON: {"name": ..., "scale": ...} or a list'},
     }
     form = {"type": "object", "properties": properties, "required": ["prompt"]}
-    return {"required": True, "content": {"multipart/form-data": {"schema": form}}}
+    content = {"multipart/form-data": {"schema": form}, "application/json": {"schema": _inlined(ImageEditJSONBody)}}
+    return {"required": True, "content": content}
+
+
+def _inlined(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON schema with each of its ``$defs`` in place of its references: a body given in a route's
+    ``openapi_extra`` adds nothing to the document's components, and ``#/$defs/...`` would resolve against the
+    document's root."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if "$ref" in node:  # its siblings (a field's description) over the definition's own
+            named = definitions[node["$ref"].rsplit("/", 1)[1]]
+            return resolve(named | {key: value for key, value in node.items() if key != "$ref"})
+        return {key: resolve(value) for key, value in node.items()}
+
+    return resolve(schema)
