@@ -35,7 +35,7 @@ import time
 import aiohttp
 from bench_offline import _on_one_thread
 from bench_serving import scrape, server_view
-from common import PROMPTS, add_model_arguments, cpu_seconds, publish
+from common import PROMPTS, REPO, add_model_arguments, cpu_seconds, in_tree, publish
 
 from vllm_omni.testing.server import RemoteOmniServer
 
@@ -89,6 +89,7 @@ class Ceiling:
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--thread", thread, "--model", args.model]
         command += ["--steps", str(args.steps), "--audio-length", str(args.audio_length)]
         command += ["--guidance-scale", str(args.guidance_scale)]
+        command = in_tree(command, REPO)  # this checkout's vllm_omni, whatever the environment has installed
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
@@ -178,7 +179,10 @@ def _block(server, ceilings: dict[str, Ceiling], n: int, block: int, args) -> di
 def measure(n: int, ceilings: dict[str, Ceiling], args) -> dict:
     """Interleaved served and ceiling blocks at N; the row of their medians."""
     log = os.path.join(args.log_dir, f"server-n{n}.log")
-    with RemoteOmniServer(args.model, _server_args(n, args.wait_ms), log_path=log) as server:
+    server = RemoteOmniServer(args.model, _server_args(n, args.wait_ms), log_path=log)
+    if not server.preloaded:  # a `vllm serve` process of this checkout (a preloaded one has the caller's imports)
+        server.command = in_tree(server.command, REPO)
+    with server:
         for ceiling in ceilings.values():
             ceiling.info or ceiling.wait_ready()
         asyncio.run(served(server.base_url, n, 1, args, seed=10**9))  # warm-up: the server's first batch
@@ -271,9 +275,13 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.max_num_seqs.split(","):
             rows.append(measure(int(n), ceilings, args))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "blocks"}), flush=True)
-        pipeline = next(iter(ceilings.values())).info["pipeline"]
+        workers = {thread: ceiling.info for thread, ceiling in ceilings.items()}  # their pipeline and vllm_omni
     keys = ("name", "model", "steps", "audio_length", "guidance_scale", "blocks", "rounds", "wait_ms", "threads")
-    result = {key: getattr(args, key) for key in keys} | {"pipeline": pipeline, "device": _device(), "rows": rows}
+    result = {key: getattr(args, key) for key in keys} | {
+        "pipeline": workers[next(iter(workers))]["pipeline"],
+        "device": _device(),
+    }
+    result |= {"ceiling_workers": workers, "rows": rows}
     publish(result, render(result), args.out_dir, args.name)
 
 

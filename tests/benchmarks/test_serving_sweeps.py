@@ -62,6 +62,8 @@ def test_audio_benchmark_writes_served_and_ceiling_audio_seconds_per_second(benc
     )
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert result["pipeline"] == "StableAudioPipeline" and (result["steps"], result["audio_length"]) == (2, 0.25)
+    [worker] = result["ceiling_workers"].values()
+    assert os.path.realpath(worker["vllm_omni"]) == str(BENCHMARKS.parent / "vllm_omni" / "__init__.py")
     [row] = result["rows"]
     assert row["n"] == 1 and row["server_mean_batch_size"] == 1
     assert row["served_audio_s_per_s"] > 0 and row["ceiling_audio_s_per_s"] > 0 and row["ratio"] > 0
