@@ -167,21 +167,24 @@ def imports_ok(seen: dict, tree: str) -> bool | None:
 
 def cpu_seconds(pids: list[int]) -> tuple[float, float]:
     """(CPU seconds the processes ``pids`` and their descendants have used, busy CPU seconds of the whole machine):
-    the difference of two readings says how much CPU others used meanwhile, i.e. how quiet the machine was."""
+    the difference of two readings says how much CPU others used meanwhile, i.e. how quiet the machine was. Each
+    process counts once, also when it is both in ``pids`` and a descendant of another one there (a script's server
+    and workers are its children)."""
     import psutil
 
-    ours = 0.0
+    family: dict[int, psutil.Process] = {}
     for pid in pids:
         try:
             root = psutil.Process(pid)
-            family = [root, *root.children(recursive=True)]
+            family |= {p.pid: p for p in [root, *root.children(recursive=True)]}
         except psutil.NoSuchProcess:
             continue
-        for process in family:
-            try:
-                times = process.cpu_times()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            ours += times.user + times.system
+    ours = 0.0
+    for process in family.values():
+        try:
+            times = process.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        ours += times.user + times.system
     machine = psutil.cpu_times()
     return ours, sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)

@@ -51,6 +51,29 @@ def test_batching_sweep_writes_json_table_and_plot_and_runs_every_case_with_the_
     assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_audio_benchmark_writes_served_and_ceiling_audio_seconds_per_second(bench, tiny_stable_audio, tmp_path):
+    """The audio benchmark's cheapest case (N = 1, one block, 2 steps, a quarter second, one ceiling worker): one
+    server, whose answers and the ceiling's clips the script checks for length itself; the JSON's structure and
+    signs, and its table."""
+    bench(
+        "audio",
+        *("--model", tiny_stable_audio, "--name", "smoke", "--out-dir", str(tmp_path), "--max-num-seqs", "1"),
+        *("--blocks", "1", "--rounds", "1", "--steps", "2", "--audio-length", "0.25", "--threads", "main"),
+    )
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["pipeline"] == "StableAudioPipeline" and (result["steps"], result["audio_length"]) == (2, 0.25)
+    [worker] = result["ceiling_workers"].values()
+    assert os.path.realpath(worker["vllm_omni"]) == str(BENCHMARKS.parent / "vllm_omni" / "__init__.py")
+    [row] = result["rows"]
+    assert row["n"] == 1 and row["server_mean_batch_size"] == 1
+    assert row["served_audio_s_per_s"] > 0 and row["ceiling_audio_s_per_s"] > 0 and row["ratio"] > 0
+    [block] = row["blocks"]
+    assert set(block["ceiling_audio_s_per_s_by_thread"]) == {"main"} and row["ratio_per_block"] == [block["ratio"]]
+    served, ceiling = block["served_audio_s_per_s"], block["ceiling_audio_s_per_s_by_thread"]["main"]
+    assert block["ratio"] == pytest.approx(served / ceiling, rel=1e-3)
+    assert (tmp_path / "smoke.md").read_text().startswith("smoke (")
+
+
 def test_replicas_benchmark_measures_two_ray_replicas(bench, tiny_flux, tmp_path):
     """Two Ray replicas, the configuration with every process group (one replica would be one more server and
     Ray cluster per run; the 2 / 1 ratio it feeds is test_replicas_speedups_pair_each_shape's)."""
