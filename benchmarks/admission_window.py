@@ -1,8 +1,10 @@
 """The admission window against none: latency at concurrency 1 and throughput at concurrency 4, in one run.
 
-    python benchmarks/admission_window.py [--baseline DIR] [--window-ms 50] [--blocks 5] [--quick]
+    python benchmarks/admission_window.py [--baseline DIR] [--window-ms 50] [--request-batch-wait adaptive]
+        [--blocks 5] [--quick]
 
-One server per checkout and window (``--request-batch-max-wait-ms`` 0 and ``--window-ms``; ``--max-num-seqs`` 4,
+One server per checkout and window (``--request-batch-max-wait-ms`` 0 and ``--window-ms``, the current checkout's
+with ``--request-batch-wait``, ``adaptive`` by default; ``--max-num-seqs`` 4,
 tiny Flux 64x64, 4 steps, request mode), all started before any is measured. Each block runs, on every server in
 turn (the order rotating from block to block), bench_serving's closed loop at concurrency 1 (``--requests-1``
 requests: mean latency) and at concurrency 4 (``--requests-4``: images/s, mean batch). Blocks this short make the
@@ -38,8 +40,10 @@ THROUGHPUT_TARGET = 0.97
 """Images/s at concurrency 4 with the window, current ÷ baseline."""
 
 
-def _server(model: str, tree: str, window_ms: float, log_dir: str, label: str) -> RemoteOmniServer:
+def _server(model: str, tree: str, window_ms: float, log_dir: str, label: str, wait: str | None) -> RemoteOmniServer:
+    """A server of checkout ``tree``; ``wait``: its ``--request-batch-wait`` (``None``: a checkout without it)."""
     args = ["--max-num-seqs", "4", "--request-batch-max-wait-ms", str(window_ms)]
+    args += ["--request-batch-wait", wait] if wait else []
     args += ["--max-image-pixels", str(SHAPE.width * SHAPE.height), "--disable-uvicorn-access-log"]
     server = RemoteOmniServer(model, args, log_path=os.path.join(log_dir, f"{label}.log"), cli=True)
     server.command = in_tree(server.command, tree)  # a real `vllm serve` of that checkout
@@ -136,6 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="diffusers folder (default: the tiny Flux, built once)")
     parser.add_argument("--model-dir", default=os.path.join(REPO, ".tiny-models"))
     parser.add_argument("--window-ms", type=float, default=50.0)
+    parser.add_argument(
+        "--request-batch-wait",
+        choices=("window", "adaptive"),
+        default="adaptive",
+        help="the current checkout's policy (the baseline's is its own, before the knob: the whole window)",
+    )
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--requests-1", type=int, default=16, help="requests per block at concurrency 1")
     parser.add_argument("--requests-4", type=int, default=32, help="requests per block at concurrency 4")
@@ -153,7 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="admission-window-") as log_dir, contextlib.ExitStack() as stack:
         servers = {
-            f"{tree}-{window:g}": _server(model, path, window, log_dir, f"{tree}-{window:g}")
+            f"{tree}-{window:g}": _server(
+                model,
+                path,
+                window,
+                log_dir,
+                f"{tree}-{window:g}",
+                args.request_batch_wait if tree == "current" else None,
+            )
             for tree, path in trees.items()
             for window in (0.0, args.window_ms)
         }
@@ -170,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": "cuda" if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
         "model": model,
         "window_ms": args.window_ms,
+        "request_batch_wait": args.request_batch_wait,
         "blocks": args.blocks,
         "requests": {"c1": args.requests_1, "c4": args.requests_4},
         "trees": trees,

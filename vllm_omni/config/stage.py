@@ -28,6 +28,7 @@ ExecutionMode = Literal["request", "step"]
 """How a stage batches: whole requests, or requests joining and leaving at denoising steps."""
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+BatchWait = Literal["window", "adaptive"]
 """vLLM's scheduling policies: arrival order, or each request's ``priority`` (lower first), then arrival."""
 
 Backend = Literal["inline", "ray"]
@@ -75,6 +76,14 @@ class StageDeployConfig(BaseModel):
     """How long an idle stage waits for more compatible requests before it starts a batch that is not full (see
     [Batching](#how-batching-works)). ``execution_mode: request`` only. Not on ``llm`` stages
     ([below](#knobs-of-an-llm-stage))."""
+
+    request_batch_wait: Annotated[BatchWait, Knob("pipeline")] = "window"
+    """How an idle stage spends ``request_batch_max_wait_ms``. ``window``: a batch that is not full waits the whole
+    window for company, so a burst that arrives after an idle spell runs as one batch, and a lone client pays the
+    window on every request. ``adaptive``: it waits only while recent arrivals show company coming (a busy stream,
+    or the clients of a closed loop coming back after their answers), for twice the gap seen, else it starts at
+    once; the window stays the bound. A lone client then pays nearly nothing (docs/performance.md, "Admission
+    window"), and the first request of a burst after an idle spell runs alone. ``execution_mode: request`` only."""
 
     execution_mode: Annotated[ExecutionMode, Knob("denoising")] = "request"
     """``request``: a batch runs all its denoising steps together, as one pipeline call. ``step``: requests join and

@@ -107,6 +107,26 @@ def test_oldest_key_goes_first_so_no_key_starves():
     assert _ids(scheduler.schedule(timeout=1)) == ["a3", "a4"]
 
 
+def test_the_window_policy_waits_the_whole_window_and_a_burst_after_idle_runs_as_one_batch():
+    """``request_batch_wait: window`` (the default): a lone client pays the window on every request, and a burst
+    that arrives at an idle engine is not split (its first request waits for the rest)."""
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=50, clock=clock)
+    for i in range(3):  # a lone client: each request waits the whole window
+        scheduler.add(_request(f"solo{i}", at=clock.now))
+        clock.now += 0.0499
+        assert scheduler.schedule(timeout=0) == []
+        clock.now += 0.0002
+        _run(scheduler, scheduler.schedule(timeout=0))
+        clock.now += 1.0
+    scheduler.add(_request("a", at=clock.now))
+    assert scheduler.schedule(timeout=0) == []  # no history says company is coming; the window does
+    clock.now += 0.001
+    for name in "bcd":
+        scheduler.add(_request(name, at=clock.now))
+    assert _ids(scheduler.schedule(timeout=0)) == ["a", "b", "c", "d"]
+
+
 def test_without_admission_wait_a_partial_batch_starts_at_once():
     scheduler = _scheduler(max_num_seqs=4, wait_ms=0)
     scheduler.add(_request("a"))
@@ -127,7 +147,7 @@ def _busy(scheduler: BatchScheduler, clock: Clock, rounds: int = 4, gap: float =
 
 def test_with_company_likely_a_lone_request_waits_until_the_next_is_no_longer_expected():
     clock = Clock()
-    scheduler = _scheduler(max_num_seqs=4, wait_ms=300, clock=clock)
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=300, clock=clock, request_batch_wait="adaptive")
     _busy(scheduler, clock, gap=0.002)
     scheduler.add(_request("a", at=clock.now))
     assert scheduler.schedule(timeout=0) == []
@@ -139,7 +159,7 @@ def test_with_company_likely_a_lone_request_waits_until_the_next_is_no_longer_ex
 
 def test_the_window_bounds_the_wait_however_slowly_company_comes():
     clock = Clock()
-    scheduler = _scheduler(max_num_seqs=4, wait_ms=50, clock=clock)
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=50, clock=clock, request_batch_wait="adaptive")
     _busy(scheduler, clock, gap=0.040)  # company 40 ms apart: twice that is past the window
     scheduler.add(_request("a", at=clock.now))
     clock.now += 0.049
@@ -150,7 +170,7 @@ def test_the_window_bounds_the_wait_however_slowly_company_comes():
 
 def test_each_arrival_during_the_wait_extends_it_within_the_window():
     clock = Clock()
-    scheduler = _scheduler(max_num_seqs=4, wait_ms=300, clock=clock)
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=300, clock=clock, request_batch_wait="adaptive")
     _busy(scheduler, clock, gap=0.002)
     scheduler.add(_request("a", at=clock.now))
     clock.now += 0.003
@@ -165,7 +185,7 @@ def test_each_arrival_during_the_wait_extends_it_within_the_window():
 def test_a_lone_client_never_waits():
     """One closed-loop client: each request arrives at an idle engine, so the window is never spent."""
     clock = Clock()
-    scheduler = _scheduler(max_num_seqs=4, wait_ms=20_000, clock=clock)
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=20_000, clock=clock, request_batch_wait="adaptive")
     for i in range(6):
         scheduler.add(_request(f"r{i}", at=clock.now))
         batch = scheduler.schedule(timeout=0)
@@ -176,7 +196,7 @@ def test_a_lone_client_never_waits():
 
 def test_admission_wait_ends_as_soon_as_the_batch_is_full():
     clock = Clock()
-    scheduler = _scheduler(max_num_seqs=3, wait_ms=20_000, clock=clock)
+    scheduler = _scheduler(max_num_seqs=3, wait_ms=20_000, clock=clock, request_batch_wait="adaptive")
     _busy(scheduler, clock, gap=0.5)
     scheduler.add(_request("a", at=clock.now))
     assert scheduler.schedule(timeout=0) == []
@@ -193,7 +213,7 @@ def test_clients_coming_back_are_waited_for_and_heal_a_split_batch():
     seen answers come back, the three waiting when the lone one finishes wait for its client, and the batch is
     whole again."""
     clock = Clock()
-    scheduler = _scheduler(max_num_seqs=4, wait_ms=50, clock=clock)
+    scheduler = _scheduler(max_num_seqs=4, wait_ms=50, clock=clock, request_batch_wait="adaptive")
     for i in range(3):  # a lone client first: each answer comes back 5 ms after it (the engine learns the delay)
         scheduler.add(_request(f"solo{i}", at=clock.now))
         batch = scheduler.schedule(timeout=0)
@@ -345,8 +365,10 @@ def test_close_fails_waiting_requests_and_unblocks_schedule():
 # LoRA: a batch holds at most max_loras distinct adapters.
 
 
-def _lora_scheduler(max_loras=1, max_num_seqs=4, wait_ms=0.0, clock=time.monotonic) -> BatchScheduler:
-    return _scheduler(max_num_seqs=max_num_seqs, wait_ms=wait_ms, clock=clock, enable_lora=True, max_loras=max_loras)
+def _lora_scheduler(max_loras=1, max_num_seqs=4, wait_ms=0.0, clock=time.monotonic, **knobs) -> BatchScheduler:
+    return _scheduler(
+        max_num_seqs=max_num_seqs, wait_ms=wait_ms, clock=clock, enable_lora=True, max_loras=max_loras, **knobs
+    )
 
 
 def _with(name: str, *adapters: str, **params) -> DiffusionRequest:
@@ -430,7 +452,7 @@ def test_a_batch_that_left_a_request_out_for_its_adapter_does_not_wait():
 
 def test_without_a_request_left_out_the_admission_wait_still_holds():
     clock = Clock()
-    scheduler = _lora_scheduler(max_loras=1, wait_ms=600_000, clock=clock)
+    scheduler = _lora_scheduler(max_loras=1, wait_ms=600_000, clock=clock, request_batch_wait="adaptive")
     _busy(scheduler, clock, gap=0.5)
     scheduler.add(_with("a1", "a", at=clock.now))
     scheduler.add(_with("a2", "a", at=clock.now))

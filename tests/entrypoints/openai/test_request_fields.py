@@ -63,6 +63,7 @@ def test_an_audio_body_gives_upstreams_clip_fields_as_the_sampling_parameters_of
         "seed": 4,
         "num_outputs_per_prompt": 2,
         "cache": True,
+        "priority": 0,
         "extra_args": {},
     }
     assert body.prompt == "rain"  # what the shared checks and the engine read

@@ -17,11 +17,13 @@ schedulers that the steppers drive).
   future is resolved: its output, `RequestFailedError` or `RequestAbortedError`.
   A future cancelled by its caller while waiting is dropped at scheduling time;
   one that is scheduled is marked running, so from then on only `abort` stops it.
-- Admission wait: the batch starts once it is full or at `admission_deadline`,
-  at most ``request_batch_max_wait_ms`` after the best waiting request arrived
-  at an idle engine (or after the engine became idle with it waiting): at once
-  unless recent arrivals and finished batches say company is likely, and then
-  only while the next request is expected.
+- Admission wait: the batch starts once it is full or at `_start_at`: with
+  ``request_batch_wait: window``, ``request_batch_max_wait_ms`` after the best
+  waiting request arrived at an idle engine (at once if it waited while the
+  engine was busy); with ``adaptive``, at `admission_deadline`, at most the
+  window after it arrived at an idle engine (or after the engine became idle
+  with it waiting): at once unless recent arrivals and finished batches say
+  company is likely, and then only while the next request is expected.
 - LoRA: a batch (in step mode, the requests running and being encoded) uses at
   most ``max_loras`` distinct adapters, so every adapter it needs is resident.
 - Engine calls (`call`): work that must run on the engine's thread between
@@ -141,6 +143,7 @@ class BatchScheduler:
         self.capacity = od_config.stage.max_num_seqs
         self.max_pixels = od_config.stage.max_batch_pixels
         self.max_wait_s = od_config.stage.request_batch_max_wait_ms / 1000.0
+        self.adaptive_wait = self.max_wait_s > 0 and od_config.stage.request_batch_wait == "adaptive"
         self.max_loras = od_config.stage.max_loras
         self.by_priority = od_config.stage.scheduling_policy == "priority"
         """Whether the waiting queue is ordered by (``priority``, arrival) rather than by arrival."""
@@ -234,7 +237,7 @@ class BatchScheduler:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the diffusion engine is shut down")
-            if self.max_wait_s > 0:
+            if self.adaptive_wait:
                 self._arrivals.append(Arrival(request.arrival_time, bool(self._waiting or self._in_progress())))
             # After every request of its rank: arrival order among equals (fcfs ranks all alike, so it appends).
             bisect.insort(self._waiting, request, key=self._rank)
@@ -294,9 +297,7 @@ class BatchScheduler:
                 if self._waiting and not self.paused:
                     head = self._waiting[0]
                     batch, left_out = self._fitting([r for r in self._waiting if r.key == head.key], set())
-                    # From its arrival at an idle engine, or from when the engine became idle with it waiting.
-                    first = max(head.arrival_time, self._idle_since)
-                    start_at = admission_deadline(self._arrivals, first, self.max_wait_s, self._finishes)
+                    start_at = self._start_at(head, now)
                     if len(batch) == self.capacity or left_out or now >= start_at:
                         chosen = set(map(id, batch))
                         self._waiting = [r for r in self._waiting if id(r) not in chosen]
@@ -310,6 +311,16 @@ class BatchScheduler:
                 self._cond.wait(wait)
         return []
 
+    def _start_at(self, head: DiffusionRequest, now: float) -> float:
+        """When a batch led by ``head`` starts if it has not filled before (``request_batch_wait``): ``window``,
+        the window after its arrival at an idle engine, and at once when it waited while the engine was busy (its
+        company had that time to come); ``adaptive``, `admission_deadline` from its arrival at an idle engine, or
+        from when the engine became idle with it waiting."""
+        if self.adaptive_wait:
+            first = max(head.arrival_time, self._idle_since)
+            return admission_deadline(self._arrivals, first, self.max_wait_s, self._finishes)
+        return head.arrival_time + self.max_wait_s if head.arrival_time >= self._idle_since else now
+
     def finish(
         self, batch: list[DiffusionRequest], outputs: list[OmniRequestOutput | StageOutput | BaseException]
     ) -> None:
@@ -317,7 +328,7 @@ class BatchScheduler:
         with self._cond:
             self._running = []
             self._idle_since = self._clock()
-            if self.max_wait_s > 0:
+            if self.adaptive_wait:
                 self._finishes.append(Finish(self._idle_since, len(batch)))
         for request, output in zip(batch, outputs, strict=True):
             _resolve(request, output)
