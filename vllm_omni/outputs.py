@@ -8,8 +8,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-OutputKind = Literal["image", "video", "audio"]
-"""What a model makes (`ModelCard.output`): which field of `OmniRequestOutput` carries it."""
+OutputKind = Literal["image", "video", "audio", "speech"]
+"""What a model makes (`ModelCard.output`): which field of `OmniRequestOutput` carries it (``speech``: ``audios``, as
+``audio``, from a text-to-speech model)."""
 
 
 class _Record(Mapping[str, Any]):
@@ -56,6 +57,10 @@ class RequestMetrics(_Record):
     audio_seconds: float | None = None
     """Audio models: the seconds of audio it made, over its ``num_outputs_per_prompt`` waveforms (each waveform's
     samples over `OmniRequestOutput.sample_rate`); what ``vllm_omni:audio_seconds_total`` counts."""
+    prompt_tokens: int | None = None
+    """Speech models: the tokens of the talker's prompt (the text, its voice and the family's format)."""
+    generated_tokens: int | None = None
+    """Speech models: the codec tokens the talker generated."""
     stages: list[StageMetrics] | None = None
     """A split pipeline: one record per stage, in request order."""
     weights_version: int | None = None

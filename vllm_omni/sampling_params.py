@@ -136,6 +136,22 @@ class OmniDiffusionSamplingParams(BaseModel):
     (arrival order among equals); under ``fcfs`` (the default) any value but 0 is refused, naming ``priority``. It
     reorders waiting requests only: a running batch is never interrupted. Requests that differ share batches."""
 
+    voice: str | None = None
+    """Speech models: the family's voice to speak in (one of the model card's ``voices``; any name on a single-voice
+    model); ``None``: the model's default voice."""
+
+    instructions: str | None = None
+    """Speech models: how to speak (a style prompt), for families that take one; ignored (and reported) by the
+    others."""
+
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    """Speech models: most codec tokens the talker generates (upstream vllm-omni's name); ``None``: the family's
+    limit."""
+
+    initial_codec_chunk_frames: int | None = Field(default=None, ge=1)
+    """Speech models: codec frames in the first chunk decoded (upstream vllm-omni's name), smaller for a sooner first
+    audio; ``None``: the chunk-sizing policy's."""
+
     lora: tuple[LoraSelection, ...] = ()
     """LoRA adapters to apply, each ``{"name", "scale"}`` (one, or a list to stack them); requests with different
     adapters share batches."""
