@@ -1,5 +1,5 @@
-"""Request and response shapes of the OpenAI Images and Videos APIs and of upstream vllm-omni's
-``POST /v1/audio/generate``, plus the extensions of docs/serving.md.
+"""Request and response shapes of the OpenAI Images, Videos and Speech APIs and of upstream vllm-omni's
+``POST /v1/audio/generate`` and ``GET /v1/audio/voices``, plus the extensions of docs/serving.md.
 
 A request field is one declaration in its request model: its type with bounds, its default, its docstring (the
 field's description in the OpenAPI schema and its row in docs/serving.md, `vllm_omni.entrypoints.openai.docs`) and,
