@@ -19,6 +19,9 @@ _ATEMPO_MIN = 0.5
 
 _LAYOUTS = {1: "mono", 2: "stereo"}
 
+_FRAME = 1024
+"""Samples per frame pushed into ``atempo`` (`Tempo.push`)."""
+
 _FIRST_FRAME_MIN = 2
 """Samples the first frame into ``atempo`` holds at least: a one-sample first frame at a speed above 2 fails in
 FFmpeg (ENOMEM), so a first chunk of one sample waits for the next."""
@@ -73,12 +76,17 @@ class Tempo:
             return self._held[:, :0]
         if self._held.shape[1]:
             chunk, self._held = np.concatenate([self._held, chunk], axis=1), self._held[:, :0]
-        if chunk.shape[1]:
-            frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout=self._layout)
+        pieces = []
+        # atempo hands on at most one output buffer (sized from one input frame) per frame pushed, and keeps the
+        # rest: a long chunk pushed whole would come out a frame late. Short frames keep it a short frame behind.
+        for start in range(0, chunk.shape[1], _FRAME):
+            piece = np.ascontiguousarray(chunk[:, start : start + _FRAME])
+            frame = av.AudioFrame.from_ndarray(piece, format="fltp", layout=self._layout)
             frame.sample_rate, frame.time_base, frame.pts = self._rate, self._time_base, self._samples_in
-            self._samples_in += chunk.shape[1]
+            self._samples_in += piece.shape[1]
             self._graph.push(frame)
-        return self._pull()
+            pieces.append(self._pull())
+        return np.concatenate(pieces, axis=1) if pieces else chunk[:, :0]
 
     def finish(self) -> np.ndarray:
         """The end of the waveform: the samples ``atempo`` still held."""
