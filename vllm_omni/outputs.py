@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-OutputKind = Literal["image", "video", "audio"]
+OutputKind = Literal["image", "video", "audio", "speech"]
 """What a model makes (`ModelCard.output`): which field of `OmniRequestOutput` carries it."""
 
 
@@ -61,6 +61,15 @@ class RequestMetrics(_Record):
     weights_version: int | None = None
     """The version of the weights it ran with: the weight updates (``update_weights``) its replica had applied, 0
     for the model's own (of the stage that holds the denoiser, in a split pipeline)."""
+    prompt_tokens: int | None = None
+    """Speech models: the talker's prompt tokens (the text framed in the family's format)."""
+    generated_tokens: int | None = None
+    """Speech models: the code tokens the talker generated."""
+    first_audio_ms: float | None = None
+    """Speech models: time from arrival until its first audio chunk was ready (``vllm_omni:time_to_first_audio``)."""
+    underrun_gap_s: float | None = None
+    """Speech models: the seconds of silence a listener playing its chunks as they came would have heard after the
+    first one (``vllm_omni:speech_underrun_gap_seconds``)."""
     components: dict[str, float] | None = None
     """Milliseconds each pipeline component took on the work it took part in (``component_timings``): each text
     encoder, ``denoise`` (its steps), ``denoise_step`` (the mean step), ``vae_decode``, ``vae_encode``, ``preview``,
@@ -153,6 +162,16 @@ class Preview:
 
     index: int
     images: list[Any]
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """One streamed piece of a speech request's audio: ``index`` counts from 0; ``samples`` is float32
+    ``(channels, samples)`` at ``sample_rate``; the chunks in order are the whole waveform."""
+
+    index: int
+    samples: Any
+    sample_rate: int
 
 
 @dataclass
