@@ -235,6 +235,20 @@ def tiny_llm(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_orpheus(tmp_path_factory) -> str:
+    """A tiny random-weight Orpheus: ``talker/`` (a Llama with Orpheus's tokens) and ``codec/`` (SNAC 24 kHz's
+    layout, a codebook of 64), built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "orpheus")
+
+
+@pytest.fixture(scope="session")
+def tiny_llasa(tmp_path_factory) -> str:
+    """A tiny random-weight Llasa: ``talker/`` (a Llama with Llasa's tokens) and ``codec/`` (transformers'
+    Xcodec2Model, a codebook of 64), built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "llasa")
+
+
+@pytest.fixture(scope="session")
 def llm_cpu_python() -> str:
     """The interpreter of llm stages' Ray actors on this CPU machine: ``.venv-llm-cpu/bin/python``, the link to the
     venv that the project's script builds once per machine outside the clone (`make llm-cpu-venv`, which `make test`
