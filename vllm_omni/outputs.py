@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 OutputKind = Literal["image", "video", "audio", "speech"]
-"""What a model makes (`ModelCard.output`): which field of `OmniRequestOutput` carries it (``speech``: ``audios``, as
-``audio``, from a text-to-speech model)."""
+"""What a model makes (`ModelCard.output`): which field of `OmniRequestOutput` carries it."""
 
 
 class _Record(Mapping[str, Any]):
@@ -57,15 +56,20 @@ class RequestMetrics(_Record):
     audio_seconds: float | None = None
     """Audio models: the seconds of audio it made, over its ``num_outputs_per_prompt`` waveforms (each waveform's
     samples over `OmniRequestOutput.sample_rate`); what ``vllm_omni:audio_seconds_total`` counts."""
-    prompt_tokens: int | None = None
-    """Speech models: the tokens of the talker's prompt (the text, its voice and the family's format)."""
-    generated_tokens: int | None = None
-    """Speech models: the codec tokens the talker generated."""
     stages: list[StageMetrics] | None = None
     """A split pipeline: one record per stage, in request order."""
     weights_version: int | None = None
     """The version of the weights it ran with: the weight updates (``update_weights``) its replica had applied, 0
     for the model's own (of the stage that holds the denoiser, in a split pipeline)."""
+    prompt_tokens: int | None = None
+    """Speech models: the talker's prompt tokens (the text framed in the family's format)."""
+    generated_tokens: int | None = None
+    """Speech models: the code tokens the talker generated."""
+    first_audio_ms: float | None = None
+    """Speech models: time from arrival until its first audio chunk was ready (``vllm_omni:time_to_first_audio``)."""
+    underrun_gap_s: float | None = None
+    """Speech models: the seconds of silence a listener playing its chunks as they came would have heard after the
+    first one (``vllm_omni:speech_underrun_gap_seconds``)."""
     components: dict[str, float] | None = None
     """Milliseconds each pipeline component took on the work it took part in (``component_timings``): each text
     encoder, ``denoise`` (its steps), ``denoise_step`` (the mean step), ``vae_decode``, ``vae_encode``, ``preview``,
@@ -158,6 +162,16 @@ class Preview:
 
     index: int
     images: list[Any]
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """One streamed piece of a speech request's audio: ``index`` counts from 0; ``samples`` is float32
+    ``(channels, samples)`` at ``sample_rate``; the chunks in order are the whole waveform."""
+
+    index: int
+    samples: Any
+    sample_rate: int
 
 
 @dataclass

@@ -137,20 +137,20 @@ class OmniDiffusionSamplingParams(BaseModel):
     reorders waiting requests only: a running batch is never interrupted. Requests that differ share batches."""
 
     voice: str | None = None
-    """Speech models: the family's voice to speak in (one of the model card's ``voices``; any name on a single-voice
-    model); ``None``: the model's default voice."""
+    """Speech models: the voice to speak in, one of the model's (``None``: its default; a model of one voice takes
+    any name)."""
 
     instructions: str | None = None
-    """Speech models: how to speak (a style prompt), for families that take one; ignored (and reported) by the
-    others."""
+    """Speech models: how to speak (tone, pace); only families with style prompts read it, others list it in
+    ``ignored_fields``."""
 
-    max_new_tokens: int | None = Field(default=None, ge=1)
-    """Speech models: most codec tokens the talker generates (upstream vllm-omni's name); ``None``: the family's
-    limit."""
+    max_new_tokens: int | None = Field(default=None, ge=1, le=65536)
+    """Speech models: the most code tokens the talker generates (``None``: the family's default); it bounds the
+    audio's length."""
 
-    initial_codec_chunk_frames: int | None = Field(default=None, ge=1)
-    """Speech models: codec frames in the first chunk decoded (upstream vllm-omni's name), smaller for a sooner first
-    audio; ``None``: the chunk-sizing policy's."""
+    initial_codec_chunk_frames: int | None = Field(default=None, ge=1, le=4096)
+    """Speech models: the codec frames of the first streamed chunk (``None``: the family's small first chunk, for
+    a fast first audio); later chunks grow to the family's steady size."""
 
     lora: tuple[LoraSelection, ...] = ()
     """LoRA adapters to apply, each ``{"name", "scale"}`` (one, or a list to stack them); requests with different

@@ -100,12 +100,14 @@ def test_an_llm_stage_writes_the_prompt_of_a_stage_that_takes_the_request(first)
         ),
         (
             [(0, "encode", []), (1, "denoise", [0])],
-            "a deploy needs exactly one final stage, a diffusion or decode stage that no other stage takes as input; "
+            "a deploy needs exactly one final stage, a diffusion, decode or codec stage that no other stage takes as "
+            "input; "
             "the stages no other stage takes are: 1 (denoise)",
         ),
         (
             [(0, "diffusion", []), (1, "diffusion", [])],
-            "a deploy needs exactly one final stage, a diffusion or decode stage that no other stage takes as input; "
+            "a deploy needs exactly one final stage, a diffusion, decode or codec stage that no other stage takes as "
+            "input; "
             "the stages no other stage takes are: 0 (diffusion), 1 (diffusion)",
         ),
     ],

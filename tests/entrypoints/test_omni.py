@@ -136,5 +136,8 @@ def test_stable_diffusion_with_negative_prompt_and_cfg(tiny_sd):
 
 
 def test_not_a_diffusers_folder(tmp_path):
+    with pytest.raises(ValueError, match=r"is a folder but neither a diffusers folder \(model_index.json\) nor"):
+        Omni(model=tmp_path)
+    (tmp_path / "config.json").write_text("{}")  # a transformers folder: a talker, with codec_model
     with pytest.raises(ValueError, match="is a folder but not a diffusers folder: it has no model_index.json"):
         Omni(model=tmp_path)

@@ -8,11 +8,12 @@ from typing import Literal
 
 from vllm_omni.config.stage_types import STAGE_TYPES
 
-KnobScope = Literal["every", "pipeline", "denoising", "decoding", "lora", "ray", "llm"]
+KnobScope = Literal["every", "pipeline", "denoising", "decoding", "lora", "ray", "llm", "model", "codec"]
 """Which stages a knob applies to (`knob_applies`): every stage; those that run a diffusers pipeline (``runs:
 diffusers``); those that hold the denoiser (`StageTypeSpec.denoises`); those that decode with the VAE (the
 diffusers stages whose outputs are images, `StageTypeSpec.final`); those that serve LoRA adapters
-(`StageTypeSpec.adapts`); Ray replicas (``distributed_executor_backend: ray``); ``llm`` stages."""
+(`StageTypeSpec.adapts`); Ray replicas (``distributed_executor_backend: ray``); ``llm`` stages; the stages that
+load a model of their own (``model``: ``llm`` and ``codec``); ``codec`` stages."""
 
 
 @dataclass(frozen=True)
@@ -39,5 +40,7 @@ STAGE_TYPES_OF_SCOPE: dict[KnobScope, tuple[str, ...]] = {
     "decoding": tuple(t for t, spec in STAGE_TYPES.items() if spec.final and spec.runs == "diffusers"),
     "lora": tuple(t for t, spec in STAGE_TYPES.items() if spec.adapts),
     "llm": tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "vllm"),
+    "model": tuple(t for t, spec in STAGE_TYPES.items() if spec.runs != "diffusers"),
+    "codec": tuple(t for t, spec in STAGE_TYPES.items() if spec.runs == "codec"),
 }
 """The stage types of each scope that a stage's type decides (``every`` and ``ray`` are not among them)."""

@@ -16,9 +16,11 @@ from typing import Any, Literal
 
 from vllm_omni.config.vllm_device import set_device_hint
 
-LlmMode = Literal["chat", "completion"]
+LlmMode = Literal["chat", "completion", "tts"]
 """How the stage turns a request's prompt into the LLM's input: a chat with ``system_prompt`` through the
-tokenizer's chat template, or ``prompt_template`` with ``{prompt}`` in it."""
+tokenizer's chat template, ``prompt_template`` with ``{prompt}`` in it, or (``tts``: the talker of a speech model)
+the speech family's own prompt format with the request's voice, its generated code tokens streamed to the ``codec``
+stage that takes it."""
 
 _OWNED_ENGINE_ARGS = {
     "max_num_seqs": "the stage's max_num_seqs knob (--max-num-seqs, or max_num_seqs in the stage's YAML), which "
@@ -96,6 +98,13 @@ def check_llm_stage(stage_id: int, values: Mapping[str, Any], written: Callable[
             f"{where}: {written('distributed_executor_backend')}: an llm stage's replicas are Ray actors (vLLM's "
             "engine runs in a process of its own); set it to 'ray' or leave it unset"
         )
+    if values["mode"] == "tts":
+        given = [written(key) for key in ("system_prompt", "prompt_template") if values[key] is not None]
+        if given:
+            raise ValueError(
+                f"{where}: {', '.join(given)}: in mode 'tts' the speech family's own prompt format frames the "
+                "text (vllm_omni/codec/families.py); remove them"
+            )
     if values["mode"] == "chat" and values["prompt_template"] is not None:
         raise ValueError(
             f"{where}: {written('prompt_template')} is for mode 'completion', but {written('mode')}: in chat mode "

@@ -67,8 +67,11 @@ def kind_of(name: str, flag: str) -> ModelKind:
     """What ``name`` is: a local folder, a single-file checkpoint, or (if no such path exists) a repo id or a file in
     one (``org/name:FILE``)."""
     if os.path.isdir(name):
-        if not os.path.isfile(os.path.join(name, "model_index.json")):
-            raise ValueError(f"{flag} {name!r} is a folder but not a diffusers folder: it has no model_index.json")
+        if not any(os.path.isfile(os.path.join(name, index)) for index in ("model_index.json", "config.json")):
+            raise ValueError(
+                f"{flag} {name!r} is a folder but neither a diffusers folder (model_index.json) nor a transformers "
+                "one (config.json: a speech model's talker)"
+            )
         return "folder"
     if os.path.isfile(name):
         if not name.endswith(SINGLE_FILE_SUFFIXES):

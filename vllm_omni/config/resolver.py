@@ -31,6 +31,7 @@ from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.parallel import check_parallel
 from vllm_omni.config.quantization import GGUF_SOURCE, check_quantization, is_gguf
+from vllm_omni.config.speech import check_codec_stage, check_speech_graph, speech_deploy
 from vllm_omni.config.stage import (
     KNOBS,
     LORA_KNOBS,
@@ -40,6 +41,7 @@ from vllm_omni.config.stage import (
     Source,
     StageDeployConfig,
 )
+from vllm_omni.config.stage_types import STAGE_TYPES
 
 GlobalSource = Literal["cli", "python"]
 
@@ -108,6 +110,7 @@ def resolve_stage_configs(
     global_alias_knobs: frozenset[str] | set[str] = frozenset(),
     stage_overrides: Mapping[int | str, Mapping[str, Any]] | None = None,
     model: ModelSource | None = None,
+    codec_model: str | None = None,
 ) -> list[StageDeployConfig]:
     """Apply the four layers and return one frozen config per stage, with provenance.
 
@@ -115,7 +118,16 @@ def resolve_stage_configs(
     only the knobs the user gave (CLI flags or Python keywords); ``global_alias_knobs``
     names those of them that a deprecated alias supplied. ``model``: the served model, for the knobs it decides
     (a ``.gguf`` file sets ``quantization: gguf``, provenance ``model``); ``None``: not checked against one.
+    ``codec_model``: serve ``model`` as the talker of a speech model with this codec (`speech_deploy`), instead of
+    a deploy YAML.
     """
+    if codec_model is not None:
+        if deploy is not None or model is None:
+            raise ValueError(
+                "codec_model (--codec-model) deploys MODEL as a talker with that codec; a deploy YAML lists its "
+                "stages itself (a codec stage's model key): give one or the other"
+            )
+        deploy = speech_deploy(model.model, codec_model)
     deploy = _as_deploy_config(deploy)
     global_knobs = dict(global_knobs or {})
     _check_knobs(global_knobs, "the command line" if global_source == "cli" else "the Omni arguments", global_source)
@@ -128,7 +140,21 @@ def resolve_stage_configs(
         for stage in deploy.stages
     ]
     _check_lora_stages(resolved, global_knobs, global_source)
+    check_speech_graph(resolved)
+    if model is not None:
+        _check_diffusers_folder(resolved, model)
     return resolved
+
+
+def _check_diffusers_folder(stages: list[StageDeployConfig], model: ModelSource) -> None:
+    """A local folder served by diffusers stages is a diffusers folder; a transformers folder is a talker."""
+    folder = model.model if model.kind == "folder" else None
+    runs_diffusers = any(STAGE_TYPES[stage.stage_type].runs == "diffusers" for stage in stages)
+    if folder is not None and runs_diffusers and not os.path.isfile(os.path.join(folder, "model_index.json")):
+        raise ValueError(
+            f"model {folder!r} is a folder but not a diffusers folder: it has no model_index.json (a transformers "
+            "folder serves as a speech model's talker, with --codec-model)"
+        )
 
 
 def _as_deploy_config(deploy: DeployConfig | str | os.PathLike[str] | None) -> DeployConfig:
@@ -165,6 +191,8 @@ def _resolve_stage(
     check_parallel(stage.stage_id, values, _writer(values, provenance), _local_folder(model))
     if stage.stage_type in LLM_STAGE_TYPES:
         check_llm_stage(stage.stage_id, values, _writer(values, provenance))
+    if stage.stage_type in STAGE_TYPES_OF_SCOPE["codec"]:
+        check_codec_stage(stage.stage_id, values, _writer(values, provenance))
     return StageDeployConfig(
         stage_id=stage.stage_id,
         stage_type=stage.stage_type,

@@ -29,12 +29,14 @@ ExecutionMode = Literal["request", "step"]
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 BatchWait = Literal["window", "adaptive"]
+WindowOrder = Literal["underrun", "arrival"]
+"""The order in which a codec stage takes its waiting code windows (``window_order``)."""
 """vLLM's scheduling policies: arrival order, or each request's ``priority`` (lower first), then arrival."""
 
 Backend = Literal["inline", "ray"]
 """Where a stage's replicas run: ``inline`` (one engine on a thread of this process) or ``ray`` (one Ray actor each)."""
 
-StageType = Literal["diffusion", "encode", "denoise", "decode", "llm"]
+StageType = Literal["diffusion", "encode", "denoise", "decode", "llm", "codec"]
 """What a stage runs: the whole pipeline, or one part of a split one (docs/stages.md). Spelled out for the type
 checker: `STAGE_TYPES`' keys in its order (tests/config/test_stage_graph.py checks)."""
 
@@ -60,12 +62,14 @@ class StageDeployConfig(BaseModel):
     """What the stage runs: ``diffusion`` the whole pipeline; ``encode`` (text encoders), ``denoise`` (the denoising
     loop) and ``decode`` (the VAE) the three parts of a [split pipeline](stages.md#stage-types), each loading only
     what it runs; ``llm`` an LLM on vLLM's engine that rewrites the prompt ([LLM
-    stages](stages.md#llm-stages-prompt-enhancement)). Set in the deploy YAML only."""
+    stages](stages.md#llm-stages-prompt-enhancement)), or in ``mode: tts`` the talker of a speech model; ``codec`` the
+    audio codec that decodes a talker's codes ([speech](speech.md)). Set in the deploy YAML only."""
 
     inputs: tuple[int, ...] = ()
     """Stages whose output this stage takes: none for ``diffusion``, ``encode`` and ``llm`` (they take the request),
-    exactly one ``encode`` stage for ``denoise``, exactly one ``denoise`` stage for ``decode`` ([the stage
-    graph](stages.md#inputs-the-stage-graph)). A ``diffusion`` or ``encode`` stage may list one ``llm`` stage, whose
+    exactly one ``encode`` stage for ``denoise``, exactly one ``denoise`` stage for ``decode``, exactly one ``llm``
+    stage in ``mode: tts`` for ``codec`` ([the stage graph](stages.md#inputs-the-stage-graph)). A ``diffusion`` or
+    ``encode`` stage may list one ``llm`` stage, whose
     text becomes its prompt. Set in the deploy YAML only."""
 
     max_num_seqs: Annotated[int, Knob(flag="vllm")] = Field(default=1, ge=1)
@@ -242,9 +246,10 @@ class StageDeployConfig(BaseModel):
     denoiser(s) (``transformer``, ``transformer_2``, ``unet``). A stage quantizes those it loads; a name the model
     lacks is refused at start-up. ``--quantize-components``."""
 
-    model: Annotated[str | None, Knob("llm", flag="none")] = None
-    """``llm`` stages: the LLM's folder or Hugging Face repo id (required). Not the served ``MODEL``, which stays
-    the diffusers model."""
+    model: Annotated[str | None, Knob("model", flag="none")] = None
+    """``llm`` and ``codec`` stages: the LLM's (or the codec's) folder or Hugging Face repo id (required). Beside a
+    diffusers model it is not the served ``MODEL``, which stays the diffusers model; a speech deploy made by
+    ``--codec-model`` sets it to ``MODEL`` (the talker) and to the codec."""
 
     engine_args: Annotated[dict[str, Any] | None, Knob("llm", flag="none")] = None
     """``llm`` stages: fields of vLLM's ``EngineArgs`` for the stage's engine (``gpu_memory_utilization``,
@@ -274,6 +279,11 @@ class StageDeployConfig(BaseModel):
     """``llm`` stages: fields of vLLM's ``SamplingParams`` (``temperature``, ``max_tokens``, ...), checked as
     ``engine_args`` are; unset: vLLM's defaults (at most 16 tokens). ``seed`` (the request's seed), ``n`` and
     ``output_kind`` are refused."""
+
+    window_order: Annotated[WindowOrder, Knob("codec")] = "underrun"
+    """``codec`` stages: which code windows a decode call takes first when more wait than ``max_num_seqs``:
+    ``underrun`` those of the streams nearest to running out of audio (against real-time playback; a stream's
+    first window before all others), ``arrival`` the oldest first, as upstream's TTS stages do ([speech](speech.md))."""
 
     provenance: dict[str, Source] = Field(default_factory=dict, repr=False)
     """Which layer supplied each knob; filled in by the resolver (and by the YAML loader for its own keys)."""

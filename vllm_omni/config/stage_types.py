@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
-StageEngine = Literal["diffusers", "vllm"]
-"""What runs a stage: a diffusers pipeline on this project's engines, or an LLM on vLLM's engine."""
+StageEngine = Literal["diffusers", "vllm", "codec"]
+"""What runs a stage: a diffusers pipeline on this project's engines, an LLM on vLLM's engine, or an audio codec
+decoding a talker's code windows (``vllm_omni.codec``)."""
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class StageTypeSpec:
     """The stage type it takes its one input from; ``None``: it takes the request itself and lists no inputs."""
 
     final: bool
-    """Whether its outputs are images or videos: a deploy ends with exactly one final stage."""
+    """Whether its outputs are the request's (images, videos or audio): a deploy ends with exactly one final stage."""
 
     denoises: bool
     """Whether it holds the denoiser: it fills in the model's defaults, reports progress and takes
@@ -33,7 +34,7 @@ class StageTypeSpec:
     adapter into every component it targets at once."""
 
     runs: StageEngine = "diffusers"
-    """Its engine: a diffusers pipeline (the pipeline knobs apply), or vLLM (the llm keys apply)."""
+    """Its engine: a diffusers pipeline (the pipeline knobs apply), vLLM (the llm keys apply) or a codec."""
 
     writes_prompt: bool = False
     """Whether its output is the prompt of the stage that takes it (an llm stage's generated text), rather than a
@@ -46,6 +47,7 @@ STAGE_TYPES: dict[str, StageTypeSpec] = {
     "denoise": StageTypeSpec(takes="encode", final=False, denoises=True, adapts=False),
     "decode": StageTypeSpec(takes="denoise", final=True, denoises=False, adapts=False),
     "llm": StageTypeSpec(takes=None, final=False, denoises=False, adapts=False, runs="vllm", writes_prompt=True),
+    "codec": StageTypeSpec(takes="llm", final=True, denoises=False, adapts=False, runs="codec"),
 }
 """The stage types this release serves."""
 
@@ -84,7 +86,12 @@ def check_stage_graph(stages: list[S]) -> list[S]:
         ) from None
     for stage in order:
         spec = STAGE_TYPES[stage.stage_type]
-        prompts = [i for i in stage.inputs if STAGE_TYPES[by_id[i].stage_type].writes_prompt]
+        # An llm stage's text is a prompt, but for the stage type that takes llm stages (codec) it is the input.
+        prompts = [
+            i
+            for i in stage.inputs
+            if STAGE_TYPES[by_id[i].stage_type].writes_prompt and by_id[i].stage_type != spec.takes
+        ]
         inputs = [i for i in stage.inputs if i not in prompts]
         if prompts and (len(prompts) > 1 or spec.takes is not None or spec.runs != "diffusers"):
             raise ValueError(
@@ -109,7 +116,8 @@ def check_stage_graph(stages: list[S]) -> list[S]:
     if len(sinks) != 1 or not STAGE_TYPES[sinks[0].stage_type].final:
         ends = ", ".join(f"{s.stage_id} ({s.stage_type})" for s in sinks)
         raise ValueError(
-            f"a deploy needs exactly one final stage, a {' or '.join(final_types)} stage that no other stage "
+            f"a deploy needs exactly one final stage, a {', '.join(final_types[:-1])} or {final_types[-1]} stage that "
+            "no other stage "
             f"takes as input; the stages no other stage takes are: {ends}"
         )
     return order

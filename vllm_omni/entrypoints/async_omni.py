@@ -12,7 +12,7 @@ from vllm_omni.diffusion.features.weights import Weights
 from vllm_omni.entrypoints.omni_base import LoraSource, OmniBase
 from vllm_omni.errors import RequestAbortedError
 from vllm_omni.orchestrator.replica import warm_up_params
-from vllm_omni.outputs import OmniRequestOutput, Preview
+from vllm_omni.outputs import AudioChunk, OmniRequestOutput, Preview
 from vllm_omni.sampling_params import AdmittedParams, OmniDiffusionSamplingParams
 
 
@@ -26,7 +26,9 @@ class AsyncOmni(OmniBase):
         request_id: str | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Yield the request's previews as they are made (``partial_images`` of them, or fewer when it has too few
-        steps: each ``finished=False`` with ``partial_image_index``), then its output when it finishes.
+        steps: each ``finished=False`` with ``partial_image_index``), then its output when it finishes. A speech
+        model's request yields its audio chunks as they are decoded (each ``finished=False``, ``audios`` holding the
+        chunk), then its output with the whole waveform.
         ``sampling_params`` from `admit` are not completed again.
 
         Raises `RequestFailedError` if the request fails; ends without output if it is aborted. Cancelling the
@@ -35,23 +37,18 @@ class AsyncOmni(OmniBase):
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
         admitted = self._admitted(request_id, sampling_params or OmniDiffusionSamplingParams())
         loop = asyncio.get_running_loop()
-        previews: asyncio.Queue[Preview] = asyncio.Queue()
+        previews: asyncio.Queue[Preview | AudioChunk] = asyncio.Queue()
 
-        def hand_over(preview: Preview) -> None:  # on the engine's thread
+        def hand_over(preview: Preview | AudioChunk) -> None:  # on the engine's thread
             loop.call_soon_threadsafe(previews.put_nowait, preview)
 
-        on_preview = hand_over if admitted.params.partial_images else None
+        speech = self.speech_card is not None
+        on_preview = hand_over if admitted.params.partial_images or speech else None
         future = self.engine.add_request(request_id, prompt, admitted, on_preview)
         result = asyncio.wrap_future(future)
         try:
             async for preview in previews_until(result, previews):
-                yield OmniRequestOutput(
-                    request_id=request_id,
-                    prompt=prompt,
-                    images=preview.images,
-                    finished=False,
-                    partial_image_index=preview.index,
-                )
+                yield _partial(request_id, prompt, preview)
             try:
                 output = await result
             except RequestAbortedError:
@@ -73,7 +70,7 @@ class AsyncOmni(OmniBase):
                 pass
 
         compile_sizes = next((stage.compile_sizes for stage in self.stage_configs if stage.denoises), ())
-        for params in warm_up_params(self.model_card, compile_sizes):
+        for params in warm_up_params(self.speech_card or self.model_card, compile_sizes):
             await asyncio.gather(*(one(params) for _ in range(max(stage.num_replicas for stage in self.stage_configs))))
 
     async def add_lora(self, name: str, source: LoraSource, peft_config: Any = None) -> None:
@@ -145,6 +142,25 @@ class AsyncOmni(OmniBase):
 
     async def __aexit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+def _partial(request_id: str, prompt: str, partial: Preview | AudioChunk) -> OmniRequestOutput:
+    """A preview's or an audio chunk's unfinished output."""
+    if isinstance(partial, AudioChunk):
+        return OmniRequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            audios=[partial.samples],
+            sample_rate=partial.sample_rate,
+            finished=False,
+        )
+    return OmniRequestOutput(
+        request_id=request_id,
+        prompt=prompt,
+        images=partial.images,
+        finished=False,
+        partial_image_index=partial.index,
+    )
 
 
 def _retrieve(result: asyncio.Future) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_omni.config import (
     STAGE_KNOBS,
+    STAGE_TYPES,
     DeployConfig,
     ExecutionMode,
     LoRAModulePath,
@@ -28,6 +29,7 @@ from vllm_omni.orchestrator.omni_engine import OmniEngine
 from vllm_omni.sampling_params import AdmittedParams, OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
+    from vllm_omni.codec.card import SpeechCard
     from vllm_omni.diffusion.families.model_card import ModelCard
     from vllm_omni.orchestrator.stage_runtime import StageHealth
 
@@ -42,7 +44,9 @@ class OmniBase:
 
     ``model`` is a diffusers folder, a Hugging Face repo id (fetched through the hub cache with ``revision``,
     ``download_dir`` and ``hf_token``, as vLLM's flags of those names) or a single-file checkpoint (configs from
-    ``model_config``); see `ModelSource`. ``engine_kwargs`` are further stage knobs given globally (``dtype``,
+    ``model_config``); see `ModelSource`. With ``codec_model``, ``model`` is the talker of a speech model (an LLM
+    folder or repo id, on vLLM's engine) and ``codec_model`` its codec (`vllm_omni.config.speech.speech_deploy`).
+    ``engine_kwargs`` are further stage knobs given globally (``dtype``,
     ``devices``, ...).
     A request field the model would not use (a ``negative_prompt`` without the guidance that reads it, a
     ``guidance_scale`` without a guidance embedding, ...) is dropped with a ``UserWarning`` and a log line, and
@@ -62,6 +66,7 @@ class OmniBase:
         hf_token: str | bool | None = None,
         model_config: str | None = None,
         deploy_config: str | os.PathLike[str] | DeployConfig | None = None,
+        codec_model: str | os.PathLike[str] | None = None,
         max_num_seqs: int | None = None,
         request_batch_max_wait_ms: float | None = None,
         execution_mode: ExecutionMode | None = None,
@@ -101,6 +106,7 @@ class OmniBase:
             global_alias_knobs={"max_num_seqs"} if from_alias else set(),
             stage_overrides=stage_overrides,
             model=source,
+            codec_model=None if codec_model is None else os.fspath(codec_model),
         )
         if source is None:
             raise bad_source
@@ -125,10 +131,13 @@ class OmniBase:
     ) -> None:
         check_model(stage_configs, source)  # configs resolved without the model (from_stage_configs)
         self.model_source = source
-        trusted = any(stage.trust_remote_code for stage in stage_configs)
-        self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs], trusted)
-        """The diffusers folder every stage loads (the snapshot or converted folder for a repo id or a file)."""
-        check_model_folder(stage_configs, self.model)
+        if any(STAGE_TYPES[stage.stage_type].runs == "diffusers" for stage in stage_configs):
+            trusted = any(stage.trust_remote_code for stage in stage_configs)
+            self.model = local_model_folder(source, [stage.stage_type for stage in stage_configs], trusted)
+            """The diffusers folder every stage loads (the snapshot or converted folder for a repo id or a file)."""
+            check_model_folder(stage_configs, self.model)
+        else:  # a speech model: each stage loads its own model (vLLM and the codec fetch a repo id themselves)
+            self.model = source.model
         self.stage_configs = stage_configs
         self.engine = OmniEngine(self.model, stage_configs, strict_fields)
         self.profiler = EngineProfiler(self.engine.stages, profiler_config)
@@ -176,9 +185,23 @@ class OmniBase:
         """What the served model takes (its tasks, sizes, defaults), as the stage that holds the denoiser read it."""
         return self.engine.model_card
 
+    @property
+    def speech_card(self) -> SpeechCard | None:
+        """What a speech model takes and makes (its voices, its rate), as its codec stage read it; ``None`` for a
+        diffusion model, whose card is `model_card`."""
+        return self.engine.speech_card
+
+    @property
+    def output_kind(self) -> str:
+        """What the served model makes: ``image``, ``video`` or ``audio`` (its `model_card`'s), or ``speech``."""
+        return "speech" if self.speech_card is not None else self.model_card.output
+
     def model_index(self) -> dict[str, Any]:
         """The served folder's ``model_index.json`` (its pipeline class, and each component's ``[library, class]``),
-        for a caller that loads a component itself (the HTTP server's tokenizer that counts a prompt's tokens)."""
+        for a caller that loads a component itself (the HTTP server's tokenizer that counts a prompt's tokens); empty
+        for a speech model, which is no diffusers folder."""
+        if self.speech_card is not None:
+            return {}
         return read_model_index(self.model)
 
     @property

@@ -23,6 +23,7 @@ class LlmActor:
     def __init__(self, index: int, stage: dict[str, Any]):
         import ray
         from vllm import AsyncEngineArgs, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.index = index
@@ -31,6 +32,7 @@ class LlmActor:
         self.shutting_down = False
         self.stopped = asyncio.Event()
         self._sampling = SamplingParams
+        self._delta = RequestOutputKind.DELTA
         self.steps = StepStats()
         args = AsyncEngineArgs(
             model=stage["model"],
@@ -67,9 +69,12 @@ class LlmActor:
             )
         return "shut down" if self.shutting_down else f"its vLLM engine died: {self.engine.dead_error!r}"
 
-    def _engine_input(self, prompt: str) -> Any:
-        """The LLM's input for ``prompt``: the chat template's token ids (their BOS is the template's, and vLLM
-        would add a second one to text), or the completion template's text."""
+    def _engine_input(self, prompt: str, talker: dict | None) -> Any:
+        """The LLM's input for ``prompt``: a talker's token ids as the driver framed them (``mode: tts``), the chat
+        template's token ids (their BOS is the template's, and vLLM would add a second one to text), or the
+        completion template's text."""
+        if talker is not None:
+            return {"prompt_token_ids": talker["prompt_token_ids"]}
         if self.stage["mode"] == "chat":
             messages = [{"role": "user", "content": prompt}]
             if self.stage["system_prompt"] is not None:
@@ -79,37 +84,77 @@ class LlmActor:
         return (self.stage["prompt_template"] or "{prompt}").format(prompt=prompt)
 
     async def generate(
-        self, request_id: str, prompt: str, seed: int, priority: int = 0, max_tokens: int | None = None
+        self,
+        request_id: str,
+        prompt: str,
+        seed: int,
+        priority: int = 0,
+        max_tokens: int | None = None,
+        talker: dict | None = None,
     ) -> dict:
-        """One request's revised prompt, and how it ran; an error is returned (``{"error": ...}``), not raised,
-        so the driver can tell it from the process dying. ``priority`` is vLLM's (lower first, under the stage's
-        ``scheduling_policy`` ``priority``)."""
+        """One request's revised prompt (or a talker's codes), and how it ran; an error is returned
+        (``{"error": ...}``), not raised, so the driver can tell it from the process dying. ``priority`` is vLLM's
+        (lower first, under the stage's ``scheduling_policy`` ``priority``). ``talker``: a ``mode: tts`` request's
+        ``prompt_token_ids`` and ``sampling`` (the speech family's defaults, under the stage's)."""
+        result: dict = {}
+        async for item in self._run(request_id, prompt, seed, priority, max_tokens, talker, stream=False):
+            result = item
+        return result
+
+    async def generate_with_previews(
+        self,
+        request_id: str,
+        prompt: str,
+        seed: int,
+        priority: int = 0,
+        max_tokens: int | None = None,
+        talker: dict | None = None,
+    ):
+        """`generate` as a stream (a Ray streaming generator): ``{"delta": token ids}`` as vLLM makes them
+        (``RequestOutputKind.DELTA``), then what `generate` returns. A talker's codes go on to the codec stage
+        while it still generates."""
+        async for item in self._run(request_id, prompt, seed, priority, max_tokens, talker, stream=True):
+            yield item
+
+    async def _run(self, request_id, prompt, seed, priority, max_tokens, talker, stream: bool):
         arrived = time.monotonic()
         before = self.steps.snapshot()
-        sampling = dict(self.stage["sampling"]) | {"seed": seed}
+        # A talker's family defaults, under the stage's own sampling (the operator's), under the request's.
+        sampling = dict((talker or {}).get("sampling", {})) | dict(self.stage["sampling"]) | {"seed": seed}
         if max_tokens is not None:
             sampling["max_tokens"] = max_tokens
+        if stream:
+            sampling["output_kind"] = self._delta
+        token_ids: list[int] = []
+        final = None
         try:
             params = self._sampling(**sampling)
             self.in_flight.add(request_id)
-            final = None
-            async for output in self.engine.generate(self._engine_input(prompt), params, request_id, priority=priority):
+            engine_input = self._engine_input(prompt, talker)
+            async for output in self.engine.generate(engine_input, params, request_id, priority=priority):
                 final = output
+                if stream and output.outputs and output.outputs[0].token_ids:
+                    token_ids += output.outputs[0].token_ids
+                    yield {"delta": list(output.outputs[0].token_ids)}
         except Exception as exc:  # noqa: BLE001 - the request's own failure, reported by the driver
-            return {"error": f"{type(exc).__name__}: {exc}", "aborted": request_id in self.aborted}
+            yield {"error": f"{type(exc).__name__}: {exc}", "aborted": request_id in self.aborted}
+            return
         finally:
             self.in_flight.discard(request_id)
         if request_id in self.aborted or final is None or final.outputs[0].finish_reason == "abort":
             self.aborted.discard(request_id)
-            return {"error": "aborted", "aborted": True}
+            yield {"error": "aborted", "aborted": True}
+            return
         completion = final.outputs[0]
+        token_ids = token_ids if stream else list(completion.token_ids)
         stats = final.metrics  # vLLM's RequestStateStats: when the scheduler queued and first scheduled it
         queued = max(0.0, stats.scheduled_ts - stats.queued_ts) if stats is not None else 0.0
-        return {
+        yield {
             # Decoded from the token ids, without special tokens: the text the model generated, nothing of the
-            # template around it.
-            "text": self.tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip(),
-            "token_ids": list(completion.token_ids),
+            # template around it (none for a talker, whose tokens are codes).
+            "text": "" if talker is not None else self.tokenizer.decode(token_ids, skip_special_tokens=True).strip(),
+            "token_ids": token_ids,
+            "prompt_tokens": len(final.prompt_token_ids or ()),
             "finish_reason": completion.finish_reason,
             "queue_s": queued,
             "exec_s": max(0.0, time.monotonic() - arrived - queued),

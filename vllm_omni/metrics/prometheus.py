@@ -268,6 +268,23 @@ e2e_request_latency = Histogram(
     buckets=_SECONDS_BUCKETS,
 )
 
+time_to_first_audio = Histogram(
+    "vllm_omni:time_to_first_audio_seconds",
+    "Speech: time from the engine taking a request until its first audio chunk was decoded.",
+    buckets=_SECONDS_BUCKETS,
+)
+speech_real_time_factor = Histogram(
+    "vllm_omni:speech_real_time_factor",
+    "Speech: each completed stream's wall time over the seconds of audio it made (below 1: faster than real time).",
+    buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 4, 8, 16, 64),
+)
+speech_underrun_gap = Histogram(
+    "vllm_omni:speech_underrun_gap_seconds",
+    "Speech: the seconds of silence a listener playing each completed stream in real time from its first chunk "
+    "would have heard, waiting for later chunks (upstream's total_gap).",
+    buckets=(0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
 
 def priority_class(priority: int) -> str:
     """The ``priority`` label of a request's priority (`PRIORITY_CLASS_BOUND`)."""

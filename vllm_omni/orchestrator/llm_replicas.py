@@ -54,7 +54,13 @@ class LlmReplica(RayReplica):
         return _info(info)
 
     def _generate_args(self, request_id: str, prompt: str, params: OmniDiffusionSamplingParams, payload: Any) -> tuple:
-        return request_id, prompt, params.seed, params.priority
+        """``payload``: a talker's framed prompt and sampling (`vllm_omni.orchestrator.speech_handoff`)."""
+        max_tokens = params.max_new_tokens if self._stage.mode == "tts" else None
+        return request_id, prompt, params.seed, params.priority, max_tokens, payload
+
+    def _read_partial(self, item: dict[str, Any]) -> list[int] | None:
+        """A streamed talker's new token ids."""
+        return item.get("delta")
 
     def _read_result(self, request_id: str, result: dict[str, Any]) -> StageOutput | BaseException:
         where = f"llm stage {self._stage.stage_id} replica {self.info.index}"
@@ -62,16 +68,20 @@ class LlmReplica(RayReplica):
             if result["aborted"]:
                 return RequestAbortedError(request_id)
             return RequestFailedError(request_id, f"{where}: {result['error']}")
-        if not result["text"]:
+        if self._stage.mode == "tts":  # a talker's codes went to the codec stage as they came
+            payload: Any = {"prompt_tokens": result["prompt_tokens"], "generated_tokens": len(result["token_ids"])}
+        elif not result["text"]:
             return RequestFailedError(
                 request_id,
                 f"{where} generated no text (finish reason {result['finish_reason']!r}, token ids "
                 f"{result['token_ids']}); set sampling's min_tokens so that the LLM writes a prompt",
             )
+        else:
+            payload = result["text"]
         self.metrics.queue_time.observe(result["queue_s"])
         return StageOutput(
             request_id,
-            result["text"],
+            payload,
             RequestMetrics(
                 batch_size=result["batch_size"],
                 queue_ms=result["queue_s"] * 1000.0,

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.codec.card import SpeechCard
 from vllm_omni.config import STAGE_TYPES, LoRAModulePath, StageDeployConfig, engine_torch_threads
 from vllm_omni.config.resolver import knob_as_written
 from vllm_omni.config.stage_types import check_stage_graph
@@ -29,9 +30,10 @@ from vllm_omni.errors import RequestAbortedError, SamplingParamsError, StageUnav
 from vllm_omni.logger import init_logger
 from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.orchestrator.replica import ReplicaLostError
+from vllm_omni.orchestrator.speech_handoff import SpeechHandoff
 from vllm_omni.orchestrator.stage_runtime import StageHealth, StageRuntime, wait
 from vllm_omni.orchestrator.weight_updates import WeightUpdates
-from vllm_omni.outputs import Preview, StageMetrics, across_stages
+from vllm_omni.outputs import AudioChunk, OmniRequestOutput, Preview, StageMetrics, across_stages
 from vllm_omni.sampling_params import MAX_SEED, AdmittedParams, LoraSelection, OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
@@ -55,7 +57,7 @@ class _Flight:
     """Whether it was re-run at this stage already (once per stage)."""
     aborted: bool = False
     stage_metrics: list[StageMetrics] = field(default_factory=list)
-    on_preview: Callable[[Preview], None] | None = None
+    on_preview: Callable[[Preview | AudioChunk], None] | None = None
     """Where its partial images go (from the stage that holds the denoiser)."""
     previews: int = 0
     """Previews handed on so far: a re-run on another replica makes them again, and they are not repeated."""
@@ -74,14 +76,26 @@ class OmniEngine:
         """The stage runtimes in the order a request passes them."""
         torch_threads = engine_torch_threads(order)
         try:
+            by_id = {stage.stage_id: stage for stage in order}
             for stage_config, next_stage in zip(order, order[1:] + [None], strict=True):
-                self.stages.append(StageRuntime(model, stage_config, next_stage, torch_threads[stage_config.stage_id]))
+                threads = torch_threads[stage_config.stage_id]
+                input_stage = by_id[stage_config.inputs[0]] if stage_config.inputs else None
+                self.stages.append(StageRuntime(model, stage_config, next_stage, threads, input_stage))
         except BaseException:
             self.shutdown()
             raise
-        self._denoiser = next(i for i, s in enumerate(order) if s.denoises)
-        """The stage that holds the denoiser: it fills in the model's defaults and reports progress."""
-        self._prompt_writers = [STAGE_TYPES[s.stage_type].writes_prompt for s in order]
+        codec = next((i for i, stage in enumerate(self.stages) if stage.speech is not None), None)
+        self._speech = None
+        if codec is not None:
+            speech = self.stages[codec].speech
+            assert speech is not None, "found by it"
+            self._speech = SpeechHandoff(self.stages[codec], speech)
+        """A speech deploy's streams, from its talker (the stage before the codec stage) to its codec."""
+        self._talker = None if codec is None else codec - 1
+        self._denoiser = next(i for i, s in enumerate(order) if s.denoises or s.stage_type == "codec")
+        """The stage that completes a request's parameters from the model's card: the one that holds the denoiser
+        (it fills in the model's defaults and reports progress), or a speech model's codec stage."""
+        self._prompt_writers = [STAGE_TYPES[s.stage_type].writes_prompt and s.mode != "tts" for s in order]
         """Which stages write the prompt of the stages after them (llm); a request may skip them (enhance_prompt)."""
         self._lora_stage = next((s for s in self.stages if s.stage_config.lora_enabled), None)
         """The stage that serves LoRA adapters (a diffusion stage), if LoRA is enabled."""
@@ -201,7 +215,7 @@ class OmniEngine:
         request_id: str,
         prompt: str,
         params: OmniDiffusionSamplingParams | AdmittedParams,
-        on_preview: Callable[[Preview], None] | None = None,
+        on_preview: Callable[[Preview | AudioChunk], None] | None = None,
     ) -> Future:
         """Queue a request (raises `SamplingParamsError` for parameters the model cannot take); ``params`` admitted
         already are not completed again. ``on_preview`` takes its ``partial_images`` previews, each once and in
@@ -231,6 +245,8 @@ class OmniEngine:
     def _finish(self, flight: _Flight, output=None, error: BaseException | None = None) -> None:
         with self._lock:
             self._flights.pop(flight.request_id, None)
+        if self._speech is not None and error is not None:
+            self._speech.discard(flight.request_id)
         if flight.future.done():  # cancelled by its caller
             return
         if error is not None:
@@ -250,7 +266,22 @@ class OmniEngine:
             return
         with self._lock:
             flight.stage, flight.retried = index, False
+        if index == self._talker:
+            assert self._speech is not None, "a talker has a codec stage"
+            on_done = functools.partial(self._spoken, flight)
+            self._speech.open(flight.request_id, flight.prompt, flight.admitted.params, flight.on_preview, on_done)
+            payload = self._speech.talker_input(flight.prompt, flight.admitted.params)
         self._dispatch(flight, payload)
+
+    def _spoken(self, flight: _Flight, output: OmniRequestOutput | None, error: BaseException | None) -> None:
+        """A speech request's stream is over (`SpeechHandoff`): its whole waveform, or why it failed."""
+        if error is not None or output is None:
+            self._finish(flight, error=error or RequestAbortedError(flight.request_id))
+            return
+        assert output.metrics is not None, "a stream's output has metrics"
+        output.metrics.stages = flight.stage_metrics
+        output.revised_prompt = None
+        self._finish(flight, output)
 
     def _dispatch(self, flight: _Flight, payload: Any, lost: int | None = None) -> None:
         """Send ``flight`` to a replica of its stage (other than the ``lost`` one)."""
@@ -267,7 +298,12 @@ class OmniEngine:
             self._finish(flight, error=StageUnavailableError(stage.stage_id, why, flight.request_id))
             return
         on_preview = None
-        if flight.on_preview is not None and flight.stage == self._denoiser:
+        if flight.stage == self._talker:
+            assert self._speech is not None, "a talker has a codec stage"
+            on_preview = functools.partial(self._speech.tokens, flight.request_id)
+            if lost is not None:
+                self._speech.rerun(flight.request_id)
+        elif flight.on_preview is not None and flight.stage == self._denoiser:
             on_preview = functools.partial(self._preview, flight)
         try:
             inner = stage.replicas[index].submit(
@@ -317,6 +353,10 @@ class OmniEngine:
             return
         config = self.stages[flight.stage].stage_config
         flight.stage_metrics.append(StageMetrics.of(config.stage_id, config.stage_type, output.metrics))
+        if flight.stage == self._talker:
+            assert self._speech is not None, "a talker has a codec stage"
+            self._speech.close(flight.request_id, output)  # its last chunk; the stream finishes the request
+            return
         if flight.stage + 1 < len(self.stages):
             payload = output.payload
             if self._prompt_writers[flight.stage]:
@@ -339,8 +379,13 @@ class OmniEngine:
         return self.stages[stage].replicas[replica].progress(request_id)
 
     @property
+    def speech_card(self) -> SpeechCard | None:
+        """A speech model's card, as its codec stage read it; ``None`` for a diffusion model."""
+        return None if self._speech is None else self._speech.card
+
+    @property
     def model_card(self) -> ModelCard:
-        """The model's card, as the stage that holds the denoiser read it."""
+        """The model's card, as the stage that holds the denoiser read it (a speech model has `speech_card`)."""
         card = self.stages[self._denoiser].info.card
         assert card is not None, "the stage that denoises has a card"
         return card
@@ -355,6 +400,9 @@ class OmniEngine:
             stage, replica = flight.stage, flight.replica
         if replica is not None:  # else it is between replicas or stages, where the flag stops it
             self.stages[stage].replicas[replica].abort(request_id)
+        elif stage == self._talker:  # its talker is done: its last windows are decoding
+            assert self._speech is not None, "a talker has a codec stage"
+            self._speech.abort(request_id)
         return True
 
     @property

@@ -220,6 +220,10 @@ class RayReplica:
         """What the actor's ``generate`` takes for a request."""
         return request_id, prompt, params, payload, self._by_reference
 
+    def _read_partial(self, item: Any) -> Any:
+        """What ``on_preview`` takes of an item of a streamed request (a preview), or ``None`` for its result."""
+        return item if isinstance(item, Preview) else None
+
     def _read_result(self, request_id: str, result: Any) -> Any:
         """A request's output or error as its actor returns it (an actor that cannot send our types overrides
         this)."""
@@ -259,9 +263,10 @@ class RayReplica:
         def read() -> Any:
             for ref in stream:
                 item = ray.get(ref)
-                if not isinstance(item, Preview):
+                partial = self._read_partial(item)
+                if partial is None:
                     return item
-                on_preview(item)
+                on_preview(partial)
             raise RuntimeError("the replica's stream ended without the request's output")
 
         threading.Thread(

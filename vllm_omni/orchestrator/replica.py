@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from prometheus_client.metrics_core import Metric
 
+from vllm_omni.codec.card import SpeechCard
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine.control import failed
 from vllm_omni.diffusion.engine.core import EngineCore
@@ -51,11 +52,16 @@ class ReplicaInfo:
     """The torch components its pipeline holds (what ``update_weights`` may name); none for an llm replica."""
 
 
-def warm_up_params(card: ModelCard, compile_sizes: tuple[str, ...] = ()) -> list[OmniDiffusionSamplingParams]:
+def warm_up_params(
+    card: ModelCard | SpeechCard, compile_sizes: tuple[str, ...] = ()
+) -> list[OmniDiffusionSamplingParams]:
     """One step at the model's default size (or the fewest its scheduler takes, `ModelCard.min_steps`; a single frame
     for video models, its default length for audio models, a grey input image for a model that needs one): it
     initialises every component, so the first real request does not pay for that. Then the same at each of
-    ``compile_sizes`` (sizes of pictures: none for an audio model), so that a compiled denoiser has compiled them."""
+    ``compile_sizes`` (sizes of pictures: none for an audio model), so that a compiled denoiser has compiled them.
+    A speech model: a few frames of codes, through its talker and codec."""
+    if isinstance(card, SpeechCard):
+        return [OmniDiffusionSamplingParams(seed=0, max_new_tokens=4 * card.codes_per_frame)]
     sizes: list[tuple[int | None, int | None, int | None]] = [(None, None, 1 if card.output == "video" else None)]
     sizes += [parse_size(size) for size in compile_sizes if card.output != "audio"]
     warm_ups = []

@@ -23,6 +23,8 @@ from vllm_omni.orchestrator.replica import EngineReplica, Replica, ReplicaInfo, 
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
+    from vllm_omni.codec.card import SpeechAdmission
+    from vllm_omni.orchestrator.codec_replicas import Speech
     from vllm_omni.orchestrator.llm_replicas import LlmAdmission
 
 logger = init_logger(__name__)
@@ -88,21 +90,32 @@ class StageRuntime:
         stage_config: StageDeployConfig,
         next_stage: StageDeployConfig | None = None,
         torch_threads: int | None = None,
+        input_stage: StageDeployConfig | None = None,
     ):
         """``next_stage``: the stage that takes this one's outputs (split pipelines); between two Ray stages
         outputs stay in Ray's object store. ``torch_threads``: of each replica's engine thread
-        (`engine_torch_threads`)."""
+        (`engine_torch_threads`). ``input_stage``: the stage whose outputs this one takes (a codec stage reads its
+        talker's tokenizer)."""
         self.stage_config = stage_config
         self.stage_id = stage_config.stage_id
         logger.info("Starting %s", stage_config.describe())
         self._release_backend = None
         self.replicas: Sequence[Replica]
-        admission: LlmAdmission | StageAdmission | None = None
+        admission: LlmAdmission | StageAdmission | SpeechAdmission | None = None
+        self.speech: Speech | None = None
+        """A codec stage's speech facts (its family, its talker's prompt format, the card)."""
         if STAGE_TYPES[stage_config.stage_type].runs == "vllm":
             from vllm_omni.orchestrator.llm_replicas import LlmAdmission, start_llm_replicas
 
             self.replicas, self._release_backend = start_llm_replicas(stage_config)
             admission = LlmAdmission()
+        elif STAGE_TYPES[stage_config.stage_type].runs == "codec":
+            from vllm_omni.codec.card import SpeechAdmission
+            from vllm_omni.orchestrator.codec_replicas import start_codec_replicas
+
+            assert input_stage is not None, "a codec stage takes a talker"
+            self.replicas, self.speech = start_codec_replicas(stage_config, input_stage, torch_threads)
+            admission = SpeechAdmission(self.speech.card)
         elif stage_config.distributed_executor_backend == "ray":
             from vllm_omni.orchestrator.ray_replicas import start_replicas
 
@@ -141,8 +154,8 @@ class StageRuntime:
 
     @property
     def sleeps(self) -> bool:
-        """Whether its replicas sleep and wake: a diffusers stage's do; an llm stage serves on."""
-        return STAGE_TYPES[self.stage_config.stage_type].runs != "vllm"
+        """Whether its replicas sleep and wake: a diffusers stage's do; an llm or codec stage serves on."""
+        return STAGE_TYPES[self.stage_config.stage_type].runs == "diffusers"
 
     def call(self, method: str, *args, down_too: bool = False) -> list[Answer]:
         """Control verb ``method`` (`Replica.call`) on every live replica at once, and with ``down_too`` on those

@@ -6,6 +6,7 @@ tests, the benchmarks and the demo build (`make_tiny_model`).
                                            |qwen-image|z-image|flux2|ltx|hunyuan-video-1.5  (tiny_families)
                                            |stable-audio|stable-audio-3|longcat-audio|ace-step  (tiny_audio)
                                            |llm  (tiny_llm: the LLM of an ``llm`` stage)
+                                           |orpheus|llasa  (tiny_speech: DIR/talker and DIR/codec)
 
 The table lives apart from the builders, so that the builder modules import one another in one direction only.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_omni.testing import tiny_audio, tiny_edit_models, tiny_families, tiny_llm
+from vllm_omni.testing import tiny_audio, tiny_edit_models, tiny_families, tiny_llm, tiny_speech
 from vllm_omni.testing.tiny_models import (
     build_tiny_flux,
     build_tiny_sd,
@@ -48,13 +49,18 @@ FAMILIES = {
 }
 """The tiny diffusers pipelines, by family."""
 
-MODEL_FAMILIES = FAMILIES | {"llm": tiny_llm.TinyLlm}
-"""What ``make-tiny-model`` writes: the pipelines, and the LLM of an ``llm`` stage (a transformers folder)."""
+MODEL_FAMILIES = FAMILIES | {
+    "llm": tiny_llm.TinyLlm,
+    "orpheus": tiny_speech.build_tiny_orpheus,
+    "llasa": tiny_speech.build_tiny_llasa,
+}
+"""What ``make-tiny-model`` writes: the pipelines, the LLM of an ``llm`` stage (a transformers folder), and the
+speech families (a talker folder and a codec folder)."""
 
 
 def make_tiny_model(path: str | os.PathLike[str], family: str = "flux") -> str:
-    """Write a tiny ``family`` model to ``path`` (a diffusers folder, or a transformers one for ``llm``) and return
-    the path."""
+    """Write a tiny ``family`` model to ``path`` (a diffusers folder, a transformers one for ``llm``, ``talker/`` and
+    ``codec/`` for a speech family) and return the path."""
     if family not in MODEL_FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(MODEL_FAMILIES)}")
     path = os.fspath(path)

@@ -51,13 +51,14 @@ def make_llm_tokenizer(vocab_size: int = 512):
 
 
 class TinyLlm:
-    """A 2-layer Llama (hidden 128, 4 heads of 32) over `make_llm_tokenizer`, saved as one Hugging Face folder."""
+    """A 2-layer Llama (hidden 128, 4 heads of 32) over ``tokenizer`` (`make_llm_tokenizer` by default), saved as one
+    Hugging Face folder."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, tokenizer: Any = None):
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        self.tokenizer = make_llm_tokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else make_llm_tokenizer()
         config = LlamaConfig(
             vocab_size=len(self.tokenizer),
             hidden_size=128,

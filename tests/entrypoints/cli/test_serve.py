@@ -158,7 +158,7 @@ def test_bad_flags_fail_naming_the_flag(parser, tiny_flux, capsys, argv, message
 
 
 def test_model_must_be_a_diffusers_folder_a_checkpoint_or_a_repo_id(parser, tmp_path, capsys):
-    assert "is a folder but not a diffusers folder" in _error(parser, [str(tmp_path)], capsys)
+    assert "is a folder but neither a diffusers folder" in _error(parser, [str(tmp_path)], capsys)
     assert "give the model (a diffusers folder" in _error(parser, ["--max-num-seqs", "2"], capsys)
     (tmp_path / "notes.txt").write_text("not weights")
     assert "is a file but not a single-file checkpoint" in _error(parser, [str(tmp_path / "notes.txt")], capsys)

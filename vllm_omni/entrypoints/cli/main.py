@@ -41,15 +41,16 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
 
     tiny = commands.add_parser(
         "make-tiny-model",
-        help="Write a tiny random-weight diffusers pipeline, or an llm stage's tiny Llama "
-        "(offline demo and test models).",
+        help="Write a tiny random-weight diffusers pipeline, an llm stage's tiny Llama, or a speech family's talker "
+        "and codec (offline demo and test models).",
     )
     tiny.add_argument("dir", help="Folder to write the pipeline to.")
     tiny.add_argument(
         "--family",
         choices=sorted(MODEL_FAMILIES),
         default="flux",
-        help="Pipeline family, or llm: a Llama with a byte-level BPE tokenizer for an llm stage (default: flux).",
+        help="Pipeline family; llm: a Llama with a byte-level BPE tokenizer for an llm stage; orpheus or llasa: a "
+        "speech family's DIR/talker and DIR/codec (default: flux).",
     )
     tiny.add_argument(
         "--lora",

@@ -171,6 +171,12 @@ def make_serve_parser(prog: str):
         help="For a single-file checkpoint MODEL: the diffusers folder or Hugging Face repo id that supplies its "
         "configs and the components the file lacks (default: the repo diffusers infers from the file).",
     )
+    omni.add_argument(
+        "--codec-model",
+        metavar="FOLDER_OR_REPO_ID",
+        help="Serve MODEL as the talker of a speech model (an llm stage in mode tts on vLLM's engine) whose codes "
+        "this codec decodes (a codec stage): /v1/audio/speech. Instead of --deploy-config (docs/speech.md).",
+    )
     _add_stage_knob_flags(omni)
     omni.add_argument(
         "--stage-overrides",
@@ -282,6 +288,7 @@ def build_serve_config(parser: argparse.ArgumentParser, args: argparse.Namespace
             global_source="cli",
             stage_overrides=args.stage_overrides,
             model=source,
+            codec_model=args.codec_model,
         )
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))

@@ -74,20 +74,24 @@ def check_request(state: ServerState, body, *, kind: OutputKind, task: ImageTask
 
 
 def check_serves(state: ServerState, kind: OutputKind, task: ImageTask = "text") -> None:
-    """A ready engine (else 503) serving a model of the right ``kind`` (image, video, audio or speech: the model
-    card's ``output``) that serves ``task`` (``text``: no input image; ``image``: one or more; ``video``: an input
-    video, a remix); else a 400 naming ``model``."""
+    """A ready engine (else 503) serving a model of the right ``kind`` (image, video, audio or speech: the
+    facade's ``output_kind``) that serves ``task`` (``text``: no input image; ``image``: one or more; ``video``: an
+    input video, a remix); else a 400 naming ``model``."""
     reason = state.unavailable_reason()
     if reason is not None:
         raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
-    model, card = state.serving.served_model_names[0], state.loaded_omni.model_card
-    model_kind = card.output
+    model, model_kind = state.serving.served_model_names[0], state.loaded_omni.output_kind
     if model_kind != kind:
-        article = "an" if model_kind[0] in "aeiou" else "a"
+        article = "a" if model_kind in ("video", "speech") else "an"
         why = f"{model} is {article} {model_kind} model; this API serves {kind} models only"
-    elif kind == "speech":  # a speech model's card has no tasks: it speaks text
-        return
-    elif task == "video" and task not in card.tasks:
+        raise APIError(400, why, param="model", code="model_not_supported")
+    if kind != "speech":  # a speech model's card has no tasks: it speaks text
+        _check_task(model, state.loaded_omni.model_card, kind, task)
+
+
+def _check_task(model: str, card: Any, kind: str, task: str) -> None:
+    """The diffusion model's pipeline (its ``card``) runs the request's ``task``."""
+    if task == "video" and task not in card.tasks:
         why = f"{model} ({card.pipeline_name}) has no video-to-video variant: it cannot remix a video"
     elif task not in card.tasks:
         needs = "/v1/images/edits" if kind == "image" else "input_reference"

@@ -1,14 +1,13 @@
 """OpenAI's text to speech: ``POST /v1/audio/speech`` speaks the request's ``input`` with the served speech model (a
 talker and its codec) and answers with the audio as it is made (speech_stream.py); ``GET /v1/audio/voices`` lists
-the model's voices and the OpenAI names they answer to. What a route reads of the model is its card's speech fields
-(`SpeechCard`), by name: the HTTP layer imports no engine."""
+the model's voices and the OpenAI names they answer to. What a route reads of the model is the facade's
+``speech_card``."""
 
 from __future__ import annotations
 
 import fnmatch
 import uuid
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -17,7 +16,6 @@ from vllm_omni.entrypoints.openai.admission import admit, report_ignored
 from vllm_omni.entrypoints.openai.audio.speech_stream import SpeechAudio, speech_body
 from vllm_omni.entrypoints.openai.checks import check_request, check_serves
 from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected
-from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.outcomes import Outcome, next_output
 from vllm_omni.entrypoints.openai.protocol import SpeechRequest, VoiceList
 from vllm_omni.entrypoints.openai.request_fields import ignored_fields
@@ -32,56 +30,22 @@ OPENAI_SPEECH_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts*")
 one asks for the served model: clients hard-code them (Open WebUI's and SillyTavern's default is ``tts-1``)."""
 
 
-class SpeechCard(Protocol):
-    """What the speech routes read of a speech model's card (``model_card.output == "speech"``)."""
-
-    voices: tuple[str, ...]
-    """The family's voices; empty for a model of a single voice, which takes any name."""
-    default_voice: str | None
-    openai_voices: Mapping[str, str]
-    """Each OpenAI voice name, and the family's voice it speaks in."""
-    sample_rate: int
-    channels: int
-    takes_instructions: bool
-    family: str
-
-
-def speech_card(state: ServerState) -> SpeechCard:
-    """The served model's card, read as a speech model's (`check_serves` said it is one)."""
-    return cast(SpeechCard, state.loaded_omni.model_card)
-
-
 def openai_speech_model(name: str | None) -> bool:
     """Whether ``name`` is one of `OPENAI_SPEECH_MODELS`."""
     return name is not None and any(fnmatch.fnmatchcase(name, pattern) for pattern in OPENAI_SPEECH_MODELS)
 
 
-def family_voice(state: ServerState, name: str | None) -> str | None:
-    """The model's voice that the request's ``voice`` names: its own, or the one an OpenAI name maps to; ``None``
-    for the default voice, or on a model of a single voice (any name is that voice). Else a 400 naming ``voice``
-    and what it takes."""
-    card = speech_card(state)
-    if name is None or not card.voices:
-        return None
-    voice = name if name in card.voices else card.openai_voices.get(name)
-    if voice is None:
-        model = state.serving.served_model_names[0]
-        openai = f", or one of OpenAI's that map to them: {', '.join(card.openai_voices)}" if card.openai_voices else ""
-        raise APIError(
-            400,
-            f"voice {name!r} is not one of {model}'s voices: {', '.join(card.voices)}{openai} (GET /v1/audio/voices)",
-            param="voice",
-            code="invalid_value",
-        )
-    return voice
-
-
 def _admit(state: ServerState, body: SpeechRequest, timer: metrics.PhaseTimer) -> AdmittedParams:
-    """The request's checks, then its complete parameters (the voice mapped to the family's, the model's defaults
-    filled in, a seed drawn) within the operator's limits. Local work: it runs on the event loop."""
+    """The request's checks, then its complete parameters (an OpenAI voice name mapped to the family's voice, the
+    model's defaults filled in, a seed drawn) within the operator's limits; an unknown voice is admission's 400
+    naming ``voice``. Local work: it runs on the event loop."""
     check_request(state, body, kind="speech")
-    voice = family_voice(state, body.voice_name)
     timer.mark("validation")  # FastAPI's schema validation, the API key, the checks
+    card = state.loaded_omni.speech_card
+    assert card is not None, "check_request found a speech model"
+    voice = body.voice_name
+    if voice is not None and voice not in card.voices:
+        voice = card.openai_voices.get(voice, voice)
     admitted = admit(state, body, ignored_fields(body), voice=voice)
     timer.mark("completion")
     return admitted
@@ -104,7 +68,8 @@ async def create_speech(body: SpeechRequest, raw_request: Request) -> Response:
     body = _served(state, body)
     with Outcome(metrics.speech_requests) as outcome:
         admitted = _admit(state, body, timer)
-        card = speech_card(state)
+        card = state.loaded_omni.speech_card
+        assert card is not None, "admitted by a speech model"
         audio = SpeechAudio(body.response_format, card.sample_rate, card.channels, body.speed)
         outcome.running()
         request_id = f"speech-{uuid.uuid4().hex}"
@@ -127,5 +92,6 @@ async def list_voices(raw_request: Request) -> VoiceList:
     """The served speech model's voices (upstream vllm-omni's answer) and the OpenAI names it takes."""
     state: ServerState = raw_request.app.state.server
     check_serves(state, "speech")
-    card = speech_card(state)
+    card = state.loaded_omni.speech_card
+    assert card is not None, "check_serves found a speech model"
     return VoiceList(voices=list(card.voices), default_voice=card.default_voice, openai_voices=dict(card.openai_voices))
