@@ -48,7 +48,7 @@ class Outcome:
       ``failed`` for an error that is not a refusal (an `APIError`);
     - ``failed`` once `running` (an error from then on is the server's), or what `next_output` found;
     - ``aborted`` (``aborted``: the API's name for it, ``cancelled`` for the Videos API) when the task is cancelled
-      (the server cancelled the handler) or the client went away;
+      (the server cancelled the handler) or the client went away, a stream's body included;
     - ``completed`` (`completed`);
     - nothing, once `handed_over` to the stream that answers the request (it counts with an `Outcome` of its own)."""
 
@@ -74,7 +74,9 @@ class Outcome:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        if isinstance(exc, asyncio.CancelledError):
+        # Cancelled: the server cancelled the handler, or the client went away while a stream's body was being
+        # made; GeneratorExit: a stream's body closed before its end (its client went away while it was sent).
+        if isinstance(exc, asyncio.CancelledError | GeneratorExit):
             self.value = self.aborted
         elif isinstance(exc, APIError) and self.value == "invalid":
             self.value = refusal_outcome(exc)

@@ -574,6 +574,13 @@ class SpeechRequest(BaseModel):
         """``input``, under the name the shared checks and the engine give a prompt."""
         return self.input
 
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_is_a_name_or_an_id(cls, voice: Any) -> Any:
+        if isinstance(voice, dict) and set(voice) != {"id"}:  # else pydantic's error is about a string
+            raise ValueError('voice must be a voice name or {"id": "<voice name>"}')
+        return voice
+
     @property
     def voice_name(self) -> str | None:
         """``voice``, a string or ``{"id": ...}``, as its name."""
