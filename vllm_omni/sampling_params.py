@@ -19,6 +19,9 @@ MAX_SEED = 2**63 - 1
 PRIORITY_BOUND = 2**63
 """``priority`` lies in ``[-PRIORITY_BOUND, PRIORITY_BOUND)``: vLLM's bounds (a 64-bit integer)."""
 
+SPEECH_FIELDS = ("voice", "instructions", "max_new_tokens", "initial_codec_chunk_frames")
+"""The fields only speech models read; a diffusion model lists each one given as ignored."""
+
 MAX_INPUT_IMAGES = 16
 """Most input images one request may carry (``image``)."""
 
