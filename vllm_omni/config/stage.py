@@ -266,7 +266,9 @@ class StageDeployConfig(BaseModel):
 
     mode: Annotated[LlmMode, Knob("llm", flag="none")] = "chat"
     """``llm`` stages: ``chat`` passes ``system_prompt`` and the prompt through the tokenizer's chat template;
-    ``completion`` passes ``prompt_template`` with the prompt in it."""
+    ``completion`` passes ``prompt_template`` with the prompt in it; ``tts`` makes the stage a speech model's talker,
+    its prompt framed by the speech family and its code tokens streamed to the ``codec`` stage that takes it
+    ([speech](speech.md))."""
 
     system_prompt: Annotated[str | None, Knob("llm", flag="none")] = None
     """``llm`` stages in ``chat`` mode: the system message before the user's prompt."""
