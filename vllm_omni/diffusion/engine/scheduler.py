@@ -12,7 +12,8 @@ schedulers that the steppers drive).
   (``priority``: lower first). "The best waiting request" below is its head.
 - Only requests with the same `BatchKey` share a batch. The best waiting
   request's key goes first, so no key starves within a priority, and requests with other keys
-  never block it (no head-of-line blocking). A running batch is never interrupted.
+  never block it (no head-of-line blocking). A running batch is never interrupted (step mode: but for
+  preemption, `StepBatchScheduler`).
 - Lifecycle: the scheduler owns every request from `add` to `finish`, where its
   future is resolved: its output, `RequestFailedError` or `RequestAbortedError`.
   A future cancelled by its caller while waiting is dropped at scheduling time;
