@@ -501,7 +501,11 @@ class StepBatchScheduler(BatchScheduler):
         """Queue ``request``; refused (`StageUnavailableError`) while preemption is held back by the kept-state limit
         and it would wait behind every waiting request (class docstring)."""
         with self._cond:
-            refused = self._held_back and all(self._rank(request) >= self._rank(r) for r in self._waiting)
+            refused = (
+                self._held_back
+                and not self._closed
+                and all(self._rank(request) >= self._rank(r) for r in self._waiting)
+            )
             if not refused:
                 super().add(request)
         if refused:
