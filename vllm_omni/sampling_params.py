@@ -19,6 +19,9 @@ MAX_SEED = 2**63 - 1
 PRIORITY_BOUND = 2**63
 """``priority`` lies in ``[-PRIORITY_BOUND, PRIORITY_BOUND)``: vLLM's bounds (a 64-bit integer)."""
 
+SPEECH_FIELDS = ("voice", "instructions", "max_new_tokens", "initial_codec_chunk_frames")
+"""The fields only speech models read; a diffusion model lists each one given as ignored."""
+
 MAX_INPUT_IMAGES = 16
 """Most input images one request may carry (``image``)."""
 
@@ -133,8 +136,10 @@ class OmniDiffusionSamplingParams(BaseModel):
 
     priority: int = Field(default=0, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
     """vLLM's request priority: under a stage's ``scheduling_policy`` ``priority`` a lower value starts sooner
-    (arrival order among equals); under ``fcfs`` (the default) any value but 0 is refused, naming ``priority``. It
-    reorders waiting requests only: a running batch is never interrupted. Requests that differ share batches."""
+    (arrival order among equals); under ``fcfs`` (the default) any value but 0 is refused, naming ``priority``. In
+    request mode it reorders waiting requests only (a running batch is never interrupted); in step mode a better
+    request also preempts worse running ones at a step boundary, which resume later where they left. Requests that
+    differ share batches."""
 
     voice: str | None = None
     """Speech models: the voice to speak in, one of the model's (``None``: its default; a model of one voice takes

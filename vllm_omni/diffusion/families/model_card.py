@@ -31,7 +31,13 @@ from vllm_omni.diffusion.families.pipeline_facts import (
 from vllm_omni.diffusion.features.sde import SDE_ARGS, steps_flow_euler
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.outputs import IgnoredField, OutputKind
-from vllm_omni.sampling_params import DEFAULT_VIDEO_FPS, MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
+from vllm_omni.sampling_params import (
+    DEFAULT_VIDEO_FPS,
+    MAX_INPUT_IMAGES,
+    SPEECH_FIELDS,
+    ImageTask,
+    OmniDiffusionSamplingParams,
+)
 
 _PLAIN = (int, float, str, bool)
 ENGINE_ARGS = SDE_ARGS | {"flow_shift"}
@@ -389,6 +395,9 @@ class ModelCard:
             why = f"guidance_scale does nothing on this {name}: its transformer has no guidance embedding (a timestep-"
             why += "distilled model such as FLUX.1-schnell); guide it with true_cfg_scale and a negative_prompt"
             params = _drop(params, ignored, "guidance_scale", why)
+        for speech_field in SPEECH_FIELDS:
+            if getattr(params, speech_field) is not None:
+                params = _drop(params, ignored, speech_field, f"{speech_field} is for speech models; {name} is not one")
         if params.num_outputs_per_prompt > 1 and self.outputs_arg is None:
             raise SamplingParamsError(
                 "num_outputs_per_prompt", f"num_outputs_per_prompt > 1 is not supported by {name}"
