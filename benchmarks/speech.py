@@ -10,9 +10,10 @@ window orders, in one run.
 
 The model is the tiny random-weight Orpheus (``vllm-omni make-tiny-model DIR --family orpheus``, built once into
 ``--model-dir``) unless ``--talker`` and ``--codec`` name one. Every request of every run does the same work: the
-talker is greedy and writes exactly ``--max-new-tokens`` code tokens (the stage's sampling ``temperature 0`` and
-``min_tokens`` = ``--max-new-tokens``, which keeps vLLM from sampling the stop token before then; ``ignore_eos``
-would not: vLLM still stops at ``stop_token_ids``), so each stream is that many frames of audio. Request i of a
+talker is greedy and writes exactly ``--max-new-tokens`` code tokens (the stage's sampling: ``temperature 0`` and
+the family's stop token among vLLM's ``bad_words``, so that it is never sampled; ``ignore_eos`` would not do, since
+vLLM still stops at ``stop_token_ids``, nor ``min_tokens``, which the server's warm-up request of a few tokens
+refuses), so each stream is that many frames of audio. Request i of a
 wave speaks its own text in its own voice with seed i, the same in every wave and in the ceiling.
 
 **efficiency** (one server: ``vllm serve TALKER --omni --codec-model CODEC``, the talker's ``max_num_seqs`` the
@@ -164,22 +165,41 @@ def ceiling_inputs(work: Work, n: int, args) -> tuple[list[list[int]], list[dict
     return prompts, sampling
 
 
-def ceiling_call(work: Work, talker: TalkerCeiling, n: int, args) -> dict:
-    """The N requests offline: one ``LLM.generate``, then one decode of all their codes."""
+def ceiling_block(work: Work, talkers: list[TalkerCeiling], n: int, block: int, args) -> dict:
+    """The N requests offline: one ``LLM.generate`` in each talker worker (their order alternates), then one decode
+    of all their codes with each of ``--ceiling-threads`` torch threads in this process. The fastest talker call
+    and the fastest decode are the ceiling."""
+    import torch
+
     from vllm_omni.codec.pipeline.codecs import CodeWindow
 
-    talker_s, token_ids = talker.generate(*ceiling_inputs(work, n, args))
+    talker_s, token_ids = {}, []
+    for talker in talkers if block % 2 == 0 else talkers[::-1]:
+        talker_s[talker.threads], token_ids = talker.generate(*ceiling_inputs(work, n, args))
     frames = [work.talker_format.frames(ids) for ids in token_ids]
     if any(len(f) != work.frames for f in frames):
         raise RuntimeError(
             f"the ceiling's talker made {[len(f) for f in frames]} frames, not {work.frames} each: the sampling "
-            f"{args.talker_sampling} must be greedy and keep the talker from stopping (min_tokens)"
+            f"{args.talker_sampling} must keep the talker from stopping (bad_words: its stop token)"
         )
     windows = [CodeWindow(codes, 0, i) for i, codes in enumerate(frames)]
-    started = time.perf_counter()
-    waveforms = work.codec.decode(windows)
-    codec_s = time.perf_counter() - started
-    return {"talker_s": talker_s, "codec_s": codec_s, "seconds": talker_s + codec_s, "waveforms": waveforms}
+    codec_s, waveforms = {}, []
+    threads_before = torch.get_num_threads()
+    for threads in args.ceiling_threads if block % 2 == 0 else args.ceiling_threads[::-1]:
+        torch.set_num_threads(threads)
+        started = time.perf_counter()
+        waveforms = work.codec.decode(windows)
+        codec_s[threads] = time.perf_counter() - started
+    torch.set_num_threads(threads_before)
+    best = min(talker_s.values()) + min(codec_s.values())
+    return {
+        "talker_s_by_threads": {t: round(v, 4) for t, v in sorted(talker_s.items())},
+        "codec_s_by_threads": {t: round(v, 4) for t, v in sorted(codec_s.items())},
+        "talker_s": min(talker_s.values()),
+        "codec_s": min(codec_s.values()),
+        "audio_s_per_s": n * work.seconds / best,
+        "waveforms": waveforms,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ served
@@ -210,7 +230,7 @@ async def speak(session: aiohttp.ClientSession, base_url: str, body: dict, expec
     if abs(len(data) / bytes_per_second - expected_s) > 1 / rate:
         raise RuntimeError(
             f"a stream of {len(data) / bytes_per_second:.3f} s, not {expected_s:.3f} s: the server's talker must write "
-            "every token asked for (greedy, min_tokens = max_new_tokens: --talker-sampling says what it does)"
+            "every token asked for (its stop token in bad_words: --talker-sampling says what it does)"
         )
     return {
         "sent": sent,
@@ -323,30 +343,16 @@ def _p90(values) -> float:
     return round(float(np.percentile(values, 90)), 4)
 
 
-def _ceiling_block(work: Work, talkers: list[TalkerCeiling], n: int, block: int, args) -> dict:
-    """Each ceiling worker's call (their order alternates); the fastest is the block's ceiling."""
-    calls = {}
-    for talker in talkers if block % 2 == 0 else talkers[::-1]:
-        calls[talker.threads] = ceiling_call(work, talker, n, args)
-    best = min(calls.values(), key=lambda c: c["seconds"])
-    return {
-        "seconds_by_threads": {t: round(c["seconds"], 4) for t, c in calls.items()},
-        "talker_s": best["talker_s"],
-        "codec_s": best["codec_s"],
-        "audio_s_per_s": n * work.seconds / best["seconds"],
-        "waveforms": best["waveforms"],
-    }
-
-
 def efficiency_row(base_url: str, work: Work, talkers: list[TalkerCeiling], n: int, args) -> dict:
     """Served (policy on and off) and the ceiling at N, ``--blocks`` times interleaved."""
-    asyncio.run(wave(base_url, work, n, "on", args))  # warm-up: the first wave at this N
+    asyncio.run(wave(base_url, work, n, "on", args))  # warm-ups: the first wave and calls at this N
+    ceiling_block(work, talkers, n, 0, args)
     waves: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
     ceilings, same_work = [], None
     for block in range(args.blocks):
         for policy in POLICIES if block % 2 == 0 else POLICIES[::-1]:
             waves[policy].append(asyncio.run(wave(base_url, work, n, policy, args)))
-        ceilings.append(_ceiling_block(work, talkers, n, block, args))
+        ceilings.append(ceiling_block(work, talkers, n, block, args))
         if same_work is None:
             same_work = levels_apart(waves["on"][0]["samples"], ceilings[0]["waveforms"])
     ratios = [w["audio_s_per_s"] / c["audio_s_per_s"] for w, c in zip(waves["on"], ceilings, strict=True)]
@@ -358,7 +364,8 @@ def efficiency_row(base_url: str, work: Work, talkers: list[TalkerCeiling], n: i
         "ratio_per_block": [round(r, 3) for r in ratios],
         "ceiling_talker_s": _median(c["talker_s"] for c in ceilings),
         "ceiling_codec_s": _median(c["codec_s"] for c in ceilings),
-        "ceiling_s_by_threads": [c["seconds_by_threads"] for c in ceilings],
+        "ceiling_talker_s_by_threads": [c["talker_s_by_threads"] for c in ceilings],
+        "ceiling_codec_s_by_threads": [c["codec_s_by_threads"] for c in ceilings],
         "same_work_levels": same_work,
     }
     for policy, mine in waves.items():
@@ -370,8 +377,11 @@ def efficiency_row(base_url: str, work: Work, talkers: list[TalkerCeiling], n: i
             "first_audio_p90_s": _p90(first),
             "first_audio_max_s": round(max(first), 4),
             "gap_mean_s": round(statistics.fmean(g for w in mine for g in w["gap_s"]), 4),
-        } | {key: _median_of(mine, key) for key in ("windows_per_codec_call", "talker_batch", "server_first_audio_s")}
+        } | {key: _median_of(mine, key) for key in SERVER_KEYS}
     return row
+
+
+SERVER_KEYS = ("windows_per_codec_call", "talker_batch", "server_first_audio_s", "server_gap_s")
 
 
 def _median_of(waves: list[dict], key: str) -> float | None:
@@ -433,7 +443,7 @@ def run_efficiency(work: Work, args) -> list[dict]:
                 ours_after, machine_after = cpu_seconds(pids)
                 other = ((machine_after - machine) - (ours_after - ours)) / (time.perf_counter() - started)
                 rows.append(row | {"other_cores": round(other, 2)})
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "ceiling_s_by_threads"}), flush=True)
+                print(json.dumps({k: v for k, v in rows[-1].items() if "by_threads" not in k}), flush=True)
     return rows
 
 
@@ -484,8 +494,8 @@ def render(result: dict) -> str:
         lines += [
             "",
             "| N | first-chunk policy | first audio p50 ms | p90 ms | max ms | server's mean ms | gap per stream "
-            "mean ms | audio-s/s | served / ceiling | windows per codec call |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "mean ms | server's mean ms | audio-s/s | served / ceiling | windows per codec call |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["efficiency"]:
             for policy in POLICIES:
@@ -493,7 +503,8 @@ def render(result: dict) -> str:
                 lines.append(
                     f"| {r['n']} | {policy} | **{_ms(p['first_audio_p50_s'])}** | {_ms(p['first_audio_p90_s'])} | "
                     f"{_ms(p['first_audio_max_s'])} | {_ms(p['server_first_audio_s'])} | {_ms(p['gap_mean_s'])} | "
-                    f"{p['audio_s_per_s']:.2f} | {p['ratio']:.2f} | {_num(p['windows_per_codec_call'])} |"
+                    f"{_ms(p['server_gap_s'])} | {p['audio_s_per_s']:.2f} | {p['ratio']:.2f} | "
+                    f"{_num(p['windows_per_codec_call'])} |"
                 )
         lines.append("")
     if result["gaps"]:
@@ -561,7 +572,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--talker-sampling",
         type=json.loads,
-        help="the talker stage's sampling (JSON; default greedy with min_tokens = --max-new-tokens)",
+        help="the talker stage's sampling (JSON; default greedy, the family's stop token in bad_words)",
     )
     parser.add_argument("--name", default="speech", help="results/<name>.{json,md}")
     parser.add_argument("--out-dir", help="write NAME.json and NAME.md here")
@@ -575,8 +586,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--base-url measures one server: --window-orders names its one order")
     if min([args.blocks, args.gap_concurrency, *args.ns, *args.ceiling_threads]) < 1 or not args.ns:
         parser.error("--blocks, --gap-concurrency, --concurrency and --ceiling-threads must be at least 1")
-    if args.talker_sampling is None:
-        args.talker_sampling = {"temperature": 0.0, "min_tokens": args.max_new_tokens}
     return args
 
 
@@ -610,6 +619,8 @@ def main(argv: list[str] | None = None) -> None:
         tiny = cached_model(args.model_dir, "orpheus")
         args.talker, args.codec = os.path.join(tiny, "talker"), os.path.join(tiny, "codec")
     work = load_work(args)
+    if args.talker_sampling is None:
+        args.talker_sampling = {"temperature": 0.0, "bad_words": [work.family.stop_token]}
     args.ceiling_workers, args.stage_max_num_seqs = [], None
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="speech-bench-") as args.log_dir:
