@@ -136,8 +136,10 @@ class OmniDiffusionSamplingParams(BaseModel):
 
     priority: int = Field(default=0, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
     """vLLM's request priority: under a stage's ``scheduling_policy`` ``priority`` a lower value starts sooner
-    (arrival order among equals); under ``fcfs`` (the default) any value but 0 is refused, naming ``priority``. It
-    reorders waiting requests only: a running batch is never interrupted. Requests that differ share batches."""
+    (arrival order among equals); under ``fcfs`` (the default) any value but 0 is refused, naming ``priority``. In
+    request mode it reorders waiting requests only (a running batch is never interrupted); in step mode a better
+    request also preempts worse running ones at a step boundary, which resume later where they left. Requests that
+    differ share batches."""
 
     voice: str | None = None
     """Speech models: the voice to speak in, one of the model's (``None``: its default; a model of one voice takes

@@ -371,7 +371,8 @@ def test_a_pipeline_knob_on_an_llm_stage_is_refused_in_stage_overrides(tmp_path)
 def test_llm_keys_on_a_diffusion_stage_are_refused(tmp_path, key, value):
     _refused(
         _deploy(tmp_path, diffusion=f", {key}: {value}"),
-        f"stage 1 (diffusion): {key} (deploy_yaml) applies to llm stages only; remove it",
+        f"stage 1 (diffusion): {key} (deploy_yaml) applies to llm{' and codec' if key == 'model' else ''} stages "
+        "only; remove it",
     )
 
 
@@ -386,7 +387,7 @@ def test_an_llm_key_on_a_diffusion_stage_is_refused_in_stage_overrides(tmp_path)
 def test_llm_keys_on_a_deploy_without_llm_stage_are_refused(tmp_path):
     path = tmp_path / "deploy.yaml"
     path.write_text("stages:\n  - {stage_id: 0, model: /models/llm}\n")
-    _refused(str(path), "stage 0 (diffusion): model (deploy_yaml) applies to llm stages only; remove it")
+    _refused(str(path), "stage 0 (diffusion): model (deploy_yaml) applies to llm and codec stages only; remove it")
 
 
 # The keys of an llm stage together.
@@ -543,4 +544,4 @@ def test_a_global_python_executable_reaches_the_llm_stage_only(tmp_path):
 
 def test_an_unknown_mode_is_refused_naming_the_modes(tmp_path):
     deploy = _deploy(tmp_path, _llm(", mode: instruct"))
-    _refused(deploy, f"invalid mode='instruct' in stage 0 of {deploy}: Input should be 'chat' or 'completion'")
+    _refused(deploy, f"invalid mode='instruct' in stage 0 of {deploy}: Input should be 'chat', 'completion' or 'tts'")

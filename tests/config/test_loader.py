@@ -57,7 +57,7 @@ def test_unknown_key_names_the_key_the_stage_and_the_file(tmp_path):
         ("stages:\n  - {max_num_seqs: 0}\n", r"invalid max_num_seqs=0 in stage 0 of .*greater than or equal to 1"),
         (
             "stages:\n  - {stage_type: video}\n",
-            r"invalid stage_type='video'.*'diffusion', 'encode', 'denoise', 'decode' or 'llm'",
+            r"invalid stage_type='video'.*'diffusion', 'encode', 'denoise', 'decode', 'llm' or 'codec'",
         ),
         ("stages:\n  - {devices: gpu0}\n", r"devices must be comma-separated CUDA device indices"),
         ("stages:\n  - {provenance: {max_num_seqs: cli}}\n", r"unknown key 'provenance'"),

@@ -363,6 +363,21 @@ def _resolve_quantization(
     check_quantization(stage_id, values, _writer(values, provenance), model, lora)
 
 
+def _check_preemption(
+    stage_id: int, values: Mapping[str, Any], provenance: Mapping[str, Source], written: Callable[..., str]
+) -> None:
+    """``max_preempted_state_mb`` bounds what preemption keeps, which only step mode under the priority policy does."""
+    if provenance["max_preempted_state_mb"] == "default":
+        return
+    for knob, needed in (("execution_mode", "step"), ("scheduling_policy", "priority")):
+        if values[knob] != needed:
+            raise ValueError(
+                f"stage {stage_id}: {written('max_preempted_state_mb')} bounds the state of preempted requests, "
+                f"which only execution_mode 'step' with scheduling_policy 'priority' preempts, but "
+                f"{written(knob, 'is ')}: set {knob} to {needed!r} or remove max_preempted_state_mb"
+            )
+
+
 def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Mapping[str, Source]) -> None:
     """Knobs that are valid alone but not together, named as each was written."""
 
@@ -373,6 +388,7 @@ def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Map
             f"but {written('execution_mode', 'is ')}: in step mode requests join the running batch at the next step, "
             "so leave it at 0"
         )
+    _check_preemption(stage_id, values, provenance, written)
     if values["max_batch_pixels"] is not None and values["max_num_seqs"] == 1:
         raise ValueError(
             f"stage {stage_id}: {written('max_batch_pixels')} limits batches of several requests, but "

@@ -28,10 +28,11 @@ ExecutionMode = Literal["request", "step"]
 """How a stage batches: whole requests, or requests joining and leaving at denoising steps."""
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+"""vLLM's scheduling policies: arrival order, or each request's ``priority`` (lower first), then arrival."""
+
 BatchWait = Literal["window", "adaptive"]
 WindowOrder = Literal["underrun", "arrival"]
 """The order in which a codec stage takes its waiting code windows (``window_order``)."""
-"""vLLM's scheduling policies: arrival order, or each request's ``priority`` (lower first), then arrival."""
 
 Backend = Literal["inline", "ray"]
 """Where a stage's replicas run: ``inline`` (one engine on a thread of this process) or ``ray`` (one Ray actor each)."""
@@ -98,9 +99,17 @@ class StageDeployConfig(BaseModel):
     scheduling_policy: Annotated[SchedulingPolicy, Knob(flag="vllm")] = "fcfs"
     """The order waiting requests start in, as vLLM's ``--scheduling-policy``: ``fcfs`` by arrival, and a request
     whose ``priority`` is not 0 is refused (a 400 naming ``priority``); ``priority`` by each request's ``priority``,
-    lower first, then by arrival ([priority scheduling](#priority-scheduling)). A running batch is never
-    interrupted (no preemption). On an ``llm`` stage it is vLLM's ``scheduling_policy``, and each request's
-    ``priority`` goes to vLLM with it."""
+    lower first, then by arrival ([priority scheduling](#priority-scheduling)). In request mode a running batch is
+    never interrupted; in step mode a better request preempts the worst running one at the next step boundary, which
+    keeps its state and resumes where it left (``max_preempted_state_mb``). On an ``llm`` stage it is vLLM's
+    ``scheduling_policy``, and each request's ``priority`` goes to vLLM with it."""
+
+    max_preempted_state_mb: Annotated[int, Knob("denoising", metavar="MIB")] = Field(default=1024, ge=0)
+    """Step mode under ``scheduling_policy: priority``: the most memory (MiB) the preempted requests' kept state may
+    hold, counted as the bytes of the tensors each keeps (latents, encoded prompt, noise scheduler, step-cache state,
+    SDE record). A running request is preempted only if its state fits beside the others'; otherwise the better
+    request waits for a slot, and while that is so a new request that would wait behind every waiting one is refused
+    with a 503 naming this knob ([preemption](#preemption-in-step-mode)). ``0`` turns preemption off."""
 
     num_replicas: Annotated[int, Knob()] = Field(default=1, ge=1)
     """Engine replicas of this stage, each a whole engine (scheduler + runner) in its own Ray actor.
@@ -266,7 +275,9 @@ class StageDeployConfig(BaseModel):
 
     mode: Annotated[LlmMode, Knob("llm", flag="none")] = "chat"
     """``llm`` stages: ``chat`` passes ``system_prompt`` and the prompt through the tokenizer's chat template;
-    ``completion`` passes ``prompt_template`` with the prompt in it."""
+    ``completion`` passes ``prompt_template`` with the prompt in it; ``tts`` makes the stage a speech model's talker,
+    its prompt framed by the speech family and its code tokens streamed to the ``codec`` stage that takes it
+    ([speech](speech.md))."""
 
     system_prompt: Annotated[str | None, Knob("llm", flag="none")] = None
     """``llm`` stages in ``chat`` mode: the system message before the user's prompt."""

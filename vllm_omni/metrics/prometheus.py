@@ -37,10 +37,16 @@ class EngineMetrics:
         self._component_seconds = self._component_histogram(labels)
         self._labels = labels
         self._components: dict[str, Histogram] = {}
-        self.oom_batch_splits, self.cache_skipped_steps, self.audio_seconds = self._event_counters(ids)
-        self.num_requests_running, self.num_requests_waiting, self.lora_adapters_resident, self.engine_sleeping = (
-            self._state_gauges(ids)
+        self.oom_batch_splits, self.cache_skipped_steps, self.audio_seconds, self.num_preemptions = (
+            self._event_counters(ids)
         )
+        (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.lora_adapters_resident,
+            self.engine_sleeping,
+            self.preempted_state_bytes,
+        ) = self._state_gauges(ids)
 
     def _batch_histograms(self, labels: dict[str, str]) -> tuple[Histogram, Histogram, Histogram]:
         """What the scheduler's batches hold and how long they and their requests take: the size of each executed
@@ -81,9 +87,9 @@ class EngineMetrics:
             registry=self.registry,
         )
 
-    def _event_counters(self, ids: dict[str, str]) -> tuple[Counter, Counter, Counter]:
+    def _event_counters(self, ids: dict[str, str]) -> tuple[Counter, Counter, Counter, Counter]:
         """What the replica counts: batches split after running out of memory, computations the step cache
-        skipped, and the seconds of audio it made."""
+        skipped, the seconds of audio it made, and preemptions."""
         oom_batch_splits = Counter(
             "vllm_omni:oom_batch_splits",
             "Batches that ran out of device memory and were split in halves and retried.",
@@ -104,10 +110,18 @@ class EngineMetrics:
             list(ids),
             registry=self.registry,
         ).labels(**ids)
-        return oom_batch_splits, cache_skipped_steps, audio_seconds
+        num_preemptions = Counter(  # vLLM's name
+            "vllm_omni:num_preemptions",
+            "Running requests that left the batch at a step boundary for a request of better priority (step mode, "
+            "scheduling_policy priority); each keeps its state and resumes at the step it left.",
+            list(ids),
+            registry=self.registry,
+        ).labels(**ids)
+        return oom_batch_splits, cache_skipped_steps, audio_seconds, num_preemptions
 
-    def _state_gauges(self, ids: dict[str, str]) -> tuple[Gauge, Gauge, Gauge, Gauge]:
-        """The replica's state now: requests running and waiting, LoRA adapters loaded, and whether it sleeps."""
+    def _state_gauges(self, ids: dict[str, str]) -> tuple[Gauge, Gauge, Gauge, Gauge, Gauge]:
+        """The replica's state now: requests running and waiting, LoRA adapters loaded, whether it sleeps, and what
+        its preempted requests keep."""
         num_requests_running = Gauge(
             "vllm_omni:num_requests_running", "Requests in the batch now running.", list(ids), registry=self.registry
         ).labels(**ids)
@@ -126,7 +140,20 @@ class EngineMetrics:
             list(ids),
             registry=self.registry,
         ).labels(**ids)
-        return num_requests_running, num_requests_waiting, lora_adapters_resident, engine_sleeping
+        preempted_state_bytes = Gauge(
+            "vllm_omni:preempted_state_bytes",
+            "Bytes of the state the preempted requests keep now (step mode, scheduling_policy priority; at most "
+            "max_preempted_state_mb).",
+            list(ids),
+            registry=self.registry,
+        ).labels(**ids)
+        return (
+            num_requests_running,
+            num_requests_waiting,
+            lora_adapters_resident,
+            engine_sleeping,
+            preempted_state_bytes,
+        )
 
     def component(self, name: str, seconds: float) -> None:
         """One observation of component ``name`` in ``vllm_omni:component_seconds``."""

@@ -24,7 +24,7 @@ def _taken(queue: WindowQueue) -> list[str]:
 
 
 def test_a_call_takes_the_most_urgent_window_then_others_of_its_shape_up_to_max_num_seqs():
-    queue = WindowQueue(max_num_seqs=2, order="underrun", by_priority=False)
+    queue = WindowQueue(capacity=2, order="underrun", by_priority=False)
     for job in [_job("a", 4, due=5, arrived=0), _job("b", 8, due=1, arrived=1), _job("c", 8, due=9, arrived=2)]:
         queue.add(job)
     queue.add(_job("d", 8, due=3, arrived=3))
@@ -34,7 +34,7 @@ def test_a_call_takes_the_most_urgent_window_then_others_of_its_shape_up_to_max_
 
 
 def test_arrival_order_takes_the_oldest_window_whatever_its_stream_holds():
-    queue = WindowQueue(max_num_seqs=1, order="arrival", by_priority=False)
+    queue = WindowQueue(capacity=1, order="arrival", by_priority=False)
     queue.add(_job("late-but-starving", 4, due=0, arrived=2))
     queue.add(_job("old", 4, due=9, arrived=1))
     assert _taken(queue) == ["old"]
@@ -43,14 +43,14 @@ def test_arrival_order_takes_the_oldest_window_whatever_its_stream_holds():
 def test_priority_comes_before_urgency_under_the_priority_policy_only():
     jobs = [_job("urgent", 4, due=0, arrived=0, priority=5), _job("important", 4, due=9, arrived=1, priority=-1)]
     for by_priority, first in [(True, "important"), (False, "urgent")]:
-        queue = WindowQueue(max_num_seqs=1, order="underrun", by_priority=by_priority)
+        queue = WindowQueue(capacity=1, order="underrun", by_priority=by_priority)
         for job in jobs:
             queue.add(job)
         assert _taken(queue) == [first]
 
 
 def test_aborting_a_request_fails_its_waiting_windows_and_leaves_the_others():
-    queue = WindowQueue(max_num_seqs=4, order="underrun", by_priority=False)
+    queue = WindowQueue(capacity=4, order="underrun", by_priority=False)
     gone, kept = _job("gone", 4, due=0, arrived=0), _job("kept", 4, due=1, arrived=1)
     queue.add(gone)
     queue.add(kept)
@@ -61,7 +61,7 @@ def test_aborting_a_request_fails_its_waiting_windows_and_leaves_the_others():
 
 
 def test_take_waits_for_a_window_and_answers_none_once_closed_and_empty():
-    queue = WindowQueue(max_num_seqs=1, order="underrun", by_priority=False)
+    queue = WindowQueue(capacity=1, order="underrun", by_priority=False)
     taken: list = []
     taker = threading.Thread(target=lambda: taken.append(queue.take()))
     taker.start()

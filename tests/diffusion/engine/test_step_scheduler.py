@@ -1,16 +1,23 @@
 """Step-mode policy: admission at step boundaries, encode look-ahead, bucket fairness, abort frees a slot, LoRA
-adapters in use, engine calls."""
+adapters in use, engine calls; under the priority policy, preemption and its kept-state limit. Every test drives the
+scheduler by its events (plan, prepared, retire, complete), never by time."""
 
 import threading
 
 import pytest
+import torch
 
 from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.diffusion.engine.request import DiffusionRequest
 from vllm_omni.diffusion.engine.scheduler import StepBatchScheduler
-from vllm_omni.errors import RequestAbortedError, RequestFailedError
+from vllm_omni.errors import RequestAbortedError, RequestFailedError, StageUnavailableError
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+
+
+def _nbytes(state) -> int:
+    """What a test's state keeps: a tensor its bytes, a string (a state that stands for one) nothing."""
+    return state.nbytes if isinstance(state, torch.Tensor) else 0
 
 
 def _scheduler(max_num_seqs=2, **knobs) -> StepBatchScheduler:
@@ -18,7 +25,8 @@ def _scheduler(max_num_seqs=2, **knobs) -> StepBatchScheduler:
         OmniDiffusionConfig.from_stage(
             "unused",
             StageDeployConfig(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0, execution_mode="step", **knobs),
-        )
+        ),
+        measure=_nbytes,
     )
 
 
@@ -336,56 +344,240 @@ def test_the_pixel_budget_bounds_the_running_batch_and_the_next_joins_when_one_l
     assert _ids(scheduler.plan(timeout=0).batch) == ["b", "c"]
 
 
-# Priority (scheduling_policy: priority): who is encoded and joins next; running requests are never preempted.
+# Priority (scheduling_policy: priority): who is encoded, joins and leaves next.
 
 
-def _prioritized(name: str, priority: int, key="64x64") -> DiffusionRequest:
-    params = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=4, priority=priority)
+def _prioritized(name: str, priority: int, key="64x64", n=1) -> DiffusionRequest:
+    params = OmniDiffusionSamplingParams(
+        height=64, width=64, num_inference_steps=4, priority=priority, num_outputs_per_prompt=n
+    )
     return DiffusionRequest.create(name, f"prompt {name}", params, key=key)
 
 
-def test_by_priority_a_better_request_joins_next_and_the_running_ones_run_on():
-    scheduler = _scheduler(max_num_seqs=2, scheduling_policy="priority")
-    a, b, c = (_prioritized(name, 1) for name in "abc")
-    for request in (a, b, c):
+def _boundary(scheduler: StepBatchScheduler):
+    """One step boundary, whose encodes are done at once (the CPU's step engine encodes on its loop)."""
+    plan = scheduler.plan(timeout=0)
+    _encode(scheduler, plan)
+    return plan
+
+
+def _running(scheduler: StepBatchScheduler, *requests: DiffusionRequest) -> list[str]:
+    """Queue ``requests``; the batch the second boundary after steps (the first encodes them)."""
+    for request in requests:
         scheduler.add(request)
-    _encode(scheduler, scheduler.plan(timeout=0))  # a and b
-    plan = scheduler.plan(timeout=0)
-    assert _ids(plan.batch) == ["a", "b"] and _ids(plan.to_prepare) == ["c"]
-    _encode(scheduler, plan)
-    scheduler.add(_prioritized("urgent", -1))
-    plan = scheduler.plan(timeout=0)
-    assert _ids(plan.batch) == ["a", "b"]  # no preemption: the running batch runs on
-    assert _ids(plan.to_prepare) == ["urgent"]
-    _encode(scheduler, plan)
-    scheduler.retire([a])
-    assert _ids(scheduler.plan(timeout=0).batch) == ["b", "urgent"]  # ahead of c, which waited longer
+    _boundary(scheduler)
+    return _ids(_boundary(scheduler).batch)
 
 
-def test_by_priority_a_better_request_behind_a_full_encoding_budget_does_not_block_it():
+def test_a_better_request_preempts_the_worst_running_one_which_rejoins_with_its_state_when_there_is_room():
     scheduler = _scheduler(max_num_seqs=2, scheduling_policy="priority")
-    for name in ("low1", "low2"):
-        scheduler.add(_prioritized(name, 5))
+    x, y, urgent = _prioritized("x", 5), _prioritized("y", 5), _prioritized("urgent", 0)
+    assert _running(scheduler, x, y) == ["x", "y"]
+    scheduler.add(urgent)
     plan = scheduler.plan(timeout=0)
-    scheduler.add(_prioritized("urgent", 0, key="32x32"))  # the best, another key, and the budget is spent
+    assert _ids(plan.to_prepare) == ["urgent"] and plan.preempted == []  # it preempts once encoded
     _encode(scheduler, plan)
     plan = scheduler.plan(timeout=0)
-    assert _ids(plan.batch) == ["low1", "low2"]  # the encoded ones run: they hold the budget until they join
-    assert _ids(plan.to_prepare) == ["urgent"]
-    _encode(scheduler, plan)
+    assert _ids(plan.preempted) == ["y"]  # of the worst priority, the latest arrival
+    assert _ids(plan.batch) == ["x", "urgent"]
+    assert y.preempted and y.state == "state of y" and scheduler.state("y") == ("waiting", y)
+    assert not y.future.done() and scheduler.has_unfinished
+    assert _ids(scheduler.plan(timeout=0).batch) == ["x", "urgent"]  # no room yet
+    scheduler.retire([urgent])
     plan = scheduler.plan(timeout=0)
-    assert _ids(plan.batch) == ["low1", "low2"]  # urgent's key waits for the running key to drain
+    assert _ids(plan.batch) == ["x", "y"] and plan.preempted == []
+    assert not y.preempted and y.state == "state of y"  # the same state: it goes on from the step it left
 
 
-def test_by_priority_the_best_waiting_key_drains_the_running_one():
+def test_a_preempted_request_rejoins_best_first_among_the_waiting_ones():
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    low, mid = _prioritized("low", 5), _prioritized("mid", 3)
+    assert _running(scheduler, low) == ["low"]
+    assert _running(scheduler, mid) == ["mid"]
+    assert low.preempted
+    later_low, later_mid = _prioritized("later_low", 5), _prioritized("later_mid", 3)
+    assert _running(scheduler, later_low, later_mid) == ["mid"]
+    order = []
+    for _ in range(3):
+        [running] = _boundary(scheduler).batch
+        scheduler.retire([running])
+        order.append(_ids(_boundary(scheduler).batch))
+    # later_mid before low (priority), low before later_low (arrival: it came first)
+    assert order == [["later_mid"], ["low"], ["later_low"]]
+
+
+def test_a_request_is_preempted_each_time_a_better_one_comes():
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    low = _prioritized("low", 5)
+    assert _running(scheduler, low) == ["low"]
+    for round_ in range(3):
+        urgent = _prioritized(f"urgent{round_}", 0)
+        scheduler.add(urgent)
+        _encode(scheduler, scheduler.plan(timeout=0))
+        plan = scheduler.plan(timeout=0)
+        assert _ids(plan.preempted) == ["low"] and _ids(plan.batch) == [urgent.request_id]
+        scheduler.retire([urgent])
+        assert _ids(scheduler.plan(timeout=0).batch) == ["low"]
+
+
+@pytest.mark.parametrize(("policy", "priority"), [("fcfs", 0), ("priority", 5)])
+def test_fcfs_and_equal_priorities_never_preempt(policy, priority):
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy=policy)
+    assert _running(scheduler, _prioritized("first", 5 if policy == "priority" else 0)) == ["first"]
+    second = _prioritized("second", priority)
+    scheduler.add(second)
+    _encode(scheduler, scheduler.plan(timeout=0))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["first"] and plan.preempted == [] and scheduler.kept_bytes == 0
+
+
+def test_another_key_preempts_the_whole_batch_only_when_all_of_it_is_worse():
     scheduler = _scheduler(max_num_seqs=3, scheduling_policy="priority")
+    a, b = _prioritized("a", 5), _prioritized("b", 1)
+    assert _running(scheduler, a, b) == ["b", "a"]  # best first
+    other = _prioritized("other", 1, key="32x32")  # not better than b: it waits for the key to drain
+    assert _running(scheduler, other) == ["b", "a"]
+    better = _prioritized("better", 0, key="32x32")
+    plan_batch = _running(scheduler, better)
+    assert plan_batch == ["better", "other"]  # both running ones were worse than better; other then joins its key
+    assert a.preempted and b.preempted
+    scheduler.retire([scheduler.plan(timeout=0).batch[0]])
+    scheduler.retire([other])
+    assert _ids(scheduler.plan(timeout=0).batch) == ["b", "a"]  # back best first
+
+
+def test_the_pixel_budget_preempts_as_many_as_a_larger_request_needs():
+    scheduler = _scheduler(max_num_seqs=4, max_batch_pixels=2 * 64 * 64, scheduling_policy="priority")
+    a, b = _prioritized("a", 5), _prioritized("b", 4)
+    assert _running(scheduler, a, b) == ["b", "a"]
+    one = _prioritized("one", 0)  # one 64x64 output: one of them leaves, the worse
+    scheduler.add(one)
+    _encode(scheduler, scheduler.plan(timeout=0))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.preempted) == ["a"] and _ids(plan.batch) == ["b", "one"]
+    two = _prioritized("two", -1, n=2)  # two outputs: the whole budget
+    scheduler.add(two)
+    _encode(scheduler, scheduler.plan(timeout=0))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.preempted) == ["b", "one"] and _ids(plan.batch) == ["two"]
+
+
+def test_the_kept_state_limit_holds_preemption_back_and_refuses_the_worst_new_requests():
+    """Each state is 768 KiB against a 1 MiB limit: one preempted request fits, a second does not."""
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy="priority", max_preempted_state_mb=1)
+    state = {}
+
+    def encode(plan):
+        for request in plan.to_prepare:
+            state[request.request_id] = torch.zeros(3 * 2**16)  # 768 KiB of float32
+            assert scheduler.prepared(request, state[request.request_id])
+
+    def run(*requests):
+        for request in requests:
+            scheduler.add(request)
+        encode(scheduler.plan(timeout=0))
+        return scheduler.plan(timeout=0)
+
+    low, mid, urgent = _prioritized("low", 5), _prioritized("mid", 3), _prioritized("urgent", 0)
+    run(low)
+    plan = run(mid)
+    assert _ids(plan.preempted) == ["low"] and scheduler.kept_bytes == 768 * 1024 == low.kept_bytes
+    plan = run(urgent)
+    assert plan.preempted == [] and _ids(plan.batch) == ["mid"]  # mid's state would pass the limit: it runs on
+    late = _prioritized("late", 5)  # behind every waiting request (low came first)
+    scheduler.add(late)
+    error = late.future.exception(timeout=0)
+    assert isinstance(error, StageUnavailableError)
+    assert "max_preempted_state_mb (1 MiB)" in str(error) and error.request_id == "late"
+    better = _prioritized("better", 4)  # ahead of low: taken
+    scheduler.add(better)
+    assert not better.future.done()
+    scheduler.retire([mid])  # a slot frees: urgent joins without preempting, nothing is held back
+    encode(scheduler.plan(timeout=0))
+    assert _ids(scheduler.plan(timeout=0).batch) == ["urgent"]
+    late_again = _prioritized("late_again", 5)
+    scheduler.add(late_again)
+    assert not late_again.future.done()
+    finished = []
+    for _ in range(4):  # none of the admitted requests was dropped: each runs in its turn
+        [running] = scheduler.plan(timeout=0).batch
+        finished.append(running.request_id)
+        scheduler.retire([running])
+        encode(scheduler.plan(timeout=0))
+    assert finished == ["urgent", "better", "low", "late_again"]
+    assert scheduler.kept_bytes == 0 and not low.future.done()  # low is decoding
+
+
+def test_an_abort_of_a_preempted_request_fails_it_at_once_and_frees_its_state():
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    low, urgent = _prioritized("low", 5), _prioritized("urgent", 0)
+    scheduler.add(low)
+    plan = scheduler.plan(timeout=0)
+    assert scheduler.prepared(low, torch.zeros(1024))
+    assert _ids(scheduler.plan(timeout=0).batch) == ["low"]
+    assert _running(scheduler, urgent) == ["urgent"]
+    assert low.preempted and scheduler.kept_bytes == 4096
+    assert scheduler.abort("low")
+    with pytest.raises(RequestAbortedError):
+        low.future.result(timeout=0)
+    assert low.state is None and not low.preempted and scheduler.kept_bytes == 0
+    assert scheduler.state("low") is None and _ids(plan.to_prepare) == ["low"]
+    scheduler.retire([urgent])
+    scheduler.complete(urgent, OmniRequestOutput("urgent", urgent.prompt))
+    assert scheduler.plan(timeout=0).batch == [] and not scheduler.has_unfinished
+
+
+def test_a_draining_call_waits_for_a_preempted_request_which_rejoins_meanwhile():
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    low, urgent = _prioritized("low", 5), _prioritized("urgent", 0)
+    assert _running(scheduler, low) == ["low"]
+    assert _running(scheduler, urgent) == ["urgent"]
+    ran = []
+    future = scheduler.call(lambda: ran.append("new weights"), drain=True)
+    newcomer = _prioritized("newcomer", 0)
+    scheduler.add(newcomer)
+    scheduler.retire([urgent])
+    scheduler.complete(urgent, OmniRequestOutput("urgent", urgent.prompt))
+    scheduler.run_calls()
+    assert ran == []  # low started on the weights in place: it finishes on them
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.batch) == ["low"] and plan.to_prepare == []  # low rejoins; the newcomer waits for the call
+    scheduler.retire([low])
+    scheduler.complete(low, OmniRequestOutput("low", low.prompt))
+    scheduler.run_calls()
+    assert ran == ["new weights"] and future.result(timeout=0) is None
+    assert _ids(scheduler.plan(timeout=0).to_prepare) == ["newcomer"]
+
+
+def test_close_fails_the_waiting_requests_but_a_preempted_one_finishes():
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    low, urgent, waiting = _prioritized("low", 5), _prioritized("urgent", 0), _prioritized("waiting", 7)
+    assert _running(scheduler, low) == ["low"]
+    assert _running(scheduler, urgent) == ["urgent"]
+    scheduler.add(waiting)
+    scheduler.close("shutting down")
+    with pytest.raises(RequestFailedError, match="shutting down"):
+        waiting.future.result(timeout=0)
+    assert not low.future.done() and scheduler.has_unfinished
+    scheduler.retire([urgent])
+    assert _ids(scheduler.plan(timeout=0).batch) == ["low"]
+
+
+def test_a_better_request_is_encoded_past_the_look_ahead_so_that_it_can_preempt():
+    for policy, encoded in (("fcfs", []), ("priority", ["urgent"])):
+        scheduler = _scheduler(max_num_seqs=1, scheduling_policy=policy)
+        first, second = _prioritized("first", 0), _prioritized("second", 0)
+        assert _running(scheduler, first, second) == ["first"]  # second is encoded and waits: the look-ahead is full
+        assert second.state is not None
+        scheduler.add(_prioritized("urgent", -1 if policy == "priority" else 0))
+        assert _ids(scheduler.plan(timeout=0).to_prepare) == encoded
+
+
+def test_with_preemption_off_the_running_batch_runs_on_and_a_better_key_waits_for_it_to_drain():
+    """``max_preempted_state_mb: 0``: priority orders the queue only."""
+    scheduler = _scheduler(max_num_seqs=3, scheduling_policy="priority", max_preempted_state_mb=0)
     running, later, other = _prioritized("running", 0), _prioritized("later", 0), _prioritized("other", -1, "32x32")
-    scheduler.add(running)
-    _encode(scheduler, scheduler.plan(timeout=0))
-    assert _ids(scheduler.plan(timeout=0).batch) == ["running"]
-    scheduler.add(later)
-    scheduler.add(other)
-    _encode(scheduler, scheduler.plan(timeout=0))
-    assert _ids(scheduler.plan(timeout=0).batch) == ["running"]  # later, of the running key, does not join
+    assert _running(scheduler, running) == ["running"]
+    assert _running(scheduler, later, other) == ["running"]  # later, of the running key, does not join
     scheduler.retire([running])
     assert _ids(scheduler.plan(timeout=0).batch) == ["other"]

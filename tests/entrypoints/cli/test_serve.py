@@ -275,6 +275,18 @@ def test_scheduling_policy_is_vllms_flag_and_a_stage_knob_with_provenance(parser
     assert "--scheduling-policy" in _error(parser, [tiny_flux, "--scheduling-policy", "lifo"], capsys)
 
 
+def test_max_preempted_state_mb_is_a_flag_of_step_mode_under_the_priority_policy(parser, tiny_flux, capsys):
+    step = [tiny_flux, "--execution-mode", "step", "--scheduling-policy", "priority"]
+    _, stages, _ = _config(parser, [*step, "--max-preempted-state-mb", "256"])
+    assert (stages[0].max_preempted_state_mb, stages[0].provenance["max_preempted_state_mb"]) == (256, "cli")
+    assert _config(parser, step)[1][0].max_preempted_state_mb == 1024
+    error = _error(parser, [tiny_flux, "--execution-mode", "step", "--max-preempted-state-mb", "256"], capsys)
+    assert "--max-preempted-state-mb 256 (cli) bounds the state of preempted requests" in error
+    assert "but scheduling_policy is 'fcfs' (default): set scheduling_policy to 'priority'" in error
+    error = _error(parser, [tiny_flux, "--scheduling-policy", "priority", "--max-preempted-state-mb", "8"], capsys)
+    assert "but execution_mode is 'request' (default): set execution_mode to 'step'" in error
+
+
 def test_num_gpus_is_an_inline_stages_device_count(parser, tiny_flux, capsys):
     """Upstream's --num-gpus: the product of the parallel degrees, given with them; a mismatch names both."""
     _, stages, _ = _config(parser, [tiny_flux, "--num-gpus", "2", "--ulysses-degree", "2"])

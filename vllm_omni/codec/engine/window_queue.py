@@ -34,8 +34,9 @@ class WindowJob:
 class WindowQueue:
     """Thread-safe: the hand-off adds windows from its threads; the replica's thread takes batches."""
 
-    def __init__(self, max_num_seqs: int, order: str, by_priority: bool):
-        self.max_num_seqs = max_num_seqs
+    def __init__(self, capacity: int, order: str, by_priority: bool):
+        """``capacity``: the most windows a decode call takes (the stage's ``max_num_seqs``)."""
+        self.capacity = capacity
         self._order = order
         self._by_priority = by_priority
         self._jobs: list[tuple[tuple, WindowJob]] = []
@@ -61,7 +62,7 @@ class WindowQueue:
                 return None
             self._jobs.sort(key=lambda entry: entry[0])
             frames = len(self._jobs[0][1].window.codes)
-            batch = [entry for entry in self._jobs if len(entry[1].window.codes) == frames][: self.max_num_seqs]
+            batch = [entry for entry in self._jobs if len(entry[1].window.codes) == frames][: self.capacity]
             taken = {id(entry) for entry in batch}
             self._jobs = [entry for entry in self._jobs if id(entry) not in taken]
             return [job for _, job in batch]

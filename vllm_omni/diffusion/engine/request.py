@@ -83,6 +83,12 @@ class DiffusionRequest:
     """Its stepper's denoising state while a role that denoises step by step holds it; ``None`` before and after."""
     preparing: bool = False
     """Step mode: its encoding has been handed to the encode worker."""
+    preempted: bool = False
+    """Step mode: it left the running batch for a better request and waits, its ``state`` kept, to rejoin at the step
+    it left (`StepBatchScheduler`)."""
+    kept_bytes: int = 0
+    """While preempted: the bytes of its kept state (`kept_nbytes`), which count against the stage's
+    ``max_preempted_state_mb``; else 0."""
     payload: Any = None
     """A split pipeline's previous stage output for it (`Conditioning` or `Latents`); ``None`` for the first."""
     on_preview: Callable[[Preview], None] | None = None

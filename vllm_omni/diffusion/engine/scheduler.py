@@ -12,7 +12,8 @@ schedulers that the steppers drive).
   (``priority``: lower first). "The best waiting request" below is its head.
 - Only requests with the same `BatchKey` share a batch. The best waiting
   request's key goes first, so no key starves within a priority, and requests with other keys
-  never block it (no head-of-line blocking). A running batch is never interrupted.
+  never block it (no head-of-line blocking). A running batch is never interrupted (step mode: but for
+  preemption, `StepBatchScheduler`).
 - Lifecycle: the scheduler owns every request from `add` to `finish`, where its
   future is resolved: its output, `RequestFailedError` or `RequestAbortedError`.
   A future cancelled by its caller while waiting is dropped at scheduling time;
@@ -51,7 +52,7 @@ from typing import Any, NamedTuple
 
 from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine.request import DiffusionRequest
-from vllm_omni.errors import RequestAbortedError, RequestFailedError
+from vllm_omni.errors import RequestAbortedError, RequestFailedError, StageUnavailableError
 from vllm_omni.outputs import OmniRequestOutput, StageOutput
 
 
@@ -248,11 +249,13 @@ class BatchScheduler:
         return request.params.priority if self.by_priority else 0
 
     def abort(self, request_id: str) -> bool:
-        """Fail a waiting request now, or flag a running one (its batch finishes, `finish` drops it)."""
+        """Fail a waiting request now (freeing what it keeps), or flag a running one (its batch finishes, `finish`
+        drops it)."""
         with self._cond:
             for i, request in enumerate(self._waiting):
                 if request.request_id == request_id:
-                    _fail(self._waiting.pop(i), RequestAbortedError(request_id))
+                    self._release(self._waiting.pop(i))
+                    _fail(request, RequestAbortedError(request_id))
                     return True
             for request in self._in_progress():
                 if request.request_id == request_id:
@@ -338,10 +341,13 @@ class BatchScheduler:
         (the engine loop died) the running ones too."""
         with self._cond:
             self._closed = True
-            failed, self._waiting = self._waiting, []
+            failed = [r for r in self._waiting if include_running or not self._started(r)]
+            self._waiting = [r for r in self._waiting if r not in failed]
             calls, self._calls = self._calls, []
             if include_running:
                 failed += self._in_progress()
+            for request in failed:
+                self._release(request)
             self._cond.notify_all()
         for request in failed:
             _fail(request, RequestFailedError(request.request_id, reason))
@@ -352,6 +358,14 @@ class BatchScheduler:
     def _in_progress(self) -> list[DiffusionRequest]:
         """Requests past scheduling and not yet finished."""
         return list(self._running)
+
+    def _started(self, request: DiffusionRequest) -> bool:
+        """Whether a waiting request has started already (step mode: a preempted one), so that a `close` that
+        lets the running requests finish lets it finish too."""
+        return False
+
+    def _release(self, request: DiffusionRequest) -> None:
+        """Free what a request that leaves unfinished keeps in the scheduler (step mode: a preempted one's state)."""
 
 
 def _resolve(request: DiffusionRequest, output: OmniRequestOutput | StageOutput | BaseException) -> None:
@@ -395,6 +409,8 @@ class StepPlan:
     """The running requests: one denoiser forward for all of them."""
     dropped: list[DiffusionRequest] = field(default_factory=list)
     """Running requests aborted since the last step; their slots are free again."""
+    preempted: list[DiffusionRequest] = field(default_factory=list)
+    """Running requests that left the batch at this boundary for better ones; they wait with their state kept."""
 
 
 class StepBatchScheduler(BatchScheduler):
@@ -403,37 +419,103 @@ class StepBatchScheduler(BatchScheduler):
     - At every boundary, waiting requests whose prompt is encoded join the running
       batch, best first (by arrival, or by (``priority``, arrival)), while it holds fewer than ``max_num_seqs``
       requests and the next one fits the pixel budget. A better request that is not yet handed to the encoder does
-      not hold back encoded ones (with priorities it may arrive behind a full encoding budget). Running requests
-      are never preempted.
+      not hold back encoded ones.
     - Only requests with the same key share the running batch (what must match
       inside one forward: size, frames, text length). Steps and guidance may differ.
     - Fairness: when the best waiting request needs another key, the running key
       stops admitting and drains; the best key starts once it is empty. So a
       request waits at most for the requests that were running when it arrived (and, by priority, for the better
       ones that arrive meanwhile).
-    - Encoding runs ahead of admission: at most ``max_num_seqs`` waiting requests
-      are encoded (or being encoded) at a time, best first.
-    - An abort of a running request frees its slot at the next boundary; one of a
-      request that is being decoded drops its result.
+    - Encoding runs ahead of admission: a waiting request is handed to the encoder while fewer than
+      ``max_num_seqs`` requests ahead of it are encoded (or being encoded), best first. Under ``fcfs`` that is
+      ``max_num_seqs`` at a time; under ``priority`` a better request is encoded at once, however many worse ones
+      are, so that it can preempt.
+    - Preemption (``priority`` only): when an encoded waiting request cannot join (the batch is full, its pixel
+      budget spent, or it runs another key) and running requests have a strictly worse priority, the worst of them
+      (worst priority, latest arrival) leave the batch at this boundary until it can: as many as it needs for a
+      slot (and pixels), or every running one for another key (only if all are worse). A preempted request
+      waits with its whole state (`DiffusionRequest.state`: latents, noise scheduler, generator, step-cache and
+      SDE state; its previews counter) and rejoins, best first among the waiting, at the step it left; it may be
+      preempted again. Equal priorities never preempt each other, so nothing ping-pongs.
+    - Kept-state limit: the bytes of the preempted requests' states (``measure``) stay within
+      ``max_preempted_state_mb``. A preemption that would pass it does not happen: the better request waits for a
+      slot. While that is so (at the latest boundary a preemption was held back for the limit), a new request that
+      would wait behind every waiting request is refused with `StageUnavailableError` (a 503) naming the knob. No
+      request already queued, running or preempted is ever failed for it.
+    - An abort of a running request frees its slot at the next boundary; one of a preempted request fails it at
+      once and frees its state; one of a request that is being decoded drops its result. Preempted requests count
+      as in progress: a draining call waits for them (they rejoin while it waits: they started on the weights in
+      place), and a `close` lets them finish.
     """
 
-    def __init__(self, od_config: OmniDiffusionConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        od_config: OmniDiffusionConfig,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        measure: Callable[[Any], int],
+    ):
+        """``measure``: the bytes a request's state keeps (the engine's `kept_nbytes`; the tests' states are their
+        own)."""
         super().__init__(od_config, clock)
         self._finishing: list[DiffusionRequest] = []
+        self.stage_id = od_config.stage.stage_id
+        self.max_kept_bytes = od_config.stage.max_preempted_state_mb * 2**20
+        self.preempts = self.by_priority and self.max_kept_bytes > 0
+        """Whether running requests may be preempted: the ``priority`` policy, with room to keep their state."""
+        self._measure = measure
+        self.kept_bytes = 0
+        """What the preempted requests keep now (the sum of their `DiffusionRequest.kept_bytes`)."""
+        self._held_back = False
+        """Whether at the latest boundary a preemption was held back for ``max_preempted_state_mb``."""
 
     def _in_progress(self) -> list[DiffusionRequest]:
-        """Running, decoding, and on an encode worker: a draining call waits for those too."""
-        return self._running + self._finishing + [r for r in self._waiting if r.preparing and r.state is None]
+        """Running, decoding, preempted, and on an encode worker: a draining call waits for those too."""
+        waiting = [r for r in self._waiting if r.preempted or (r.preparing and r.state is None)]
+        return self._running + self._finishing + waiting
+
+    def _started(self, request: DiffusionRequest) -> bool:
+        return request.preempted
+
+    def _release(self, request: DiffusionRequest) -> None:
+        if request.preempted:
+            self._resume(request)
+            request.state = None  # its latents, scheduler and caches go with it
+
+    def _resume(self, request: DiffusionRequest) -> None:
+        """A preempted request's state no longer counts against the limit (it rejoins, or it leaves)."""
+        self.kept_bytes -= request.kept_bytes
+        request.preempted, request.kept_bytes = False, 0
 
     def adapters_in_use(self) -> set[str]:
-        """The adapters of the running requests and of those encoded or being encoded."""
+        """The adapters of the running requests, of the preempted ones and of those encoded or being encoded."""
         with self._cond:
             return adapters_of(self._running + [r for r in self._waiting if r.preparing])
 
     @property
     def has_unfinished(self) -> bool:
         with self._cond:
-            return bool(self._running or self._finishing)
+            return bool(self._running or self._finishing or any(r.preempted for r in self._waiting))
+
+    def add(self, request: DiffusionRequest) -> None:
+        """Queue ``request``; refused (`StageUnavailableError`) while preemption is held back by the kept-state limit
+        and it would wait behind every waiting request (class docstring)."""
+        with self._cond:
+            refused = (
+                self._held_back
+                and not self._closed
+                and all(self._rank(request) >= self._rank(r) for r in self._waiting)
+            )
+            if not refused:
+                super().add(request)
+        if refused:
+            limit = self.max_kept_bytes // 2**20
+            why = (
+                f"the state kept by its preempted requests is at max_preempted_state_mb ({limit} MiB) and this "
+                f"request (priority {request.params.priority}) would wait behind every waiting request; retry later, "
+                "or raise --max-preempted-state-mb"
+            )
+            _fail(request, StageUnavailableError(self.stage_id, why, request.request_id))
 
     def plan(self, timeout: float | None = None) -> StepPlan:
         """Block until there is work (an encode to start, a batch to step, an abort) and return it (telling
@@ -453,21 +535,9 @@ class StepBatchScheduler(BatchScheduler):
                 self._waiting = [r for r in self._waiting if not r.future.cancelled()]
                 plan = StepPlan(dropped=[r for r in self._running if r.aborted])
                 self._running = [r for r in self._running if not r.aborted]
-                self._admit()
+                plan.preempted = self._admit()
                 plan.batch = list(self._running)
-                budget = self.capacity - sum(r.preparing for r in self._waiting)
-                in_use = adapters_of(self._running + [r for r in self._waiting if r.preparing])
-                for request in self._waiting:
-                    if budget <= 0 or self._draining or self.paused:
-                        break
-                    if not request.preparing:
-                        wanted = in_use | adapters_of([request])
-                        if len(wanted) > self.max_loras:
-                            break  # oldest first: it is prepared once the adapters in use leave room
-                        in_use = wanted
-                        request.preparing = True
-                        plan.to_prepare.append(request)
-                        budget -= 1
+                plan.to_prepare = self._to_encode()
                 if (
                     plan.to_prepare
                     or plan.batch
@@ -481,25 +551,90 @@ class StepBatchScheduler(BatchScheduler):
                     return plan
                 self._cond.wait(wait)
 
-    def _admit(self) -> None:
-        """Move encoded waiting requests into the running batch (the policy of the class docstring)."""
-        # A request not yet handed to the encoder (a better one that arrived behind a full encoding budget) does
-        # not count here: waiting for it would hold the budget's requests, and so the budget, forever.
-        handed = [r for r in self._waiting if r.preparing]
-        if not handed or self._draining or self.paused:
-            return
-        key = self._running[0].key if self._running else handed[0].key
-        for request in handed:
-            if (
-                len(self._running) >= self.capacity
-                or request.key != key
-                or request.state is None
-                or not self.fits(self._running, request)
-            ):
-                break
+    def _to_encode(self) -> list[DiffusionRequest]:
+        """The waiting requests to hand to the encoder now, marked as handed (the look-ahead of the class
+        docstring), best first, within ``max_loras`` beside the adapters in use."""
+        if self._draining or self.paused:
+            return []
+        handed, ahead = [], 0
+        in_use = adapters_of(self._running + [r for r in self._waiting if r.preparing])
+        for request in self._waiting:
+            if request.preempted:
+                continue  # encoded long ago: its state counts against the kept-state limit instead
+            if not request.preparing:
+                if ahead >= self.capacity:
+                    break
+                wanted = in_use | adapters_of([request])
+                if len(wanted) > self.max_loras:
+                    break  # best first: it is prepared once the adapters in use leave room
+                in_use = wanted
+                request.preparing = True
+                handed.append(request)
+            ahead += 1
+        return handed
+
+    def _admit(self) -> list[DiffusionRequest]:
+        """Move encoded waiting requests into the running batch, preempting worse running ones where the policy
+        lets them (the class docstring); returns the preempted."""
+        self._held_back = False
+        if self.paused:
+            return []
+        preempted: list[DiffusionRequest] = []
+        # While a draining call waits only preempted requests rejoin: they started on the weights in place. A request
+        # not yet handed to the encoder (a better one that arrived behind others) does not count here: waiting for it
+        # would hold the slots.
+        for request in [r for r in self._waiting if r.preparing and (r.preempted or not self._draining)]:
+            if request.state is None:
+                break  # being encoded: the ones behind it wait their turn
+            if not self._joins(self._running, request):
+                victims = self._victims(request)
+                if not victims:
+                    break
+                sizes = [self._measure(victim.state) for victim in victims]
+                if self.kept_bytes + sum(sizes) > self.max_kept_bytes:
+                    self._held_back = True
+                    break
+                for victim, size in zip(victims, sizes, strict=True):
+                    self._preempt(victim, size)
+                preempted += victims
             self._waiting.remove(request)
-            if request.future.set_running_or_notify_cancel():
+            if request.preempted:
+                self._resume(request)
                 self._running.append(request)
+            elif request.future.set_running_or_notify_cancel():
+                self._running.append(request)
+        return preempted
+
+    def _joins(self, running: list[DiffusionRequest], request: DiffusionRequest) -> bool:
+        """Whether ``request`` may join ``running``: a free slot, its key, within the pixel budget."""
+        same_key = not running or running[0].key == request.key
+        return same_key and len(running) < self.capacity and self.fits(running, request)
+
+    def _victims(self, request: DiffusionRequest) -> list[DiffusionRequest]:
+        """The running requests that leave for ``request`` (worst first), or none when it cannot join that way."""
+        if not self.preempts or self._draining:
+            return []
+        rank = self._rank(request)
+        worse = sorted(
+            (r for r in self._running if self._rank(r) > rank),
+            key=lambda r: (self._rank(r), r.arrival_time),
+            reverse=True,
+        )
+        if self._running[0].key != request.key:  # another key: the whole batch leaves, or none of it
+            return worse if len(worse) == len(self._running) else []
+        staying = list(self._running)
+        for count, victim in enumerate(worse, start=1):
+            staying.remove(victim)
+            if self._joins(staying, request):
+                return worse[:count]
+        return []
+
+    def _preempt(self, request: DiffusionRequest, size: int) -> None:
+        """``request`` leaves the running batch and waits, its state kept, in its place among the waiting."""
+        self._running.remove(request)
+        request.preempted, request.kept_bytes = True, size
+        self.kept_bytes += size
+        bisect.insort(self._waiting, request, key=lambda r: (self._rank(r), r.arrival_time))
 
     def prepared(self, request: DiffusionRequest, state) -> bool:
         """Attach the encoded ``state``; False (and nothing attached) if the request left the queue meanwhile."""

@@ -1,6 +1,7 @@
 """The step engine (``execution_mode: step``): requests join and leave the running batch between denoising steps.
 
-Each `step` is one step boundary: start the encodes the scheduler asks for, drop aborted requests, run
+Each `step` is one step boundary: start the encodes the scheduler asks for, drop aborted requests (and count the
+preempted ones, which wait with their state for a slot: `StepBatchScheduler`), run
 one denoiser forward over every running request, move each along its own schedule (`denoise_step`, the same
 step the request engine's denoising loop takes), and hand those that finished to the decoder. How a request
 begins and ends is its stage role's: a ``diffusion`` stage encodes and decodes, a ``denoise`` stage starts from
@@ -27,6 +28,7 @@ from vllm_omni.diffusion.engine.core import EngineCore
 from vllm_omni.diffusion.engine.denoise import denoise_step, run_isolated
 from vllm_omni.diffusion.engine.request import DiffusionRequest
 from vllm_omni.diffusion.engine.scheduler import StepBatchScheduler
+from vllm_omni.diffusion.families.steppers.state import kept_nbytes
 from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import RequestMetrics
@@ -44,8 +46,9 @@ class StepEngine(EngineCore):
 
     def __init__(self, od_config: OmniDiffusionConfig, role: type[StageRole], *, side_workers: bool | None = None):
         """``side_workers``: encode and decode on worker threads beside the loop; ``None``: on CUDA only."""
-        super().__init__(od_config, StepBatchScheduler(od_config), role)
+        super().__init__(od_config, StepBatchScheduler(od_config, measure=kept_nbytes), role)
         self.scheduler.on_schedule = self._stepping
+        self.metrics.preempted_state_bytes.set_function(lambda: self.scheduler.kept_bytes)
         if side_workers is None:
             side_workers = self.runner.device.type == "cuda"
         stage = od_config.stage.stage_id
@@ -76,6 +79,15 @@ class StepEngine(EngineCore):
             _run_on(self._encoder, self._begin, request)
         for request in plan.dropped:
             self.scheduler.complete(request, RequestAbortedError(request.request_id))
+        if plan.preempted:
+            self.metrics.num_preemptions.inc(len(plan.preempted))
+            for request in plan.preempted:
+                logger.debug(
+                    "request %s preempted at step %d (%d bytes kept)",
+                    request.request_id,
+                    request.steps_done,
+                    request.kept_bytes,
+                )
         return plan.batch
 
     def _stepping(self, batch: list[DiffusionRequest]) -> None:

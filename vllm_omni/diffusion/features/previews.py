@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vllm_omni.diffusion.families.pipeline_facts import schedule_index
+from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.diffusion.pipeline.timings import section
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import Preview
 
 if TYPE_CHECKING:
-    from vllm_omni.config import OmniDiffusionConfig
     from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
     from vllm_omni.diffusion.families.steppers import Stepper
     from vllm_omni.diffusion.families.steppers.base import PreviewMethod
@@ -191,29 +191,17 @@ class Previews:
             del scheduler.step  # the class's own again
 
 
-class PreviewsExtension:
+class PreviewsExtension(Extension):
     """Partial images as an extension (`vllm_omni.diffusion.pipeline.extensions`): around a request-mode call whose
     stage makes previews (``call.previews``), `Previews.watching`, whose step hook makes those due (step mode's
     `denoise_step` makes them after each step)."""
 
     name = "previews"
 
-    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
-        pass
-
-    def on_load(self, pipeline: Any, variant: bool) -> None:
-        pass
-
     def around_call(self, call: PipelineCall) -> contextlib.AbstractContextManager[Callable[[], None] | None]:
         if call.previews is None:
             return contextlib.nullcontext()
         return call.previews.watching(call.pipeline.scheduler, call.batch)
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def refuse(self, verb: str, argument: Any) -> None:
-        pass
 
 
 async def previews_until(result: asyncio.Future, previews: asyncio.Queue) -> AsyncIterator[Preview]:

@@ -8,7 +8,6 @@ those of the knobs alone are `vllm_omni.config.quantization`'s.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -21,10 +20,11 @@ from vllm_omni.config import OmniDiffusionConfig, StageDeployConfig
 from vllm_omni.config.resolver import knob_as_written
 from vllm_omni.diffusion.features.gguf import gguf_components
 from vllm_omni.diffusion.pipeline.components import DENOISERS
+from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.errors import SleepModeError, WeightUpdateError
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
+    pass
 
 STORAGE_DTYPE = torch.float8_e4m3fn
 """What ``fp8_storage`` stores weights in."""
@@ -258,7 +258,7 @@ class QuantizationPlan:
             )
 
 
-class QuantizationExtension:
+class QuantizationExtension(Extension):
     """``quantization`` as an extension (`vllm_omni.diffusion.pipeline.extensions`): its plan is made before the
     pipeline loads (`load_pipeline` loads with it), and it refuses sleep level 2 and weight updates of what the
     model's files cannot give back (`QuantizationPlan.check_sleep`, `QuantizationPlan.check_update`)."""
@@ -268,15 +268,6 @@ class QuantizationExtension:
     def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
         self.plan = QuantizationPlan.of(od_config.model, od_config.stage, device, dtype, skips)
         """What the stage holds quantized (``quantization``, or a folder saved quantized)."""
-
-    def on_load(self, pipeline: Any, variant: bool) -> None:
-        pass  # the pipeline loaded with the plan
-
-    def around_call(self, call: PipelineCall) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
 
     def refuse(self, verb: str, argument: Any) -> None:
         if verb == "sleep":

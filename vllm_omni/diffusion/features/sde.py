@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 
 from vllm_omni.diffusion.families.pipeline_facts import schedule_index
+from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.outputs import Trajectory
 
 if TYPE_CHECKING:
-    from vllm_omni.config import OmniDiffusionConfig
     from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
     from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
@@ -307,17 +307,11 @@ def sde_sampling(pipeline, batch: list[DiffusionRequest]) -> Iterator[list[SdeSa
         hook.remove()
 
 
-class SdeExtension:
+class SdeExtension(Extension):
     """Stochastic sampling as an extension (`vllm_omni.diffusion.pipeline.extensions`): around a request-mode call,
     `sde_sampling`, then each request's trajectory (step mode's steppers take `SdeSampler.step` in ``advance``)."""
 
     name = "sde"
-
-    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
-        pass
-
-    def on_load(self, pipeline: Any, variant: bool) -> None:
-        pass
 
     @contextlib.contextmanager
     def around_call(self, call: PipelineCall) -> Iterator[None]:
@@ -325,12 +319,6 @@ class SdeExtension:
             yield None
         for request, sampler in zip(call.batch, found, strict=True):
             request.trajectory = None if sampler is None else sampler.trajectory()
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def refuse(self, verb: str, argument: Any) -> None:
-        pass
 
 
 def record_first_step(found: list[SdeSampler | None], seen: list[dict[str, torch.Tensor]], n: int) -> None:

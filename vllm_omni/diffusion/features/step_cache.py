@@ -35,10 +35,11 @@ from diffusers.models.cache_utils import CacheMixin
 
 from vllm_omni.config.cache import WHOLE_CALL_BACKENDS, cache_hook_config
 from vllm_omni.diffusion.pipeline.components import loaded_denoisers
+from vllm_omni.diffusion.pipeline.extension import Extension
 
 if TYPE_CHECKING:
     from vllm_omni.config import OmniDiffusionConfig
-    from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
+    from vllm_omni.diffusion.engine.request import PipelineCall
 
 _SPLIT_HOOK = "vllm_omni_request_split"
 
@@ -269,7 +270,7 @@ class CallCache(_SkipCount):
         self._count_skips(self._calls["expected"] - self._calls["ran"])
 
 
-class StepCacheExtension:
+class StepCacheExtension(Extension):
     """The step cache (``cache_backend``) as an extension (`vllm_omni.diffusion.pipeline.extensions`): put on the
     denoisers when the pipeline loads, and each request's own cache state around a request-mode call (step mode's
     stepper hands each request's state to its forward)."""
@@ -296,12 +297,6 @@ class StepCacheExtension:
             return contextlib.nullcontext()
         caches = [RequestCache(enabled=r.params.cache, steps=r.params.num_inference_steps) for r in call.batch]
         return self.cache.rows([cache for cache in caches for _ in range(call.n)])
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # the stepper hands each request's state to its forward
-
-    def refuse(self, verb: str, argument: Any) -> None:
-        pass
 
 
 class _RequestSplit(ModelHook):

@@ -31,6 +31,7 @@ import torch
 from vllm_omni.diffusion.engine.control import handler
 from vllm_omni.diffusion.lora.tensors import TENSOR_SOURCE, LoraTensors, adapter_metadata
 from vllm_omni.diffusion.pipeline.components import DENOISERS, TEXT_ENCODERS
+from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.errors import LoraLoadError
 from vllm_omni.logger import init_logger
 from vllm_omni.sampling_params import LoraSelection
@@ -342,7 +343,7 @@ class _RowPlan:
         ]
 
 
-class LoraExtension:
+class LoraExtension(Extension):
     """LoRA as an extension (`vllm_omni.diffusion.pipeline.extensions`): the stage's adapters, made and loaded
     (``lora_modules``) when the pipeline loads, and each row's adapters around a request-mode call (step mode's
     stepper applies them around each forward)."""
@@ -379,12 +380,6 @@ class LoraExtension:
         # the prompt rows of the text encoders, the latent rows of the denoiser
         text = [r.params.lora for r in call.batch for _ in range(call.rows)]
         return self.adapters.rows(text=text, denoiser=[r.params.lora for r in call.batch for _ in range(call.n)])
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # the stepper applies each row's adapters around its forward
-
-    def refuse(self, verb: str, argument: Any) -> None:
-        pass
 
 
 @handler("load_lora")

@@ -34,13 +34,14 @@ from vllm_omni.diffusion.features.sde import SdeSettings
 from vllm_omni.diffusion.parallel.cfg import enable_cfg_parallel
 from vllm_omni.diffusion.parallel.vae_patch import enable_vae_patch_parallel
 from vllm_omni.diffusion.pipeline.components import loaded_denoisers
+from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.diffusion.pipeline.noise import draws_brownian_noise
 from vllm_omni.errors import SamplingParamsError, SleepModeError, WeightUpdateError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.config import OmniDiffusionConfig
-    from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
+    from vllm_omni.diffusion.engine.request import PipelineCall
 
 
 @contextlib.contextmanager
@@ -366,7 +367,7 @@ class RankGroup:
                 process.join()
 
 
-class RanksExtension:
+class RanksExtension(Extension):
     """A replica of several ranks as an extension (`vllm_omni.diffusion.pipeline.extensions`): its `RankGroup`
     starts before the pipeline loads (which then stays in CPU memory, answering for the model), and runs each
     request-mode call with no step callback, after refusing what the ranks do not run (`check_on_ranks`); it refuses
@@ -378,9 +379,6 @@ class RanksExtension:
         self.group = RankGroup.of_stage(od_config, dtype)
         """The replica's ranks when the stage's parallel degrees ask for several; ``None``: the call runs here."""
 
-    def on_load(self, pipeline: Any, variant: bool) -> None:
-        pass
-
     @contextlib.contextmanager
     def around_call(self, call: PipelineCall) -> Iterator[None]:
         if self.group is not None:
@@ -389,9 +387,6 @@ class RanksExtension:
             check_on_ranks(call.batch, call.variant, call.config, call.scheduler_overrides, sde, brownian)
             call.invoke, call.callback = self.group.call, False  # the ranks call no callback
         yield None
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
 
     def refuse(self, verb: str, argument: Any) -> None:
         if self.group is None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -56,6 +56,7 @@ from vllm_omni.diffusion.features.step_cache import StepCacheExtension
 from vllm_omni.diffusion.lora.adapters import LoraExtension
 from vllm_omni.diffusion.parallel.ranks import RanksExtension
 from vllm_omni.diffusion.pipeline.components import loaded_denoisers
+from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.diffusion.pipeline.finite import FiniteExtension
 from vllm_omni.diffusion.pipeline.timings import TimingsExtension
 from vllm_omni.logger import init_logger
@@ -65,34 +66,6 @@ logger = init_logger(__name__)
 StepHook = Callable[[], None]
 """Run after each step of a pipeline call (from the runner's step callback, once the requests' ``steps_done`` are
 set)."""
-
-
-class Extension(Protocol):
-    """A feature around the pipeline call. Built before the pipeline loads, from the stage's config, the device,
-    the dtype and the components the stage skips (`ExtensionFactory`); a method with nothing to do returns at once
-    (or a ``contextlib.nullcontext``)."""
-
-    name: str
-    """How docs and errors name it."""
-
-    def on_load(self, pipeline: Any, variant: bool) -> None:
-        """What it does to a loaded pipeline: the stage's (``variant`` False, once), then each image variant built
-        on its components (``variant`` True: its modules are the loaded pipeline's, its processors its own)."""
-        ...
-
-    def around_call(self, call: PipelineCall) -> contextlib.AbstractContextManager[StepHook | None]:
-        """The context of one request-mode pipeline call; it yields what runs after each step (or ``None``). It may
-        refuse the call (raise on entry), set ``call.invoke`` or ``call.callback``."""
-        ...
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        """The context of one step-mode denoising step of ``requests`` (`denoise.denoise_step`)."""
-        ...
-
-    def refuse(self, verb: str, argument: Any) -> None:
-        """Raise if it refuses control verb ``verb`` now (``sleep``: ``argument`` is the level; ``update_weights``:
-        the component), with the error the verb answers."""
-        ...
 
 
 ExtensionFactory = Callable[[OmniDiffusionConfig, torch.device, torch.dtype, tuple[str, ...]], Extension]
@@ -123,7 +96,7 @@ def compile_denoisers(pipeline, mode: str) -> list[str]:
     return names
 
 
-class CompileExtension:
+class CompileExtension(Extension):
     """``compile`` (and ``compile_sizes``): the denoisers compiled when the pipeline loads."""
 
     name = "compile"
@@ -149,15 +122,6 @@ class CompileExtension:
             self.compiled.add(size)
             shown = "x".join(str(n) for n in size if n is not None)
             logger.info("Stage compiles the denoiser for %s on first use (not in compile_sizes)", shown)
-
-    def around_call(self, call: PipelineCall) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def refuse(self, verb: str, argument: Any) -> None:
-        pass
 
 
 EXTENSIONS: tuple[ExtensionFactory, ...] = (

@@ -8,7 +8,6 @@ decode in step mode and in a split ``decode`` stage), and marks the outputs of e
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -17,11 +16,10 @@ import numpy as np
 import torch
 
 from vllm_omni.diffusion.pipeline.components import OUTPUT_PROCESSORS
+from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.errors import NonFiniteOutputError
 
 if TYPE_CHECKING:
-    from vllm_omni.config import OmniDiffusionConfig
-    from vllm_omni.diffusion.engine.request import DiffusionRequest, PipelineCall
     from vllm_omni.diffusion.families.model_card import ModelCard
     from vllm_omni.sampling_params import OmniDiffusionSamplingParams
 
@@ -95,23 +93,11 @@ def is_finite(output: Any) -> bool:
     return not (isinstance(info, dict) and info.get(NOT_FINITE))
 
 
-class FiniteExtension:
+class FiniteExtension(Extension):
     """The finite check as an extension (`vllm_omni.diffusion.pipeline.extensions`): `watch_outputs` on each
     pipeline when it loads (the loaded one and each image variant); `EngineCore.output` fails what it marked."""
 
     name = "finite"
 
-    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
-        pass
-
     def on_load(self, pipeline: Any, variant: bool) -> None:
         watch_outputs(pipeline)
-
-    def around_call(self, call: PipelineCall) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def refuse(self, verb: str, argument: Any) -> None:
-        pass

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from vllm_omni.diffusion.pipeline.components import CONDITIONERS, DENOISERS, OUTPUT_PROCESSORS
+from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
@@ -332,7 +333,7 @@ def install(pipeline) -> None:
             setattr(processor, method, _timed_method("postprocess", getattr(processor, method)))
 
 
-class TimingsExtension:
+class TimingsExtension(Extension):
     """Component timings as an extension (`vllm_omni.diffusion.pipeline.extensions`): the hooks installed on each
     pipeline when it loads (``component_timings``), a request-mode call's denoising loop (`pipeline_call`, whose step
     hook `step_end` ends each step) and a step-mode step (`step`). Outside a `ComponentTimer.recording` (timings
@@ -355,6 +356,3 @@ class TimingsExtension:
 
     def around_step(self, requests: Sequence[Timed]) -> contextlib.AbstractContextManager[None]:
         return step(requests)
-
-    def refuse(self, verb: str, argument: Any) -> None:
-        pass

@@ -160,7 +160,8 @@ class ImageGenerationRequest(RolloutFields):
     chat."""
     priority: Annotated[StrictInt, Sampling()] = Field(default=0, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
     """Extension (vLLM's): with ``--scheduling-policy priority`` a lower value starts sooner, arrival order among
-    equals ([priority scheduling](#priority-scheduling)); a running batch is not interrupted. Under ``fcfs`` (the
+    equals ([priority scheduling](#priority-scheduling)); in step mode it preempts worse running requests at a step
+    boundary (they resume where they left), in request mode a running batch is not interrupted. Under ``fcfs`` (the
     default) any value but 0 is a 400 naming ``priority`` and the flag. Also on edits, videos and chat."""
 
     @field_validator("size")

@@ -1,12 +1,18 @@
-"""What step mode keeps of a request between steps (`StepState`) and what one stage of a split pipeline hands the
-next (`Conditioning`, `Latents`): the data the steppers work on, apart from the steppers that work on it."""
+"""What step mode keeps of a request between steps (`StepState`, and its size: `kept_nbytes`) and what one stage of a
+split pipeline hands the next (`Conditioning`, `Latents`): the data the steppers work on, apart from the steppers that
+work on it."""
 
 from __future__ import annotations
 
+import logging
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from diffusers import DiffusionPipeline
+from diffusers.modular_pipelines import ModularPipeline
 
 from vllm_omni.diffusion.features.sde import SdeSampler
 from vllm_omni.diffusion.features.step_cache import RequestCache
@@ -131,3 +137,40 @@ class StepState:
     @property
     def done(self) -> bool:
         return self.step >= len(self.timesteps)
+
+
+_SHARED = (torch.nn.Module, DiffusionPipeline, ModularPipeline)
+"""What a request's state refers to but the stage owns: the models and pipelines (a modular request's components view
+holds the pipeline)."""
+
+_NOT_DATA = (str, bytes, int, float, bool, type(None), type, types.ModuleType, types.FunctionType, logging.Logger)
+"""Values with no tensors of the request's own in them (or, as a module, whose attributes are not its state)."""
+
+_SKIPPED = _SHARED + _NOT_DATA
+
+
+def kept_nbytes(state: Any) -> int:
+    """The bytes of the tensors and arrays ``state`` holds, each counted once, on any device: what a preempted request
+    keeps (its latents, encoded prompt, noise scheduler's sigmas and history, step-cache states, SDE record, a modular
+    family's block states). What it shares with the stage (`_SHARED`) is not counted; anything else that is not a
+    tensor (its generator's few kilobytes) neither."""
+    total, seen, tensors = 0, set(), set()
+    pending = [state]
+    while pending:
+        value = pending.pop()
+        if id(value) in seen or isinstance(value, _SKIPPED):
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "meta" and (key := (value.data_ptr(), value.nbytes)) not in tensors:
+                tensors.add(key)  # the same memory under two names (a loop state's latents and the state's)
+                total += value.nbytes
+        elif isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif isinstance(value, dict):
+            pending += value.values()
+        elif isinstance(value, list | tuple | set | frozenset):
+            pending += value
+        elif hasattr(value, "__dict__"):
+            pending += vars(value).values()
+    return total
