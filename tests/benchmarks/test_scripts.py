@@ -374,7 +374,7 @@ def test_speech_benchmark_measures_the_speech_server_against_the_offline_ceiling
         *("--base-url", speech_server.base_url, "--talker-sampling", '{"temperature": 0, "repetition_penalty": 1.0}'),
         *("--talker", os.path.join(tiny_orpheus, "talker"), "--codec", os.path.join(tiny_orpheus, "codec")),
         *("--python-executable", llm_cpu_python, "--concurrency", "1,2", "--blocks", "1", "--max-new-tokens", "56"),
-        *("--gap-concurrency", "2", "--window-orders", "underrun", "--ceiling-threads", "1"),
+        *("--gap-concurrency", "2", "--gap-blocks", "1", "--window-orders", "underrun", "--ceiling-threads", "1"),
         *("--out-dir", str(tmp_path), "--name", "smoke"),
     )
     result = json.loads((tmp_path / "smoke.json").read_text())
@@ -393,4 +393,5 @@ def test_speech_benchmark_measures_the_speech_server_against_the_offline_ceiling
     [gaps] = result["gaps"]
     assert (gaps["window_order"], gaps["n"], gaps["codec_max_num_seqs"], gaps["streams"]) == ("underrun", 2, 4, 2)
     assert 0 <= gaps["gap_mean_s"] <= gaps["gap_max_s"] and gaps["first_audio_p50_s"] > 0
+    assert gaps["codec_wait_s"] >= 0 and gaps["windows_per_codec_call"] >= 1
     assert (tmp_path / "smoke.md").read_text().startswith("smoke (")
