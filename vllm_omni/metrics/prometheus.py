@@ -255,17 +255,23 @@ audio_requests = Counter(
     "failed, aborted (requests refused for a missing or wrong API key are not counted).",
     ["outcome"],
 )
+speech_requests = Counter(
+    "vllm_omni:speech_generation_requests",
+    "Speech requests (POST /v1/audio/speech) by outcome: completed, invalid, overloaded, unavailable, failed, aborted "
+    "(requests refused for a missing or wrong API key are not counted).",
+    ["outcome"],
+)
 ignored_fields = Counter(
     "vllm_omni:ignored_fields",
     "Request fields the served model would not use, accepted with a Warning header and dropped, by API (images, "
-    "videos, audio) and field (without --strict-fields; with it they are refused).",
+    "videos, audio, speech) and field (without --strict-fields; with it they are refused).",
     ["api", "field"],
 )
 
 request_phase_seconds = Histogram(
     "vllm_omni:request_phase_seconds",
-    "Where a completed request's time went on the server, by API (images, videos, audio) and phase: parse, validation, "
-    "completion, handoff, queue, execution, encoding, response (see docs/serving.md).",
+    "Where a completed request's time went on the server, by API (images, videos, audio, speech) and phase: parse, "
+    "validation, completion, handoff, queue, execution, encoding, response (see docs/serving.md).",
     ["api", "phase"],
     buckets=_PHASE_BUCKETS,
 )

@@ -9,7 +9,13 @@ import vllm_omni
 
 PACKAGE = pathlib.Path(vllm_omni.__file__).parent
 HTTP_LAYER = PACKAGE / "entrypoints" / "openai"
-INTERNALS = ("vllm_omni.diffusion", "vllm_omni.orchestrator", "vllm_omni.model_sources", "vllm_omni.testing")
+INTERNALS = (
+    "vllm_omni.diffusion",
+    "vllm_omni.codec",
+    "vllm_omni.orchestrator",
+    "vllm_omni.model_sources",
+    "vllm_omni.testing",
+)
 
 
 def _internal(module: str) -> bool:

@@ -40,8 +40,7 @@ request field copied under another name is named by its `Sampling`: `api_names`)
 
 def check_limits(params: OmniDiffusionSamplingParams, serving: ServingConfig) -> None:
     """The operator's size and step limits, applied to complete parameters (the model's defaults included); audio
-    has no size (the model card bounds its length)."""
-    assert params.num_inference_steps is not None, "complete params"
+    has no size (the model card bounds its length), speech neither size nor steps (``max_new_tokens`` bounds it)."""
     pixels = params.width * params.height if params.width is not None and params.height is not None else 0
     if pixels > serving.max_image_pixels:
         raise APIError(
@@ -50,7 +49,7 @@ def check_limits(params: OmniDiffusionSamplingParams, serving: ServingConfig) ->
             param="size",
             code="invalid_value",
         )
-    if params.num_inference_steps > serving.max_inference_steps:
+    if params.num_inference_steps is not None and params.num_inference_steps > serving.max_inference_steps:
         raise APIError(
             400,
             f"num_inference_steps={params.num_inference_steps} is above the limit of {serving.max_inference_steps}",

@@ -51,9 +51,8 @@ async def check_query(request: Request) -> None:
 
 def check_request(state: ServerState, body, *, kind: OutputKind, task: ImageTask = "text") -> None:
     """What every generation request must pass before its parameters are built: a served model name,
-    prompts within the length limit, a ready engine, and a model of the right ``kind`` (image, video or audio: the
-    model card's ``output``) that serves
-    ``task`` (``text``: no input image; ``image``: one or more; ``video``: an input video, a remix)."""
+    prompts within the length limit, and a ready engine serving a model of the right ``kind`` for ``task``
+    (`check_serves`)."""
     serving = state.serving
     adapters = state.lora_adapters()
     if body.model is not None and body.model not in serving.served_model_names and body.model not in adapters:
@@ -64,21 +63,29 @@ def check_request(state: ServerState, body, *, kind: OutputKind, task: ImageTask
             param="model",
             code="model_not_found",
         )
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(body, name)
+    # Speech's input has OpenAI's own limit (4,096 characters), in its request's schema.
+    for name in ("prompt", "negative_prompt") if kind != "speech" else ():
+        text = getattr(body, name, None)
         if text is not None and len(text) > serving.max_prompt_length:
             raise APIError(
                 400, f"{name} is longer than {serving.max_prompt_length} characters", param=name, code="invalid_value"
             )
+    check_serves(state, kind, task)
+
+
+def check_serves(state: ServerState, kind: OutputKind, task: ImageTask = "text") -> None:
+    """A ready engine (else 503) serving a model of the right ``kind`` (image, video, audio or speech: the
+    facade's ``output_kind``) that serves ``task`` (``text``: no input image; ``image``: one or more; ``video``: an
+    input video, a remix); else a 400 naming ``model``."""
     reason = state.unavailable_reason()
     if reason is not None:
         raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
-    model, model_kind = serving.served_model_names[0], state.loaded_omni.output_kind
+    model, model_kind = state.serving.served_model_names[0], state.loaded_omni.output_kind
     if model_kind != kind:
         article = "a" if model_kind in ("video", "speech") else "an"
         why = f"{model} is {article} {model_kind} model; this API serves {kind} models only"
         raise APIError(400, why, param="model", code="model_not_supported")
-    if kind != "speech":
+    if kind != "speech":  # a speech model's card has no tasks: it speaks text
         _check_task(model, state.loaded_omni.model_card, kind, task)
 
 

@@ -1,6 +1,6 @@
-"""The request-field tables of docs/serving.md (Images, edits, Videos, Audio), generated from the request models of
-protocol.py (each field's type with its bounds, default and docstring), and docs/migration.md's table of OpenAI's
-image models (openai_models.py), so that they cannot fall behind them: ``python -m
+"""The request-field tables of docs/serving.md (Images, edits, Videos, Audio, Speech), generated from the request
+models of protocol.py (each field's type with its bounds, default and docstring), and docs/migration.md's table of
+OpenAI's image models (openai_models.py), so that they cannot fall behind them: ``python -m
 vllm_omni.entrypoints.openai.docs`` rewrites them, ``--check`` exits 1 when one is stale
 (tests/entrypoints/openai/test_serving_docs.py runs that check)."""
 
@@ -19,7 +19,9 @@ from vllm_omni.entrypoints.openai.protocol import (
     AudioGenerationRequest,
     ImageEditRequest,
     ImageGenerationRequest,
+    SpeechRequest,
     VideoGenerationRequest,
+    VoiceId,
 )
 from vllm_omni.sampling_params import LoraChoice
 
@@ -35,6 +37,7 @@ _WRITTEN_AS = {
     LoraChoice: "object",
     list[LoraChoice]: "list",
     dict[str, Any]: "object",
+    VoiceId: '`{"id": string}`',
 }
 """JSON's names of the types (as OpenAI's API reference writes them)."""
 
@@ -90,6 +93,7 @@ TABLES = {
     "image edit fields": edit_fields_table,
     "video fields": lambda: fields_table(VideoGenerationRequest),
     "audio fields": lambda: fields_table(AudioGenerationRequest),
+    "speech fields": lambda: fields_table(SpeechRequest),
 }
 """Each table of the doc, by the name its markers give it."""
 

@@ -1,5 +1,5 @@
-"""Request and response shapes of the OpenAI Images and Videos APIs and of upstream vllm-omni's
-``POST /v1/audio/generate``, plus the extensions of docs/serving.md.
+"""Request and response shapes of the OpenAI Images, Videos and Speech APIs and of upstream vllm-omni's
+``POST /v1/audio/generate`` and ``GET /v1/audio/voices``, plus the extensions of docs/serving.md.
 
 A request field is one declaration in its request model: its type with bounds, its default, its docstring (the
 field's description in the OpenAPI schema and its row in docs/serving.md, `vllm_omni.entrypoints.openai.docs`) and,
@@ -514,3 +514,113 @@ class VideoDeleted(BaseModel):
     id: str
     object: Literal["video.deleted"] = "video.deleted"
     deleted: bool = True
+
+
+MAX_SPEECH_INPUT = 4096
+"""The longest ``input`` of ``POST /v1/audio/speech``, in characters (OpenAI's limit)."""
+
+
+class VoiceId(BaseModel):
+    """A voice by id, as OpenAI's custom voices are given: ``{"id": "..."}``; here, any voice the model speaks."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    id: str = Field(min_length=1)
+    """The voice's name, as ``voice`` gives it as a string."""
+
+
+class SpeechRequest(BaseModel):
+    """``POST /v1/audio/speech``, OpenAI's text to speech, answered with the audio as it is made. Unknown fields are
+    rejected."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    input: str = Field(min_length=1, max_length=MAX_SPEECH_INPUT)
+    """The text to speak: 1 to 4,096 characters."""
+    model: ModelName = None
+    """One of the served model names, or one of OpenAI's speech models (``tts-1``, ``tts-1-hd``,
+    ``gpt-4o-mini-tts*``), which name the served model too. Unset or empty: the served model."""
+    voice: str | VoiceId | None = None
+    """The voice: one of the model's (``GET /v1/audio/voices``), or one of OpenAI's (``alloy``, ``ash``, ...), which
+    the model's family maps to one of its own; ``{"id": VOICE}`` is the same as ``VOICE``. A model of a single voice
+    takes any name. Else 400 naming ``voice``. Unset: the model's default voice."""
+    instructions: Annotated[str | None, Sampling()] = Field(default=None, max_length=MAX_SPEECH_INPUT)
+    """How to speak (a style prompt), for families that take one; the others
+    [ignore](#ignored-fields-and---strict-fields) it (a ``Warning``)."""
+    response_format: AudioFormat = "mp3"
+    """The audio's format ([audio.md](audio.md)), each of them streamed: its ``Content-Type``, and its sample rate in
+    ``X-Sample-Rate`` (``opus`` is always 48 kHz; ``mp3`` and ``aac`` take the next rate up where they lack the
+    model's). ``mp3`` by default, as OpenAI."""
+    speed: float = Field(default=1.0, ge=MIN_SPEED, le=MAX_SPEED)
+    """Play the speech this many times as fast, at the same pitch (FFmpeg's ``atempo``, streamed too)."""
+    stream_format: Literal["audio", "sse"] = "audio"
+    """``audio``: the answer is the audio file, its bytes sent as they are made; ``sse``: server-sent events,
+    ``speech.audio.delta`` with the next bytes in base64, then ``speech.audio.done`` with the usage."""
+    # Extensions.
+    seed: Annotated[StrictInt | None, Sampling()] = Field(default=None, ge=0, le=MAX_SEED)
+    """Extension: the talker's sampling seed; the same seed speaks the same audio, alone or batched. Unset: a random
+    one."""
+    max_new_tokens: Annotated[StrictInt | None, Sampling()] = Field(default=None, ge=1)
+    """Extension (upstream vllm-omni's): the most codec tokens the talker generates, which bounds the audio's length.
+    Unset: the family's limit."""
+    initial_codec_chunk_frames: Annotated[StrictInt | None, Sampling()] = Field(default=None, ge=1)
+    """Extension (upstream vllm-omni's): codec frames in the first chunk decoded; fewer is a sooner first audio.
+    Unset: the server's chunk-sizing policy."""
+    priority: Annotated[StrictInt, Sampling()] = Field(default=0, ge=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
+    """Extension (vLLM's), as for images: with ``--scheduling-policy priority`` a lower value starts sooner; under
+    ``fcfs`` any value but 0 is a 400."""
+
+    @property
+    def prompt(self) -> str:
+        """``input``, under the name the shared checks and the engine give a prompt."""
+        return self.input
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_is_a_name_or_an_id(cls, voice: Any) -> Any:
+        if isinstance(voice, dict) and set(voice) != {"id"}:  # else pydantic's error is about a string
+            raise ValueError('voice must be a voice name or {"id": "<voice name>"}')
+        return voice
+
+    @property
+    def voice_name(self) -> str | None:
+        """``voice``, a string or ``{"id": ...}``, as its name."""
+        return self.voice.id if isinstance(self.voice, VoiceId) else self.voice
+
+
+class SpeechUsage(BaseModel):
+    """OpenAI's ``usage`` of a speech answer (``speech.audio.done``)."""
+
+    input_tokens: int
+    """The tokens of the talker's prompt: the text in the family's format, with its voice."""
+    output_tokens: int
+    """The codec tokens the talker generated."""
+    total_tokens: int
+
+
+class SpeechAudioDeltaEvent(BaseModel):
+    """OpenAI's ``speech.audio.delta`` event: the next bytes of the audio file, in base64."""
+
+    type: Literal["speech.audio.delta"] = "speech.audio.delta"
+    audio: str
+
+
+class SpeechAudioDoneEvent(BaseModel):
+    """OpenAI's ``speech.audio.done`` event: the audio is complete."""
+
+    type: Literal["speech.audio.done"] = "speech.audio.done"
+    usage: SpeechUsage
+
+
+class VoiceList(BaseModel):
+    """``GET /v1/audio/voices``: upstream vllm-omni's shape (``voices``, ``uploaded_voices``), with the OpenAI names
+    that map to them."""
+
+    voices: list[str]
+    """The served model's voices; empty for a model of a single voice, which takes any name."""
+    uploaded_voices: list[dict[str, Any]] = Field(default_factory=list)
+    """Upstream's voices uploaded for cloning: none here (no family clones a voice)."""
+    default_voice: str | None
+    """The voice of a request that gives none."""
+    openai_voices: dict[str, str]
+    """Each OpenAI voice name this model takes, and the model's voice it speaks in."""

@@ -121,7 +121,7 @@ async def load_and_warm_up(state: ServerState) -> None:
             state.serving.profiler_config,
         )
         state.omni = omni
-        if omni.model_card.output != "video":
+        if omni.output_kind in ("image", "audio"):  # the APIs that count a prompt's tokens with it
             state.prompt_tokenizer = await asyncio.to_thread(load_prompt_tokenizer, omni)
         for stage in state.stage_configs:
             metrics.stage_max_num_seqs.labels(str(stage.stage_id), stage.provenance["max_num_seqs"]).set(

@@ -175,14 +175,17 @@ def test_the_images_and_videos_apis_refuse_the_audio_model_which_v1_models_lists
     assert [model["id"] for model in models["data"]] == [tiny_stable_audio]
 
 
-def test_the_audio_api_refuses_an_image_model(flux_server):
-    answer = httpx.post(flux_server.url_for("v1", "audio", "generate"), json={"input": "x"}, headers=AUTH, timeout=60)
-    assert answer.status_code == 400, answer.text
-    error = answer.json()["error"]
-    assert (
-        error["code"] == "model_not_supported"
-        and "is an image model; this API serves audio models only" in (error["message"])
-    )
+def test_the_audio_apis_refuse_an_image_model(flux_server):
+    for method, path, body, kind in (
+        ("POST", "generate", {"input": "x"}, "audio"),
+        ("POST", "speech", {"input": "x", "voice": "alloy"}, "speech"),
+        ("GET", "voices", None, "speech"),
+    ):
+        answer = httpx.request(method, flux_server.url_for("v1", "audio", path), json=body, headers=AUTH, timeout=60)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "model_not_supported", error
+        assert f"is an image model; this API serves {kind} models only" in error["message"]
 
 
 def test_the_real_vllm_cli_serves_with_enforce_eager(server):

@@ -1,51 +1,31 @@
-"""Upstream vllm-omni's audio generation API: ``POST /v1/audio/generate`` runs an audio diffusion model (Stable
-Audio) on the served model's engine and answers with the audio file itself, in OpenAI's six audio formats."""
+"""The /v1/audio routes. Upstream vllm-omni's audio generation API: ``POST /v1/audio/generate`` runs an audio
+diffusion model (Stable Audio) on the served model's engine and answers with the audio file itself, in OpenAI's six
+audio formats. OpenAI's speech API, ``POST /v1/audio/speech``, and upstream's ``GET /v1/audio/voices`` are
+speech.py's."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
-from fastapi.routing import APIRoute
+from fastapi.responses import Response, StreamingResponse
 
-from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
+from vllm_omni.entrypoints.openai.admission import admit, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.audio.audio_files import audio_response, encode_waveforms, usage_headers
 from vllm_omni.entrypoints.openai.audio.encoding import FORMATS
+from vllm_omni.entrypoints.openai.audio.speech import create_speech, list_voices
 from vllm_omni.entrypoints.openai.checks import check_api_key, check_query, check_request
-from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
-from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.images.image_stream import failure
-from vllm_omni.entrypoints.openai.protocol import AudioGenerationRequest, ErrorResponse
+from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected
+from vllm_omni.entrypoints.openai.outcomes import Outcome, counting_invalid, next_output
+from vllm_omni.entrypoints.openai.protocol import AudioGenerationRequest, ErrorResponse, VoiceList
 from vllm_omni.entrypoints.openai.request_fields import ignored_fields
-from vllm_omni.errors import RequestFailedError
 from vllm_omni.metrics import prometheus as metrics
 
 if TYPE_CHECKING:
     from vllm_omni.entrypoints.openai.server_state import ServerState
     from vllm_omni.outputs import OmniRequestOutput
     from vllm_omni.sampling_params import AdmittedParams
-
-
-class _AudioRoute(APIRoute):
-    """Counts a body that does not fit `AudioGenerationRequest` as an invalid audio request; the app's handler
-    answers it."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def counted(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError:
-                metrics.audio_requests.labels("invalid").inc()
-                raise
-
-        return counted
 
 
 def _admit(state: ServerState, body: AudioGenerationRequest, timer: metrics.PhaseTimer) -> AdmittedParams:
@@ -64,39 +44,22 @@ async def generate_audio(body: AudioGenerationRequest, raw_request: Request) -> 
     ``vllm_omni:audio_generation_requests`` by outcome, its phases in ``vllm_omni:request_phase_seconds``."""
     state: ServerState = raw_request.app.state.server
     timer = metrics.PhaseTimer(state.trace(raw_request.headers))
-    outcome = "invalid"
-    try:
+    with Outcome(metrics.audio_requests) as outcome:
         admitted = _admit(state, body, timer)
-        outcome = "failed"
+        outcome.running()
         request_id = f"audio-{uuid.uuid4().hex}"
         report_ignored(raw_request, body, admitted, "audio", request_id)
         generation = state.loaded_omni.generate(body.prompt, admitted, request_id=request_id)
         try:
-            output = await until_disconnect(raw_request, anext(generation, None))
+            output = await next_output(raw_request, generation, outcome)
         except ClientDisconnected:
-            outcome = "aborted"
             return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
-        except RequestFailedError as exc:
-            outcome, error = failure(exc, state)
-            raise error from None
-        if output is None:
-            outcome = "aborted"
-            raise APIError(503, "The request was aborted", code="aborted")
         timer.mark_engine(output, admitted.params)
         response = await _answer(state, body, output, request_id)
         timer.mark("encoding")
         timer.observe("audio")
-        outcome = "completed"
+        outcome.completed()
         return response
-    except asyncio.CancelledError:
-        outcome = "aborted"
-        raise
-    except APIError as exc:
-        if outcome == "invalid":
-            outcome = refusal_outcome(exc)
-        raise
-    finally:
-        metrics.audio_requests.labels(outcome).inc()
 
 
 async def _answer(
@@ -110,18 +73,27 @@ async def _answer(
 
 
 def build_audio_router() -> APIRouter:
-    """The /v1/audio routes."""
+    """The /v1/audio routes: upstream vllm-omni's audio generation, OpenAI's speech and upstream's voices."""
     router = APIRouter(prefix="/v1/audio", dependencies=[Depends(check_api_key), Depends(check_query)])
-    media_types = sorted({spec.media_type for spec in FORMATS.values()} | {"application/zip"})
+    media_types = sorted({spec.media_type for spec in FORMATS.values()})
+    errors: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 422, 429, 500, 503)
+    }
     router.add_api_route(
         "/generate",
         generate_audio,
         methods=["POST"],
         response_class=Response,
-        responses={
-            200: {"content": {media_type: {} for media_type in media_types}},
-            **{code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 422, 429, 500, 503)},
-        },
-        route_class_override=_AudioRoute,
+        responses={200: {"content": {media_type: {} for media_type in [*media_types, "application/zip"]}}, **errors},
+        route_class_override=counting_invalid(metrics.audio_requests),
     )
+    router.add_api_route(
+        "/speech",
+        create_speech,
+        methods=["POST"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {media_type: {} for media_type in [*media_types, "text/event-stream"]}}, **errors},
+        route_class_override=counting_invalid(metrics.speech_requests),
+    )
+    router.add_api_route("/voices", list_voices, methods=["GET"], response_model=VoiceList, responses=errors)
     return router

@@ -89,7 +89,7 @@ async def create_chat_completion(
     if reason is not None:
         _requests(state).labels("unavailable").inc()
         raise APIError(503, f"Service unavailable: {reason}", code="service_unavailable")
-    video = state.loaded_omni.model_card.output == "video"
+    video = state.loaded_omni.output_kind == "video"
     try:
         request, read_images = _translate(body, state, video)
     except APIError:  # the API it becomes counts everything after this (and `_ChatRoute` a schema error)
@@ -272,7 +272,7 @@ def _data_url(media_type: str, content: bytes) -> str:
 
 def _requests(state: ServerState):
     """The outcome counter of the API a chat request becomes."""
-    video = state.omni is not None and state.omni.model_card.output == "video"
+    video = state.omni is not None and state.omni.output_kind == "video"
     return metrics.video_requests if video else metrics.image_requests
 
 

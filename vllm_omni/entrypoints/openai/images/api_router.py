@@ -3,7 +3,6 @@ out."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -18,20 +17,21 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_omni.entrypoints.openai.admission import admit, refusal_outcome, report_ignored, selected_adapters
+from vllm_omni.entrypoints.openai.admission import admit, report_ignored, selected_adapters
 from vllm_omni.entrypoints.openai.checks import (
     check_api_key,
     check_query,
     check_request,
 )
-from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
+from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.images.edit_form import FILE_FIELDS, edit_request_body, read_edit_form
 from vllm_omni.entrypoints.openai.images.image_files import MEDIA_TYPES, encode_images, files_response
-from vllm_omni.entrypoints.openai.images.image_stream import failure, image_events
+from vllm_omni.entrypoints.openai.images.image_stream import image_events
 from vllm_omni.entrypoints.openai.images.image_usage import quality_steps, response_fields
 from vllm_omni.entrypoints.openai.images.openai_models import openai_size, with_openai_defaults
 from vllm_omni.entrypoints.openai.media import edit_references, is_json, read_json_object, read_references
+from vllm_omni.entrypoints.openai.outcomes import Outcome, next_output
 from vllm_omni.entrypoints.openai.protocol import (
     ErrorResponse,
     ImageData,
@@ -43,7 +43,6 @@ from vllm_omni.entrypoints.openai.request_fields import ignored_fields
 from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.server_state import ServerState
 from vllm_omni.entrypoints.openai.uploads import form_files, openai_mask, read_images
-from vllm_omni.errors import RequestFailedError
 from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.outputs import IgnoredField, OmniRequestOutput
 from vllm_omni.sampling_params import MAX_INPUT_IMAGES, ImageTask, OmniDiffusionSamplingParams
@@ -285,45 +284,28 @@ async def _respond(
     """Admit the request (``prepare``: its checks and complete parameters), run it and answer with its images."""
     state: ServerState = raw_request.app.state.server
     timer: metrics.PhaseTimer = raw_request.scope[_TIMER]
-    outcome: str | None = "failed"
-    try:
-        try:
-            admitted = await prepare(state)
-        except APIError as exc:
-            outcome = refusal_outcome(exc)
-            raise
+    with Outcome(metrics.image_requests) as outcome:
+        admitted = await prepare(state)
+        outcome.running()
         timer.mark("completion")
         request_id = f"img-{uuid.uuid4().hex}"
         report_ignored(raw_request, body, admitted, "images", request_id)
         generation = state.loaded_omni.generate(body.prompt, admitted, request_id=request_id)
         if body.stream:
-            outcome = None  # counted when the stream ends
+            outcome.handed_over()  # counted when the stream ends
             return StreamingResponse(
                 image_events(raw_request, body, admitted.params, generation, timer),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            output = await until_disconnect(raw_request, anext(generation, None))
+            output = await next_output(raw_request, generation, outcome)
         except ClientDisconnected:
-            outcome = "aborted"
             return Response(status_code=499)  # nobody reads it; the request was aborted and its slot freed
-        except asyncio.CancelledError:
-            outcome = "aborted"
-            raise
-        except RequestFailedError as exc:
-            outcome, error = failure(exc, state)
-            raise error from None
-        if output is None:
-            outcome = "aborted"
-            raise APIError(503, "The request was aborted", code="aborted")
         timer.mark_engine(output, admitted.params)
         answer = await _answer(raw_request, body, admitted.params, output, request_id)
-        outcome = "completed"
+        outcome.completed()
         return answer
-    finally:
-        if outcome is not None:
-            metrics.image_requests.labels(outcome).inc()
 
 
 async def _answer(

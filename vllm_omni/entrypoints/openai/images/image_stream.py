@@ -1,9 +1,7 @@
-"""The Images API's answers that are not a plain body: a streamed request's server-sent events
-(`image_events`), and how a request that failed in the engine is counted and answered (`failure`)."""
+"""The Images API's answer that is not a plain body: a streamed request's server-sent events (`image_events`)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import types
@@ -12,31 +10,17 @@ from typing import Any, cast
 
 from fastapi import Request
 
-from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
+from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
 from vllm_omni.entrypoints.openai.images.image_files import encode_images
 from vllm_omni.entrypoints.openai.images.image_usage import response_fields
+from vllm_omni.entrypoints.openai.outcomes import Outcome, next_output
 from vllm_omni.entrypoints.openai.protocol import ImageEditRequest, ImageGenerationRequest
 from vllm_omni.entrypoints.openai.rollout_fields import output_log_probs
 from vllm_omni.entrypoints.openai.server_state import ServerState
-from vllm_omni.errors import NonFiniteOutputError, RequestFailedError, StageUnavailableError
 from vllm_omni.metrics import prometheus as metrics
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
-
-
-def failure(exc: RequestFailedError, state: ServerState) -> tuple[str, APIError]:
-    """How a request that failed in the engine is counted, and answered (a 422 for an output that is not finite:
-    its parameters made no image)."""
-    if isinstance(exc, NonFiniteOutputError):
-        return "failed", APIError(422, str(exc), code="non_finite_output")
-    unavailable = isinstance(exc, StageUnavailableError) or state.unavailable_reason() is not None
-    error = APIError(
-        503 if unavailable else 500,
-        str(exc),
-        code="service_unavailable" if isinstance(exc, StageUnavailableError) else "generation_failed",
-    )
-    return ("unavailable" if unavailable else "failed"), error
 
 
 async def image_events(
@@ -52,42 +36,32 @@ async def image_events(
     aborts the request. ``timer``: its phases so far."""
     state: ServerState = raw_request.app.state.server
     kind = "image_edit" if isinstance(body, ImageEditRequest) else "image_generation"
-    outcome = "failed"
-    try:
-        while True:
-            try:
-                output = await until_disconnect(raw_request, anext(generation, None))
-            except ClientDisconnected:
-                outcome = "aborted"
-                return
-            except RequestFailedError as exc:
-                outcome, error = failure(exc, state)
-                yield _error_event(error.status, error.message, error.param, error.code)
-                return
-            if output is None:
-                outcome = "aborted"
-                yield _error_event(503, "The request was aborted", code="aborted")
-                return
-            if output.finished:
-                timer.mark_engine(output, params)
-            for event in await _output_events(kind, state, body, params, output):
-                yield event
-            if output.finished:
-                outcome = "completed"
-                timer.mark("encoding")
-                timer.mark("response")
-                timer.observe("images")
-                return
-    except asyncio.CancelledError:
-        outcome = "aborted"
-        raise
-    finally:
-        metrics.image_requests.labels(outcome).inc()
-        # Aborts the request if it is still running; a cancelled read of the generator (the server cancelled this
-        # stream) leaves it running, and that read's cancellation aborts the request instead.
-        # a native async generator (AsyncOmni.generate), which has ag_running; typing's AsyncGenerator has not
-        if not cast(types.AsyncGeneratorType, generation).ag_running:
-            await generation.aclose()
+    with Outcome(metrics.image_requests, value="failed") as outcome:
+        try:
+            while True:
+                try:
+                    output = await next_output(raw_request, generation, outcome)
+                except ClientDisconnected:
+                    return
+                except APIError as error:
+                    yield _error_event(error.status, error.message, error.param, error.code)
+                    return
+                if output.finished:
+                    timer.mark_engine(output, params)
+                for event in await _output_events(kind, state, body, params, output):
+                    yield event
+                if output.finished:
+                    outcome.completed()
+                    timer.mark("encoding")
+                    timer.mark("response")
+                    timer.observe("images")
+                    return
+        finally:
+            # Aborts the request if it is still running; a cancelled read of the generator (the server cancelled
+            # this stream) leaves it running, and that read's cancellation aborts the request instead.
+            # a native async generator (AsyncOmni.generate), which has ag_running; typing's AsyncGenerator has not
+            if not cast(types.AsyncGeneratorType, generation).ag_running:
+                await generation.aclose()
 
 
 async def _output_events(

@@ -23,10 +23,9 @@ from vllm_omni.entrypoints.openai.checks import (
     check_request,
     check_sides,
 )
-from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected, until_disconnect
+from vllm_omni.entrypoints.openai.disconnect import ClientDisconnected
 from vllm_omni.entrypoints.openai.errors import APIError, error_info
 from vllm_omni.entrypoints.openai.images.image_files import attachment
-from vllm_omni.entrypoints.openai.images.image_stream import failure
 from vllm_omni.entrypoints.openai.media import (
     MediaReference,
     fold_form_references,
@@ -34,6 +33,7 @@ from vllm_omni.entrypoints.openai.media import (
     read_references,
     video_reference,
 )
+from vllm_omni.entrypoints.openai.outcomes import Outcome, failure, next_output
 from vllm_omni.entrypoints.openai.protocol import (
     SHAPE_FIELDS,
     ErrorInfo,
@@ -389,41 +389,22 @@ async def run_sync(
     """Admit the request as ``request_id``, run it and return its MP4 (``/v1/videos/sync``, and chat completions of
     a video model), counted as a video request; ``None`` when the client went away first (the request was
     aborted)."""
-    outcome = "invalid"
-    try:
+    with Outcome(metrics.video_requests, aborted="cancelled") as outcome:
         admitted = await accept(state, body, read_image, timer, sync=True)
-        outcome = "failed"
+        outcome.running()
         report_ignored(raw_request, body, admitted, "videos", request_id)
         generation = state.loaded_omni.generate(body.prompt, admitted, request_id=request_id)
         try:
-            output = await until_disconnect(raw_request, anext(generation, None))
+            output = await next_output(raw_request, generation, outcome)
         except ClientDisconnected:
-            outcome = "cancelled"
             return None
-        except StageUnavailableError as exc:
-            outcome = "unavailable"
-            raise APIError(503, str(exc), code="service_unavailable") from None
-        except RequestFailedError as exc:
-            raise failure(exc, state)[1] from None
-        if output is None:
-            outcome = "cancelled"
-            raise APIError(503, "The request was aborted", code="aborted")
         timer.mark_engine(output, admitted.params)
         assert admitted.params.fps is not None, "complete params of a video"
         content = await asyncio.to_thread(encode_mp4, output.videos[0], admitted.params.fps)  # off the loop
         timer.mark("encoding")
         timer.observe("videos")
-        outcome = "completed"
+        outcome.completed()
         return content
-    except asyncio.CancelledError:
-        outcome = "cancelled"
-        raise
-    except APIError as exc:
-        if outcome == "invalid":
-            outcome = refusal_outcome(exc)
-        raise
-    finally:
-        metrics.video_requests.labels(outcome).inc()
 
 
 def _check(state: ServerState, body: VideoGenerationRequest, task: ImageTask) -> None:
