@@ -3,7 +3,8 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
 
     python benchmarks/gpu_check.py [--name gpu-check] [--device cuda] [--dtypes float32,bfloat16]
         [--families flux,sd3,wan,sd,sdxl,qwen-image,z-image,flux2,ltx,hunyuan-video-1.5]
-        [--engine-families flux,wan] [--skip-engine] [--audio-families stable-audio] [--skip-poisson]
+        [--engine-families flux,wan] [--skip-engine] [--audio-families stable-audio] [--speech-families orpheus]
+        [--skip-poisson]
         [--skip-speed-knobs] [--speed-knobs-args '...']
         [--skip-quantization] [--quantization-args '...'] [--skip-parallel] [--parallel-args '...'] [--quick]
 
@@ -29,6 +30,13 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
    measures 0); half dtypes ≤ max(512 levels, the stock pipeline's own), the image bars' reasoning at 16 bits: a
    bfloat16 rounding of a sample near 0.5 is 2^-10, 32 levels, and a random walk over the layers and steps of
    ten to twenty of them is a few hundred.
+2c. **Speech** (``--speech-families``, default orpheus; float32 only): the tiny Orpheus through ``Omni``, its talker
+   greedy on vLLM (on the CPU: in ``.venv-llm-cpu``), its codec stage on the device: three requests at once against
+   each alone (the codec stage batches windows of the same shape from different streams; *largest forward* is the
+   most windows per decode call), each stream against one decode of its codes (transformers' greedy continuation of
+   the talker, decoded at once: streamed = one-shot), and the codec's decode of those streams batched against alone
+   (on CUDA, cuDNN picks its kernels by shape). The bar is the audio one in float32: ≤ 2 levels (the CPU measures
+   0 batched, 1 one-shot: float rounding over SNAC's receptive field).
 3. **Poisson** (unless ``--skip-poisson``): ``benchmarks/step_batching.py`` on the ``flux-bench`` family
    (request vs step mode, ``--max-num-seqs 4``, loads 50/80/95 %), run as a subprocess with a time limit; its
    own results go to ``results/<name>-poisson.{json,md,png}`` and its targets are copied here (reported, never an
@@ -96,6 +104,10 @@ FAMILIES = ("flux", "sd3", "wan", "sd", "sdxl", "qwen-image", "z-image", "flux2"
 """The hand-written steppers' families, then those stepped by their diffusers modular blocks (`ModularStepper`)."""
 AUDIO_FAMILIES = ("stable-audio",)
 """The audio families (request mode only): batched against alone through ``Omni``."""
+SPEECH_FAMILIES = ("orpheus",)
+"""The speech families (float32 only: the codec decodes in float32 and the talker's codes are compared with
+transformers' float32 greedy continuation): batched against alone and streamed against one-shot through ``Omni``.
+Llasa's XCodec2 cannot stream exactly (docs/models.md), so it has no bar of 2 levels."""
 DTYPES = ("float32", "bfloat16", "float16")
 BARS = {"float32": 2, "bfloat16": 16, "float16": 16}
 """Worst pixel difference (0-255) allowed per dtype; half dtypes allow at least the stock pipeline's own batched
@@ -301,6 +313,16 @@ AUDIO_SCRIPT = [
     Request(0, "B", "rain on a roof", AUDIO_PARAMS, 2),
     Request(0, "C", "a piano melody", AUDIO_PARAMS, 3),
 ]
+
+# A speech family through the engine: three requests at once (a voice, a text and a seed each, greedy, SPEECH_TOKENS
+# code tokens at most), against each alone, and each stream against one decode of its codes.
+SPEECH_SCRIPT = [
+    Request(0, "A", "the quick brown fox", {"voice": "tara"}, 1),
+    Request(0, "B", "a red car by the blue house", {"voice": "leo"}, 2),
+    Request(0, "C", "rain on a tin roof", {"voice": "mia"}, 3),
+]
+SPEECH_TOKENS = 7 * 24
+"""24 frames of Orpheus: a first chunk, chunks that grow, and the last one."""
 
 POISSON_FULL = [  # sized for an H200: the whole check (correctness + this) in about 8 minutes
     "--size",
@@ -596,6 +618,111 @@ def check_audio(family: str, model: str, dtype_name: str, device) -> dict[str, A
     }
 
 
+def _greedy_codes(folder: str, script: list[Request], device) -> tuple[Any, list[tuple[Any, int]]]:
+    """transformers' greedy continuation of the talker in float32 on ``device`` for each request of ``script``,
+    over the code tokens and the stop token only (vLLM's ``allowed_token_ids``), until the stop token or
+    `SPEECH_TOKENS`: the frames the engine's greedy talker makes. Returns the codec, and each request's (frames,
+    tokens generated)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_omni.codec.families import TalkerFormat, detect_family
+    from vllm_omni.codec.pipeline.codecs import load_codec
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "talker"))
+    family = detect_family(tokenizer)
+    codec = load_codec(family, os.path.join(folder, "codec"), str(device))
+    talker_format = TalkerFormat(family, tokenizer, codec.codebook_size)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "talker"), dtype=torch.float32)
+    model = model.to(device).eval()
+    allowed = torch.tensor(talker_format.allowed_token_ids, device=device)
+    found = []
+    with torch.inference_mode():
+        for request in script:
+            ids = torch.tensor([talker_format.prompt_token_ids(request.prompt, request.params["voice"])], device=device)
+            past, generated = None, []
+            for _ in range(SPEECH_TOKENS):
+                out = model(ids, past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[0, -1]
+                token = int(allowed[logits[allowed].argmax()])
+                if token in talker_format.stop_token_ids:
+                    break
+                generated.append(token)
+                ids = torch.tensor([[token]], device=device)
+            found.append((talker_format.frames(generated), len(generated)))
+    return codec, found
+
+
+def check_speech(family: str, model: str, dtype_name: str, device) -> dict[str, Any]:
+    """A speech family through ``Omni`` (its talker greedy on vLLM, in the vllm-cpu venv on the CPU; its codec
+    stage on ``device``): `SPEECH_SCRIPT`'s requests at once against each alone (the codec stage batches windows of
+    the same shape from different streams), each stream against one decode of its codes (streamed = one-shot), and
+    the codec's own decode of those whole streams batched against alone."""
+    import numpy as np
+
+    from vllm_omni import Omni
+    from vllm_omni.codec.pipeline.codecs import CodeWindow
+    from vllm_omni.sampling_params import OmniDiffusionSamplingParams
+    from vllm_omni.testing.tiny_llm import CPU_ENGINE_ARGS
+
+    cpu_python = os.path.join(ROOT, ".venv-llm-cpu", "bin", "python")
+    talker = {
+        "engine_args": CPU_ENGINE_ARGS | {"max_model_len": 512},
+        "sampling": {"temperature": 0, "repetition_penalty": 1.0},
+        "max_num_seqs": len(SPEECH_SCRIPT),
+    }
+    # On the CPU the vllm-cpu venv; on CUDA this process's vLLM, which refuses to start where less than its
+    # gpu_memory_utilization of the GPU is free (this process holds some).
+    talker |= {"python_executable": cpu_python} if device.type == "cpu" else {}
+    if device.type == "cuda":
+        talker["engine_args"] |= {"gpu_memory_utilization": 0.3}
+    codec = {"max_num_seqs": len(SPEECH_SCRIPT)} | ({"devices": str(device.index)} if device.type == "cuda" else {})
+    prompts = [r.prompt for r in SPEECH_SCRIPT]
+    params = [
+        OmniDiffusionSamplingParams(seed=r.seed, voice=r.params["voice"], max_new_tokens=SPEECH_TOKENS)
+        for r in SPEECH_SCRIPT
+    ]
+    talker_dir, codec_dir = os.path.join(model, "talker"), os.path.join(model, "codec")
+    with Omni(talker_dir, codec_model=codec_dir, stage_overrides={0: talker, 1: codec}) as omni:
+        started = time.perf_counter()
+        batched = omni.generate(prompts, params)
+        engine_s = time.perf_counter() - started
+        alone = [omni.generate([prompt], p)[0] for prompt, p in zip(prompts, params, strict=True)]
+    if errors := [f"{o.request_id}: {o.error}" for o in batched + alone if o.error]:
+        raise RuntimeError("; ".join(errors))
+    codec_model, codes = _greedy_codes(model, SPEECH_SCRIPT, device)
+    rows, windows = [], []
+    for r, together, single, (frames, tokens) in zip(SPEECH_SCRIPT, batched, alone, codes, strict=True):
+        if together.metrics["generated_tokens"] != tokens:
+            raise RuntimeError(
+                f"{r.name}: the talker made {together.metrics['generated_tokens']} tokens, transformers' greedy "
+                f"continuation {tokens}"
+            )
+        windows.append(CodeWindow(frames, 0, r.seed))
+        one_shot = codec_model.decode([windows[-1]])[0]
+        w, m = pcm_diff(together.audios[0][0], single.audios[0][0])
+        ow = pcm_diff(np.clip(one_shot, -1, 1), np.clip(together.audios[0][0], -1, 1))[0]
+        rows.append({"name": r.name, "worst": w, "mean": round(m, 6), "one_shot_worst": ow})
+    # The codec alone: the whole streams' windows, cut to one length, in one call against each alone.
+    shortest = min(len(w.codes) for w in windows)
+    same = [CodeWindow(w.codes[:shortest], 0, w.seed) for w in windows]
+    codec_batched = codec_model.decode(same)
+    codec_worst = max(pcm_diff(b, codec_model.decode([w])[0])[0] for b, w in zip(codec_batched, same, strict=True))
+    worst = max([codec_worst] + [max(row["worst"], row["one_shot_worst"]) for row in rows])
+    return {
+        "largest_forward": max(o.metrics["batch_size"] for o in batched),
+        "largest_is_mean": True,
+        "worst": worst,
+        "mean": max(row["mean"] for row in rows),
+        "batched_worst": max(row["worst"] for row in rows),
+        "one_shot_worst": max(row["one_shot_worst"] for row in rows),
+        "codec_batched_worst": codec_worst,
+        "requests": rows,
+        "audio_seconds": sum(o.metrics["audio_seconds"] for o in batched),
+        "engine_s": round(engine_s, 3),
+    }
+
+
 # ------------------------------------------------------------------------------------------------ environment
 
 
@@ -798,7 +925,10 @@ def markdown(summary: dict[str, Any]) -> str:
         "alone* (the families stepped by their diffusers modular blocks): the worst difference between those "
         "blocks run alone by diffusers' `ModularPipeline` and the stock pipeline alone, which step mode cannot "
         "be held under in a half dtype. *Audio* rows (request mode through the engine): an audio request batched "
-        "against alone, in 16-bit PCM levels (0-32767), its stock batched the stock pipeline's own batched-vs-alone.",
+        "against alone, in 16-bit PCM levels (0-32767), its stock batched the stock pipeline's own batched-vs-alone. "
+        "*Speech* rows (float32, through the engine): the worst of a stream batched against alone, a stream against "
+        "one decode of its codes, and the codec's decode of whole streams batched against alone, in 16-bit PCM "
+        "levels; largest forward: the most windows per codec call (a request's mean).",
         "",
         "| check | family | dtype | largest forward | worst | mean | stock batched worst | blocks alone worst | bar "
         "| result |",
@@ -879,6 +1009,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--audio-families", default=",".join(AUDIO_FAMILIES), help="audio batched-vs-alone checks ('' for none)"
     )
+    parser.add_argument(
+        "--speech-families", default=",".join(SPEECH_FAMILIES), help="speech checks, float32 only ('' for none)"
+    )
     parser.add_argument("--skip-poisson", action="store_true", help="no Poisson comparison")
     parser.add_argument(
         "--quick", action="store_true", help="the Poisson and speed-knob parts with their --quick (CPU smoke)"
@@ -910,11 +1043,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel-args", default="", help="further parallel.py arguments, e.g. '--variants ...'")
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
-    args.dtypes, args.families, args.engine_families, args.audio_families = (
+    args.dtypes, args.families, args.engine_families, args.audio_families, args.speech_families = (
         _csv(args.dtypes),
         _csv(args.families),
         [] if args.skip_engine else _csv(args.engine_families),
         [] if args.skip_engine else _csv(args.audio_families),
+        [] if args.skip_engine else _csv(args.speech_families),
     )
     args.poisson_args, args.speed_knobs_args = args.poisson_args.split(), args.speed_knobs_args.split()
     args.quantization_args, args.parallel_args = args.quantization_args.split(), args.parallel_args.split()
@@ -925,6 +1059,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"unknown {option} {unknown}; choose from {', '.join(FAMILIES)}")
     if unknown := [f for f in args.audio_families if f not in AUDIO_FAMILIES]:
         parser.error(f"unknown --audio-families {unknown}; choose from {', '.join(AUDIO_FAMILIES)}")
+    if unknown := [f for f in args.speech_families if f not in SPEECH_FAMILIES]:
+        parser.error(f"unknown --speech-families {unknown}; choose from {', '.join(SPEECH_FAMILIES)}")
 
     import torch
 
@@ -974,11 +1110,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     engine_families, audio_families = args.engine_families, args.audio_families
-    if (engine_families or audio_families) and device.type == "cpu" and torch.cuda.is_available():
+    speech_families = args.speech_families
+    if (engine_families or audio_families or speech_families) and device.type == "cpu" and torch.cuda.is_available():
         print("[engine] skipped: Omni picks CUDA whenever it is present, and --device is cpu", flush=True)
-        engine_families = audio_families = []
+        engine_families = audio_families = speech_families = []
     checks = [("steppers", f) for f in args.families] + [("engine", f) for f in engine_families]
-    checks += [("audio", f) for f in audio_families]
+    checks += [("audio", f) for f in audio_families] + [("speech", f) for f in speech_families]
     with tempfile.TemporaryDirectory(prefix="gpu-check-models-") as model_dir:
         models: dict[str, str] = {}
         for dtype_name in args.dtypes:
@@ -986,12 +1123,19 @@ def main(argv: list[str] | None = None) -> int:
             torch.backends.cuda.matmul.allow_tf32 = tf32[0] and not full
             torch.backends.cudnn.allow_tf32 = tf32[1] and not full
             for check, family in checks:
+                if check == "speech" and not full:
+                    continue  # float32 only (SPEECH_FAMILIES)
                 row: dict[str, Any] = {"check": check, "family": family, "dtype": dtype_name}
                 t0 = time.perf_counter()
                 try:
                     if family not in models:
                         models[family] = make_tiny_model(os.path.join(model_dir, family), family)
-                    run = {"steppers": check_steppers, "engine": check_engine, "audio": check_audio}[check]
+                    run = {
+                        "steppers": check_steppers,
+                        "engine": check_engine,
+                        "audio": check_audio,
+                        "speech": check_speech,
+                    }[check]
                     row |= run(family, models[family], dtype_name, device)
                     if check == "engine":
                         mine = [
@@ -1000,7 +1144,7 @@ def main(argv: list[str] | None = None) -> int:
                             if (r["check"], r["family"], r["dtype"]) == ("steppers", family, dtype_name)
                         ]
                         row["reference_worst"] = mine[0].get("reference_worst") if mine else None
-                    bars = AUDIO_BARS if check == "audio" else BARS
+                    bars = AUDIO_BARS if check in ("audio", "speech") else BARS
                     row["bar"] = bar_for(dtype_name, row.get("reference_worst"), row.get("blocks_worst"), bars)
                     row["pass"] = row["worst"] <= row["bar"]
                 except Exception:  # noqa: BLE001 - a check that raises fails, the others still run
@@ -1014,7 +1158,8 @@ def main(argv: list[str] | None = None) -> int:
                     + (
                         "ERROR"
                         if row.get("error")
-                        else f"worst {row['worst']:.0f}/{32767 if check == 'audio' else 255} (mean {row['mean']:.4f}, "
+                        else f"worst {row['worst']:.0f}/{32767 if check in ('audio', 'speech') else 255} "
+                        f"(mean {row['mean']:.4f}, "
                         f"stock batched worst "
                         f"{row.get('reference_worst')}), bar {row['bar']:.0f}: {'PASS' if row['pass'] else 'FAIL'}"
                     )

@@ -41,6 +41,7 @@ import time
 from bench_serving import run_benchmark
 from common import Shape
 
+from vllm_omni.codec.families import SPEECH_FAMILIES
 from vllm_omni.testing.server import RemoteOmniServer
 from vllm_omni.testing.tiny import make_tiny_model
 
@@ -63,10 +64,13 @@ TARGETS = (  # (key, description, comparison, threshold)
 
 
 def cached_model(model_dir: str, family: str) -> str:
-    """The tiny ``family`` model under ``model_dir`` (a diffusers folder, or a transformers one for ``llm``), built
-    (atomically) the first time."""
+    """The tiny ``family`` model under ``model_dir`` (a diffusers folder, a transformers one for ``llm``, or a
+    speech family's ``talker/`` and ``codec/``), built (atomically) the first time."""
     path = os.path.abspath(os.path.join(model_dir, family))
-    if not os.path.isfile(os.path.join(path, "config.json" if family == "llm" else "model_index.json")):
+    built = "config.json" if family == "llm" else "model_index.json"
+    if family in SPEECH_FAMILIES:
+        built = os.path.join("talker", "config.json")
+    if not os.path.isfile(os.path.join(path, built)):
         os.makedirs(model_dir, exist_ok=True)
         scratch = tempfile.mkdtemp(dir=model_dir, prefix=f".{family}-")
         make_tiny_model(scratch, family)

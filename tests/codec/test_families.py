@@ -48,13 +48,20 @@ def test_the_prompt_is_the_template_with_one_bos(talker):
         assert tokenizer.decode(leo).startswith("<custom_token_3><|begin_of_text|>leo: a red fox")
 
 
-def test_allowed_ids_are_every_code_token_and_the_stop_token(talker):
+def test_allowed_ids_are_every_code_token_and_the_stop_token_over_the_familys_sampling(talker):
     family, _, tokenizer = talker
     talker_format = TalkerFormat(family, tokenizer, CODEBOOK_SIZE)
     names = tokenizer.convert_ids_to_tokens(talker_format.allowed_token_ids)
     codes = family.codes_per_frame * CODEBOOK_SIZE
     assert names == [family.code_token_text(family.first_code + i) for i in range(codes)] + [family.stop_token]
     assert talker_format.stop_token_ids == [tokenizer.convert_tokens_to_ids(family.stop_token)]
+    # What the talker takes: those ids over the family's sampling defaults, and the framed prompt.
+    given = talker_format.talker_input("a red fox", None)
+    assert given["prompt_token_ids"] == talker_format.prompt_token_ids("a red fox", None)
+    assert given["sampling"] == dict(family.sampling) | {
+        "stop_token_ids": talker_format.stop_token_ids,
+        "allowed_token_ids": talker_format.allowed_token_ids,
+    }
 
 
 def test_frames_are_read_from_code_tokens_as_the_reference_decoders_do(talker):

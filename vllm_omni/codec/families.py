@@ -214,6 +214,17 @@ class TalkerFormat:
         prompt = self.family.prompt_template.format(voice=voice or "", prompt=text)
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
+    def talker_input(self, text: str, voice: str | None) -> dict[str, Any]:
+        """What the talker takes for ``text`` in ``voice``: its prompt ids, and the family's sampling with only the
+        code tokens and the stop token allowed (vLLM's ``allowed_token_ids``), under which the stage's own sampling
+        and the request's go (`vllm_omni.llm.actor.LlmActor`). The offline ceiling of benchmarks/speech.py takes
+        the same."""
+        sampling = dict(self.family.sampling) | {
+            "stop_token_ids": self.stop_token_ids,
+            "allowed_token_ids": self.allowed_token_ids,
+        }
+        return {"prompt_token_ids": self.prompt_token_ids(text, voice), "sampling": sampling}
+
     def frames(self, token_ids: Sequence[int]) -> np.ndarray:
         """All complete frames in ``token_ids``: shape (frames, codes_per_frame), int64 codes; tokens that are not
         codes are skipped, and an incomplete last frame waits for its remaining codes.

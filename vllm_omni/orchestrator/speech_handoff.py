@@ -80,12 +80,7 @@ class SpeechHandoff:
         """What the talker's actor takes for a request: the prompt framed in the family's format with its voice,
         and the family's sampling (only code tokens and the stop token may be generated), under the stage's own;
         its ``max_new_tokens`` goes as vLLM's ``max_tokens`` (`LlmReplica`)."""
-        talker = self.speech.talker
-        sampling = dict(self.speech.family.sampling) | {
-            "stop_token_ids": talker.stop_token_ids,
-            "allowed_token_ids": talker.allowed_token_ids,
-        }
-        return {"prompt_token_ids": talker.prompt_token_ids(prompt, params.voice), "sampling": sampling}
+        return self.speech.talker.talker_input(prompt, params.voice)
 
     def open(
         self,
