@@ -126,6 +126,8 @@ def serve_stub(port: int, size: str, busy_ms: float) -> None:
     class StubOmni:
         num_waiting = 0
         lora_adapters = []
+        output_kind = "image"
+        speech_card = None
         model_card = ModelCard(
             pipeline_name="StubPipeline",
             call_args=frozenset(),
