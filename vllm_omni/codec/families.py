@@ -64,7 +64,21 @@ class SpeechFamily:
         return self.code_token.format(number)
 
 
-OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
+OPENAI_VOICES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "coral",
+    "echo",
+    "fable",
+    "nova",
+    "onyx",
+    "sage",
+    "shimmer",
+    "verse",
+    "marin",
+    "cedar",
+)
 """OpenAI's voice names (``/v1/audio/speech``'s ``voice``)."""
 
 _ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -98,6 +112,8 @@ ORPHEUS = SpeechFamily(
             "sage": "mia",
             "shimmer": "zoe",
             "verse": "zac",
+            "marin": "tara",
+            "cedar": "leo",
         }
     ),
     # A frame is 2048 samples (85 ms at 24 kHz). SNAC's decoder is convolutional and symmetric: an output sample sees
