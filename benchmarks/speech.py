@@ -6,7 +6,8 @@ window orders, in one run.
     python benchmarks/speech.py [--talker DIR --codec DIR] [--python-executable PY] [--engine-args JSON]
         [--concurrency 1,4,8] [--max-new-tokens 336] [--blocks 5] [--codec-max-num-seqs 8]
         [--gap-concurrency 8] [--gap-blocks 10] [--gap-codec-max-num-seqs 1] [--window-orders underrun,arrival]
-        [--parts efficiency,gaps] [--ceiling-threads 1,2] [--base-url URL --talker-sampling JSON]
+        [--gap-codec-dim 192] [--gap-policy off] [--gap-stagger 0.5] [--parts efficiency,gaps]
+        [--ceiling-threads 1,2] [--base-url URL --talker-sampling JSON]
 
 The model is the tiny random-weight Orpheus (``vllm-omni make-tiny-model DIR --family orpheus``, built once into
 ``--model-dir``) unless ``--talker`` and ``--codec`` name one. Every request of every run does the same work: the
@@ -36,11 +37,16 @@ request; the two waves' order alternates), then the offline ceiling on the same 
 - same work: the first block's streamed audio against the ceiling's decode of the same codes (16-bit levels).
 
 **gaps** (``--window-orders``: a server for each, up at once, the codec stage's ``max_num_seqs``
-``--gap-codec-max-num-seqs`` so that its windows queue): ``--gap-blocks`` waves of ``--gap-concurrency`` requests
-on each (alternating). A stream's underrun gap is the silence a listener who starts playing at its first byte and
-plays in real time hears waiting for later bytes (measured here from the bytes' arrival; the server's own
-``vllm_omni:speech_underrun_gap_seconds`` is reported beside it): the mean, p90 and largest per stream, and the
-streams with any gap; with the windows' mean wait for a decode call (how much they queued).
+``--gap-codec-max-num-seqs`` so that its windows queue, and for the tiny Orpheus a wider codec, the tiny SNAC with
+``--gap-codec-dim`` decoder channels, so that decoding is the bottleneck): ``--gap-blocks`` waves of
+``--gap-concurrency`` requests on each (alternating), request i sent ``i × --gap-stagger`` seconds after the first,
+so that streams are at different points (a new stream's first window, due at once, meets windows of streams that
+have audio in hand), with the first-chunk policy ``--gap-policy`` (off by default: on this CPU the talker writes
+little faster than real time, and a small first chunk's early start would make gaps of its own). A stream's underrun
+gap is the silence a listener who starts playing at its first byte and plays in real time hears waiting for later
+bytes (measured here from the bytes' arrival; the server's own ``vllm_omni:speech_underrun_gap_seconds`` is reported
+beside it): the mean, p90 and largest per stream, and the streams with any gap; with the windows' mean wait for a
+decode call (how much they queued).
 
 ``--base-url``: measure a running speech server instead of starting any (the ceiling still runs here): its talker
 must be greedy and not stop early, and ``--talker-sampling`` must be its talker stage's sampling (every answer's
@@ -55,6 +61,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -85,6 +92,10 @@ TEXTS = [
 ]
 PARTS = ("efficiency", "gaps")
 ORDERS = ("underrun", "arrival")
+WIDE_CODEC_DIM = 192
+"""The decoder channels of the gap part's tiny SNAC (the tiny one's 32, the real one's 1024): on the 2-core CPU a
+window of 16 new frames and 6 of context then decodes in about 0.12 s on one thread (the tiny one's: 0.02 s), and at
+N = 8 windows wait for a decode call."""
 POLICIES = ("on", "off")
 """The first-chunk policy: on (the family's small first chunk, growing), off (every chunk at the steady size)."""
 
@@ -258,8 +269,9 @@ def _server_view(before: dict, after: dict) -> dict:
     }
 
 
-async def wave(base_url: str, work: Work, n: int, policy: str, args) -> dict:
-    """N requests at once, request i as the ceiling's request i."""
+async def wave(base_url: str, work: Work, n: int, policy: str, args, stagger_s: float = 0.0) -> dict:
+    """N requests, request i as the ceiling's request i, sent ``i × stagger_s`` seconds after the first (at once by
+    default)."""
     bodies = []
     for i in range(n):
         text, voice = work.request(i)
@@ -270,7 +282,12 @@ async def wave(base_url: str, work: Work, n: int, policy: str, args) -> dict:
         bodies.append(body)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         before = await scrape(session, base_url)
-        streams = await asyncio.gather(*(speak(session, base_url, body, work.seconds) for body in bodies))
+
+        async def later(i: int, body: dict) -> dict:
+            await asyncio.sleep(i * stagger_s)
+            return await speak(session, base_url, body, work.seconds)
+
+        streams = await asyncio.gather(*(later(i, body) for i, body in enumerate(bodies)))
         after = await scrape(session, base_url)
     wall = max(s["done"] for s in streams) - min(s["sent"] for s in streams)
     return {
@@ -293,7 +310,7 @@ def levels_apart(samples: list[np.ndarray], waveforms: list[np.ndarray]) -> floa
 # ------------------------------------------------------------------------------------------------ servers
 
 
-def start_server(args, codec_max_num_seqs: int, order: str, log_path: str) -> RemoteOmniServer:
+def start_server(args, codec_model: str, codec_max_num_seqs: int, order: str, log_path: str) -> RemoteOmniServer:
     """``vllm serve TALKER --omni --codec-model CODEC`` with the run's talker stage and this codec stage."""
     import torch
 
@@ -302,7 +319,7 @@ def start_server(args, codec_max_num_seqs: int, order: str, log_path: str) -> Re
     codec = {"max_num_seqs": codec_max_num_seqs, "window_order": order}
     codec |= {"devices": "0"} if torch.cuda.is_available() else {}  # unset, a codec stage decodes on the CPU
     server_args = [
-        *("--codec-model", args.codec, "--stage-overrides", json.dumps({"0": talker, "1": codec})),
+        *("--codec-model", codec_model, "--stage-overrides", json.dumps({"0": talker, "1": codec})),
         *("--max-waiting-requests", "64", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"),
     ]
     server = RemoteOmniServer(args.talker, server_args, log_path=log_path, startup_timeout_s=600)
@@ -312,7 +329,7 @@ def start_server(args, codec_max_num_seqs: int, order: str, log_path: str) -> Re
 
 
 @contextlib.contextmanager
-def servers(args, codec_max_num_seqs: int, orders: list[str], label: str):
+def servers(args, codec_model: str, codec_max_num_seqs: int, orders: list[str], label: str):
     """{order: base URL}: ``--base-url`` (one order), or a started server for each order, all up at once."""
     if args.base_url:
         yield {orders[0]: args.base_url}, []
@@ -322,7 +339,7 @@ def servers(args, codec_max_num_seqs: int, orders: list[str], label: str):
         for order in orders:
             log = os.path.join(args.log_dir, f"server-{label}-{order}.log")
             print(f"[{label}] starting a server: codec max_num_seqs {codec_max_num_seqs}, {order}", flush=True)
-            started[order] = stack.enter_context(start_server(args, codec_max_num_seqs, order, log))
+            started[order] = stack.enter_context(start_server(args, codec_model, codec_max_num_seqs, order, log))
         yield {order: s.base_url for order, s in started.items()}, [s.process.pid for s in started.values()]
 
 
@@ -392,13 +409,13 @@ def _median_of(waves: list[dict], key: str) -> float | None:
 
 def gap_rows(urls: dict[str, str], work: Work, args) -> list[dict]:
     """``--gap-blocks`` waves of ``--gap-concurrency`` on each order's server, alternating."""
-    n = args.gap_concurrency
+    n, stagger, policy = args.gap_concurrency, args.gap_stagger, args.gap_policy
     for url in urls.values():
-        asyncio.run(wave(url, work, n, "on", args))  # warm-up
+        asyncio.run(wave(url, work, n, policy, args))  # warm-up
     waves: dict[str, list[dict]] = {order: [] for order in urls}
     for block in range(args.gap_blocks):
         for order in list(urls) if block % 2 == 0 else list(urls)[::-1]:
-            waves[order].append(asyncio.run(wave(urls[order], work, n, "on", args)))
+            waves[order].append(asyncio.run(wave(urls[order], work, n, policy, args, stagger)))
     rows = []
     for order, mine in waves.items():
         gaps = [g for w in mine for g in w["gap_s"]]
@@ -431,7 +448,7 @@ def run_efficiency(work: Work, args) -> list[dict]:
             talker = TalkerCeiling(args, threads, os.path.join(args.log_dir, f"ceiling-{threads}.log"))
             stack.callback(talker.close)
             talkers.append(talker)
-        with servers(args, args.codec_max_num_seqs, [args.window_orders[0]], "efficiency") as (urls, pids):
+        with servers(args, args.codec, args.codec_max_num_seqs, [args.window_orders[0]], "efficiency") as (urls, pids):
             (url,) = urls.values()
             for talker in talkers:
                 args.ceiling_workers.append(talker.wait_ready())
@@ -448,7 +465,7 @@ def run_efficiency(work: Work, args) -> list[dict]:
 
 
 def run_gaps(work: Work, args) -> list[dict]:
-    with servers(args, args.gap_codec_max_num_seqs, args.window_orders, "gaps") as (urls, pids):
+    with servers(args, args.gap_codec, args.gap_codec_max_num_seqs, args.window_orders, "gaps") as (urls, pids):
         started, (ours, machine) = time.perf_counter(), cpu_seconds([os.getpid(), *pids])
         rows = gap_rows(urls, work, args)
         ours_after, machine_after = cpu_seconds([os.getpid(), *pids])
@@ -566,8 +583,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--codec-max-num-seqs", type=int, default=8, help="the efficiency server's codec stage")
     parser.add_argument("--gap-concurrency", type=int, default=8, help="N of the gap part")
     parser.add_argument("--gap-blocks", type=int, default=10, help="waves of the gap part per window order")
+    parser.add_argument(
+        "--gap-policy",
+        choices=POLICIES,
+        default="off",
+        help="the gap part's first-chunk policy (off: a stream starts with a steady chunk, so its gaps are the codec "
+        "queue's, not a small first chunk's early start on a talker near real time)",
+    )
+    parser.add_argument(
+        "--gap-stagger",
+        type=float,
+        default=0.5,
+        help="seconds between the gap part's requests: streams at different points, as a server's arrivals are",
+    )
     parser.add_argument("--gap-codec-max-num-seqs", type=int, default=1, help="the gap servers' codec stage")
     parser.add_argument("--window-orders", default=",".join(ORDERS), help="the gap part's window_order servers")
+    parser.add_argument(
+        "--gap-codec-dim",
+        type=int,
+        help="the gap servers' codec: the tiny SNAC with this many decoder channels (the tiny one's 32), so that "
+        f"the codec stage is the bottleneck on a CPU; 0: the run's codec (default: {WIDE_CODEC_DIM} for the tiny "
+        "Orpheus, 0 with --talker and --codec)",
+    )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument(
         "--ceiling-threads",
@@ -601,6 +638,30 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def wide_tiny_snac(model_dir: str, decoder_dim: int) -> str:
+    """The tiny Orpheus's SNAC with ``decoder_dim`` channels in its decoder (the tiny one's 32, the real one's 1024;
+    the same rates, levels and codebook, so it decodes the tiny talker's codes), built once into ``model_dir``."""
+    import torch
+    from snac import SNAC
+
+    from vllm_omni.testing.tiny_speech import SNAC_TINY
+
+    path = os.path.abspath(os.path.join(model_dir, f"orpheus-snac-{decoder_dim}"))
+    if not os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        os.makedirs(model_dir, exist_ok=True)
+        scratch = tempfile.mkdtemp(dir=model_dir, prefix=".orpheus-snac-")
+        config = SNAC_TINY | {"decoder_dim": decoder_dim}
+        torch.manual_seed(0)
+        with open(os.path.join(scratch, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        torch.save(SNAC(**config).eval().state_dict(), os.path.join(scratch, "pytorch_model.bin"))
+        try:
+            os.rename(scratch, path)
+        except OSError:  # another run built it meanwhile
+            shutil.rmtree(scratch, ignore_errors=True)
+    return path
+
+
 def load_work(args) -> Work:
     """The family (from the talker's tokenizer), its framing, and the codec, loaded here for the ceiling."""
     from transformers import AutoTokenizer
@@ -621,9 +682,14 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     from step_batching import cached_model
 
+    args.gap_codec = args.codec
     if not (args.talker and args.codec):
         tiny = cached_model(args.model_dir, "orpheus")
         args.talker, args.codec = os.path.join(tiny, "talker"), os.path.join(tiny, "codec")
+        args.gap_codec_dim = WIDE_CODEC_DIM if args.gap_codec_dim is None else args.gap_codec_dim
+        args.gap_codec = wide_tiny_snac(args.model_dir, args.gap_codec_dim) if args.gap_codec_dim else args.codec
+    elif args.gap_codec_dim:
+        raise SystemExit("--gap-codec-dim widens the tiny Orpheus's codec: give neither --talker nor --codec")
     work = load_work(args)
     if args.talker_sampling is None:
         args.talker_sampling = {"temperature": 0.0, "bad_words": [work.family.stop_token]}
@@ -634,7 +700,7 @@ def main(argv: list[str] | None = None) -> None:
         gaps = run_gaps(work, args) if "gaps" in args.parts else []
     keys = ("talker", "codec", "python_executable", "engine_args", "talker_sampling", "max_new_tokens", "blocks")
     keys += ("codec_max_num_seqs", "gap_concurrency", "gap_blocks", "gap_codec_max_num_seqs", "window_orders")
-    keys += ("base_url",)
+    keys += ("gap_policy", "gap_stagger", "gap_codec", "gap_codec_dim", "base_url")
     result = {
         "name": args.name,
         "device": _device(),
