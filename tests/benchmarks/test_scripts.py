@@ -395,3 +395,21 @@ def test_speech_benchmark_measures_the_speech_server_against_the_offline_ceiling
     assert 0 <= gaps["gap_mean_s"] <= gaps["gap_max_s"] and gaps["first_audio_p50_s"] > 0
     assert gaps["codec_wait_s"] >= 0 and gaps["windows_per_codec_call"] >= 1
     assert (tmp_path / "smoke.md").read_text().startswith("smoke (")
+
+
+def test_priority_benchmark_reports_both_classes(bench, tiny_flux, tmp_path):
+    """One server (step mode, ``priority``) and the fewest requests: the capacity run, one rep of the two-class
+    schedule (each request carrying its class's priority), and a row with both classes' latencies."""
+    bench(
+        "priority",
+        *("--quick", "--model", tiny_flux, "--modes", "step", "--policies", "priority"),
+        *("--name", "smoke", "--out-dir", str(tmp_path)),
+    )
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["capacity_requests_per_s"] == result["capacities"]["step-priority"] > 0
+    [(label, [rep])] = result["runs"].items()
+    assert label == "step-priority" and rep["requests_per_s"] > 0 and rep["preemptions"] >= 0
+    assert (rep["background"]["count"], rep["interactive"]["count"]) == (4, 1)
+    for name in ("background", "interactive"):
+        assert 0 < rep[name]["p50_ms"] <= rep[name]["p90_ms"]
+    assert "| step | priority |" in (tmp_path / "smoke.md").read_text()

@@ -158,7 +158,11 @@ def start_codec_replicas(
     assert stage.model is not None and talker.model is not None, "the resolver requires both models"
     tokenizer = AutoTokenizer.from_pretrained(talker.model, trust_remote_code=talker.trust_remote_code)
     family = detect_family(tokenizer)
-    device = "cpu" if stage.devices is None else f"cuda:{stage.devices.split(',')[0]}"
+    # The stage's first device if it names some, else the accelerator where there is one (as a diffusers stage).
+    if stage.devices is not None:
+        device = f"cuda:{stage.devices.split(',')[0]}"
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     codecs = [load_codec(family, stage.model, device) for _ in range(stage.num_replicas)]
     card = SpeechCard.of(family, codecs[0].sample_rate, codecs[0].samples_per_frame)
     speech = Speech(family, TalkerFormat(family, tokenizer, codecs[0].codebook_size), card)
