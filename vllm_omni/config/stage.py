@@ -17,7 +17,7 @@ from vllm_omni.config.llm import LlmMode, check_engine_args, check_sampling
 from vllm_omni.config.lora import LoRAModulePath
 from vllm_omni.config.parallel import check_tensor_parallel_size
 from vllm_omni.config.quantization import Quantization, parse_components
-from vllm_omni.config.stage_types import check_stage_graph
+from vllm_omni.config.stage_types import STAGE_TYPES, check_stage_graph
 
 Source = Literal["default", "deploy_yaml", "cli", "python", "stage_override", "legacy_alias", "model"]
 """Where a resolved knob value came from (see docs/configuration.md)."""
@@ -352,6 +352,18 @@ class StageDeployConfig(BaseModel):
         """Whether this stage holds the denoiser: it fills in the model's defaults, reports progress and takes
         ``execution_mode``."""
         return self.stage_type in STAGE_TYPES_OF_SCOPE["denoising"]
+
+    @property
+    def admits(self) -> bool:
+        """Whether this stage completes a request's parameters from the model's card (`StageTypeSpec.admits`)."""
+        spec = STAGE_TYPES[self.stage_type]
+        return spec.denoises if spec.admits is None else spec.admits
+
+    @property
+    def writes_prompt(self) -> bool:
+        """Whether its output is the prompt of the stages after it: an llm stage's text, but not a talker's codes
+        (``mode: tts``)."""
+        return STAGE_TYPES[self.stage_type].writes_prompt and self.mode != "tts"
 
     @property
     def capacity(self) -> int:

@@ -36,6 +36,10 @@ class StageTypeSpec:
     runs: StageEngine = "diffusers"
     """Its engine: a diffusers pipeline (the pipeline knobs apply), vLLM (the llm keys apply) or a codec."""
 
+    admits: bool | None = None
+    """Whether it completes a request's parameters from the model's card (the stage that holds the denoiser, or a
+    speech model's codec stage); ``None``: as ``denoises``."""
+
     writes_prompt: bool = False
     """Whether its output is the prompt of the stage that takes it (an llm stage's generated text), rather than a
     payload; such a stage may feed a stage that takes the request itself, and a request may skip it."""
@@ -47,7 +51,7 @@ STAGE_TYPES: dict[str, StageTypeSpec] = {
     "denoise": StageTypeSpec(takes="encode", final=False, denoises=True, adapts=False),
     "decode": StageTypeSpec(takes="denoise", final=True, denoises=False, adapts=False),
     "llm": StageTypeSpec(takes=None, final=False, denoises=False, adapts=False, runs="vllm", writes_prompt=True),
-    "codec": StageTypeSpec(takes="llm", final=True, denoises=False, adapts=False, runs="codec"),
+    "codec": StageTypeSpec(takes="llm", final=True, denoises=False, adapts=False, runs="codec", admits=True),
 }
 """The stage types this release serves."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.codec.card import SpeechCard
-from vllm_omni.config import STAGE_TYPES, LoRAModulePath, StageDeployConfig, engine_torch_threads
+from vllm_omni.config import LoRAModulePath, StageDeployConfig, engine_torch_threads
 from vllm_omni.config.resolver import knob_as_written
 from vllm_omni.config.stage_types import check_stage_graph
 from vllm_omni.diffusion.engine.roles import check_splittable
@@ -92,10 +92,10 @@ class OmniEngine:
             self._speech = SpeechHandoff(self.stages[codec], speech)
         """A speech deploy's streams, from its talker (the stage before the codec stage) to its codec."""
         self._talker = None if codec is None else codec - 1
-        self._denoiser = next(i for i, s in enumerate(order) if s.denoises or s.stage_type == "codec")
+        self._denoiser = next(i for i, s in enumerate(order) if s.admits)
         """The stage that completes a request's parameters from the model's card: the one that holds the denoiser
         (it fills in the model's defaults and reports progress), or a speech model's codec stage."""
-        self._prompt_writers = [STAGE_TYPES[s.stage_type].writes_prompt and s.mode != "tts" for s in order]
+        self._prompt_writers = [s.writes_prompt for s in order]
         """Which stages write the prompt of the stages after them (llm); a request may skip them (enhance_prompt)."""
         self._lora_stage = next((s for s in self.stages if s.stage_config.lora_enabled), None)
         """The stage that serves LoRA adapters (a diffusion stage), if LoRA is enabled."""

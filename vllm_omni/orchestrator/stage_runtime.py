@@ -104,12 +104,13 @@ class StageRuntime:
         admission: LlmAdmission | StageAdmission | SpeechAdmission | None = None
         self.speech: Speech | None = None
         """A codec stage's speech facts (its family, its talker's prompt format, the card)."""
-        if STAGE_TYPES[stage_config.stage_type].runs == "vllm":
+        runs = STAGE_TYPES[stage_config.stage_type].runs
+        if runs == "vllm":
             from vllm_omni.orchestrator.llm_replicas import LlmAdmission, start_llm_replicas
 
             self.replicas, self._release_backend = start_llm_replicas(stage_config)
             admission = LlmAdmission()
-        elif STAGE_TYPES[stage_config.stage_type].runs == "codec":
+        elif runs == "codec":
             from vllm_omni.codec.card import SpeechAdmission
             from vllm_omni.orchestrator.codec_replicas import start_codec_replicas
 
