@@ -89,15 +89,9 @@ def check_sampling(value: Any) -> dict[str, Any] | None:
 
 
 def check_llm_stage(stage_id: int, values: Mapping[str, Any], written: Callable[[str], str]) -> None:
-    """The keys of an ``llm`` stage together: a model, the prompt keys of its mode, an interpreter that runs."""
+    """The keys of an ``llm`` stage together: the prompt keys of its mode, an interpreter that runs (its model and
+    backend: `check_stage_keys`)."""
     where = f"stage {stage_id} (llm)"
-    if not values["model"]:
-        raise ValueError(f"{where}: model is required: the LLM's folder or Hugging Face repo id")
-    if values["distributed_executor_backend"] != "ray":
-        raise ValueError(
-            f"{where}: {written('distributed_executor_backend')}: an llm stage's replicas are Ray actors (vLLM's "
-            "engine runs in a process of its own); set it to 'ray' or leave it unset"
-        )
     if values["mode"] == "tts":
         given = [written(key) for key in ("system_prompt", "prompt_template") if values[key] is not None]
         if given:

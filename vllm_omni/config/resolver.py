@@ -31,7 +31,7 @@ from vllm_omni.config.loader import load_deploy_config
 from vllm_omni.config.model_source import ModelSource
 from vllm_omni.config.parallel import check_parallel
 from vllm_omni.config.quantization import GGUF_SOURCE, check_quantization, is_gguf
-from vllm_omni.config.speech import check_codec_stage, check_speech_graph, speech_deploy
+from vllm_omni.config.speech import check_speech_graph, speech_deploy
 from vllm_omni.config.stage import (
     KNOBS,
     LORA_KNOBS,
@@ -41,7 +41,7 @@ from vllm_omni.config.stage import (
     Source,
     StageDeployConfig,
 )
-from vllm_omni.config.stage_types import STAGE_TYPES
+from vllm_omni.config.stage_types import STAGE_TYPES, check_stage_keys
 
 GlobalSource = Literal["cli", "python"]
 
@@ -189,10 +189,9 @@ def _resolve_stage(
         _resolve_quantization(stage.stage_id, values, provenance, model)
     _check_combination(stage.stage_id, values, provenance)
     check_parallel(stage.stage_id, values, _writer(values, provenance), _local_folder(model))
+    check_stage_keys(stage.stage_type, stage.stage_id, values, _writer(values, provenance))
     if stage.stage_type in LLM_STAGE_TYPES:
         check_llm_stage(stage.stage_id, values, _writer(values, provenance))
-    if stage.stage_type in STAGE_TYPES_OF_SCOPE["codec"]:
-        check_codec_stage(stage.stage_id, values, _writer(values, provenance))
     return StageDeployConfig(
         stage_id=stage.stage_id,
         stage_type=stage.stage_type,

@@ -1,11 +1,10 @@
 """A speech deploy: a talker (an ``llm`` stage in ``mode: tts``) whose code tokens a ``codec`` stage turns into
-audio. `speech_deploy` is what ``--codec-model`` (``Omni(..., codec_model=...)``) deploys; `check_codec_stage` and
-`check_speech_graph` are the rules of such stages, in a deploy YAML too."""
+audio. `speech_deploy` is what ``--codec-model`` (``Omni(..., codec_model=...)``) deploys; `check_speech_graph` is the
+rule of such stages' graph, in a deploy YAML too (their own keys: their entries in `STAGE_TYPES`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from vllm_omni.config.stage import DeployConfig, StageDeployConfig
 
@@ -19,18 +18,6 @@ def speech_deploy(talker: str, codec: str) -> DeployConfig:
             StageDeployConfig(stage_id=1, stage_type="codec", inputs=(0,), model=codec),
         ]
     )
-
-
-def check_codec_stage(stage_id: int, values: Mapping[str, Any], written: Callable[[str], str]) -> None:
-    """A codec stage's keys: its codec model, and replicas in this process."""
-    where = f"stage {stage_id} (codec)"
-    if not values["model"]:
-        raise ValueError(f"{where}: model is required: the codec's folder or Hugging Face repo id")
-    if values["distributed_executor_backend"] != "inline":
-        raise ValueError(
-            f"{where}: {written('distributed_executor_backend')}: a codec stage runs inline in this release (its "
-            "decoder is small beside the talker); set it to 'inline' or leave it unset"
-        )
 
 
 def check_speech_graph(stages: Sequence[StageDeployConfig]) -> None:

@@ -5,9 +5,9 @@ check of a deploy's stage graph (`check_stage_graph`). A stage type's behaviour 
 from __future__ import annotations
 
 import graphlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 StageEngine = Literal["diffusers", "vllm", "codec"]
 """What runs a stage: a diffusers pipeline on this project's engines, an LLM on vLLM's engine, or an audio codec
@@ -44,16 +44,53 @@ class StageTypeSpec:
     """Whether its output is the prompt of the stage that takes it (an llm stage's generated text), rather than a
     payload; such a stage may feed a stage that takes the request itself, and a request may skip it."""
 
+    own_model: str | None = None
+    """What the stage's own ``model`` key names, which it then requires (an llm stage's LLM, a codec stage's codec);
+    ``None``: it runs the deploy's model."""
+
+    backend: tuple[str, str] | None = None
+    """The one ``distributed_executor_backend`` it runs on, and why; ``None``: any."""
+
 
 STAGE_TYPES: dict[str, StageTypeSpec] = {
     "diffusion": StageTypeSpec(takes=None, final=True, denoises=True, adapts=True),
     "encode": StageTypeSpec(takes=None, final=False, denoises=False, adapts=False),
     "denoise": StageTypeSpec(takes="encode", final=False, denoises=True, adapts=False),
     "decode": StageTypeSpec(takes="denoise", final=True, denoises=False, adapts=False),
-    "llm": StageTypeSpec(takes=None, final=False, denoises=False, adapts=False, runs="vllm", writes_prompt=True),
-    "codec": StageTypeSpec(takes="llm", final=True, denoises=False, adapts=False, runs="codec", admits=True),
+    "llm": StageTypeSpec(
+        takes=None,
+        final=False,
+        denoises=False,
+        adapts=False,
+        runs="vllm",
+        writes_prompt=True,
+        own_model="the LLM's",
+        backend=("ray", "an llm stage's replicas are Ray actors (vLLM's engine runs in a process of its own)"),
+    ),
+    "codec": StageTypeSpec(
+        takes="llm",
+        final=True,
+        denoises=False,
+        adapts=False,
+        runs="codec",
+        admits=True,
+        own_model="the codec's",
+        backend=("inline", "a codec stage runs inline in this release (its decoder is small beside the talker)"),
+    ),
 }
 """The stage types this release serves."""
+
+
+def check_stage_keys(stage_type: str, stage_id: int, values: Mapping[str, Any], written: Callable[[str], str]) -> None:
+    """The keys a stage type's table entry requires of its stage: its own model, its one executor backend."""
+    spec, where = STAGE_TYPES[stage_type], f"stage {stage_id} ({stage_type})"
+    if spec.own_model is not None and not values["model"]:
+        raise ValueError(f"{where}: model is required: {spec.own_model} folder or Hugging Face repo id")
+    if spec.backend is not None and values["distributed_executor_backend"] != spec.backend[0]:
+        raise ValueError(
+            f"{where}: {written('distributed_executor_backend')}: {spec.backend[1]}; set it to "
+            f"{spec.backend[0]!r} or leave it unset"
+        )
 
 
 class StageNode(Protocol):

@@ -106,8 +106,11 @@ def test_every_format_decodes_at_its_stated_rate_channels_and_length(server, cli
         else:
             assert length == asked, (fmt, length)
     assert np.abs(samples["wav"]).max() > 0.01, "silence"
-    # The lossless formats hold the same 16-bit samples of the same clip.
-    assert np.array_equal(samples["wav"], samples["pcm"]) and np.array_equal(samples["wav"], samples["flac"])
+    # The lossless formats hold the same 16-bit samples of the same clip, to the one or two levels by which batching
+    # moves a waveform: which of the six requests share a pipeline call depends on when each arrives (batched =
+    # alone is float rounding, gpu_check's audio bar; a format that re-encoded the samples would be far off).
+    for fmt in ("pcm", "flac"):
+        assert np.abs(samples["wav"].astype(np.int32) - samples[fmt]).max() <= 2, fmt
     assert outcome_count(server.base_url, "audio_generation_requests", "completed") - completed == len(bodies)
 
 
