@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +28,53 @@ def pytest_configure(config):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, cores[index % len(cores) :: max(1, min(count, len(cores)))])
     use_preloaded_servers()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_STARTED] = (time.monotonic(), _cpu_seconds())
+
+
+def pytest_sessionfinish(session):
+    """A worker's wall time and the CPU time that it and everything it started used (`_cpu_seconds`), for the
+    summary of how busy the workers kept their cores (`pytest_terminal_summary`)."""
+    if hasattr(session.config, "workeroutput"):
+        wall, cpu = session.config.stash[_STARTED]
+        session.config.workeroutput["busy"] = {"wall_s": time.monotonic() - wall, "cpu_s": _cpu_seconds() - cpu}
+
+
+def pytest_testnodedown(node, error):
+    node.config.stash.setdefault(_WORKERS_BUSY, {})[node.gateway.id] = node.workeroutput.get("busy")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How much of its wall time each worker's core spent computing: what is left is waiting (a test waiting on a
+    process of its own that waits too, a deadline, a poll), which more workers than cores would fill."""
+    busy = {worker: load for worker, load in config.stash.get(_WORKERS_BUSY, {}).items() if load}
+    if busy:
+        terminalreporter.section("worker load")
+        for worker, load in sorted(busy.items()):
+            wall, cpu = load["wall_s"], load["cpu_s"]
+            terminalreporter.write_line(f"{worker}: {wall:.0f} s wall, {cpu:.0f} s CPU ({cpu / wall:.0%})")
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its descendants, those that ended (and were reaped) included: each live
+    process's own time and that of its ended children (a forked server's, a Ray actor's)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:  # ended meanwhile: its parent counts it once reaped
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+_STARTED = pytest.StashKey[tuple[float, float]]()
+_WORKERS_BUSY = pytest.StashKey[dict]()
 
 
 SERIAL_FIXTURES = frozenset({"ray_cluster", "llm_cpu_python"})
