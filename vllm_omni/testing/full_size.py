@@ -163,7 +163,14 @@ FULL_SIZE: dict[str, FullSizeFamily] = {
                     "use_post_quant_conv": False,
                     "force_upcast": True,
                 },
-                {"block_out_channels": [8, 8, 8, 8], "layers_per_block": 1, "norm_num_groups": 8},  # still x8
+                # x2: the pipeline's default size (its warm-up) is 128 latents a side, 256x256 px, cheap on a CPU
+                {
+                    "block_out_channels": [8, 8],
+                    "down_block_types": ["DownEncoderBlock2D"] * 2,
+                    "up_block_types": ["UpDecoderBlock2D"] * 2,
+                    "layers_per_block": 1,
+                    "norm_num_groups": 8,
+                },
                 "84 M",
             ),
         },
@@ -285,7 +292,8 @@ FULL_SIZE: dict[str, FullSizeFamily] = {
                     "temperal_downsample": [False, True, True],
                     "dropout": 0.0,
                 },
-                {"base_dim": 4, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1},  # still x8
+                # x2, as the reduced Flux VAE
+                {"base_dim": 4, "dim_mult": [1, 1], "num_res_blocks": 1, "temperal_downsample": [False]},
                 "127 M",
             ),
         },
