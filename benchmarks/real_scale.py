@@ -19,7 +19,7 @@ at a time, so one model is in GPU memory at a time; requests go over HTTP from t
    allocated CUDA memory of each. Against xDiT's 6.71 s and SGLang CI's 7.35 s (FLUX.1-dev) and SGLang CI's 13.1 s
    (Qwen-Image), all on one H100.
 2. **batching** (flux): N = 1, 4, 8 requests at once at 512x512 and 1024x1024 in request mode (``max_num_seqs`` 8,
-   a 200 ms admission window so that a burst runs as one batch): images/s, the gain over N = 1 (SGLang: 3.21x at
+   a 50 ms admission window so that a burst runs as one batch): images/s, the gain over N = 1 (SGLang: 3.21x at
    batch 16 at 512x512, 1.02x at 1024x1024), the batch the server ran, and the peak allocated memory per batch.
 3. **modes** (flux): step mode against request mode under load: the same Poisson arrivals at 512x512 (80 % of the
    request-mode images/s at N = 4) to each: requests/s, end-to-end latency and the server's queue wait.
@@ -65,8 +65,10 @@ PEERS = {
 }
 """The peers' published seconds for one request at 1024x1024 (FLUX.1-dev 28 steps, Qwen-Image 50)."""
 BATCHING_PEER = {512: "SGLang: 3.21x at batch 16", 1024: "SGLang: 1.02x at batch 16"}
-BATCH_WINDOW_MS = 200.0
-"""The admission window of the batching engine: a burst of N requests runs as one batch."""
+BATCH_WINDOW_MS = 50.0
+"""The batching engine's admission window: the N requests of a burst, sent at once, arrive within it and run as one
+batch (the mean batch shows it); a burst of fewer than ``max_num_seqs`` requests waits it out, 2.5 % of one request
+at 512x512 on an H100."""
 COMPILE_ALLOWANCE_S = {"full": 150.0, "reduced": 120.0}
 """What ``compile=regional``'s warm-up is expected to add to an engine's start (the budget's estimate)."""
 
@@ -253,7 +255,9 @@ class Run:
     ready_s: list[float] = field(default_factory=list)
     """Each engine start so far, in seconds (the next one's estimate is the longest)."""
     single_s: dict[tuple[str, int], float] = field(default_factory=dict)
-    """(family, side): the seconds of one request measured so far."""
+    """(family, side): the seconds of one request measured so far (the estimates')."""
+    none_s: dict[str, float] = field(default_factory=dict)
+    """Per family, the served part's median: the knobs' ``none`` (the same engine knobs)."""
 
     def start_estimate(self) -> float:
         return max(self.ready_s, default=0.0)
@@ -307,7 +311,7 @@ def part_served(run: Run, family: str) -> dict:
         row["served_peak_gib"] = _gib(worker.call(peak_allocated))
         row["allocated_at_rest_gib"] = _gib(before)
         if row["served_s"]:
-            run.single_s[family, side] = statistics.median(row["served_s"])
+            run.single_s[family, side] = run.none_s[family] = statistics.median(row["served_s"])
         if run.budget.allows(f"{family} direct call", run.request_estimate(family, side, run.args.direct_reps)):
             direct = worker.call(direct_call, PROMPTS[0], side, steps, run.args.direct_reps)
             row["direct_s"] = [round(s, 3) for s in direct["seconds"]]
@@ -327,7 +331,7 @@ async def _burst(base: str, side: int, steps: int, n: int, seed: int) -> dict:
 
 def part_batching(run: Run, family: str) -> tuple[list[dict], dict | None]:
     """N requests at once at each batching size; then, on the same engine, request mode's side of the modes part."""
-    knobs = run.base_knobs() | {"max_num_seqs": max(run.args.batches), "request_batch_max_wait_ms": BATCH_WINDOW_MS}
+    knobs = run.base_knobs() | {"max_num_seqs": max(run.args.batches), "request_batch_max_wait_ms": run.args.window_ms}
     worker = run.worker("batching", family, knobs)
     rows: list[dict] = []
     if worker is None:
@@ -420,7 +424,7 @@ def part_modes(run: Run, family: str, request_side: dict | None, rows: list[dict
 def part_knobs(run: Run, family: str) -> list[dict]:
     """Each step cache and compile=regional against none: one request each, after a warm-up at half the side."""
     side, steps, rows = run.scale.single, run.scale.steps[family], []
-    none = run.single_s.get((family, side))
+    none = run.none_s.get(family)
     if none is not None:
         rows.append({"family": family, "variant": "none", "size": side, "steps": steps, "seconds": round(none, 3)})
     for variant in run.args.knobs:
@@ -472,13 +476,13 @@ def _cell(value, fmt: str = "{:.2f}") -> str:
 
 def served_table(rows: list[dict]) -> list[str]:
     lines = [
-        "| model | size | steps | served e2e s (median) | direct call s | served / direct | peak GiB served | "
-        "peak GiB direct | peer | peer s | served / peer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | size | steps | served e2e s (median) | direct call s | served / direct | GiB at rest | "
+        "peak GiB served | peak GiB direct | peer | peer s | served / peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row.get("skipped"):
-            lines.append(f"| {row['model']} | {row['size']} | {row['steps']} | skipped (budget) |" + " |" * 7)
+            lines.append(f"| {row['model']} | {row['size']}² | {row['steps']} | skipped (budget) |" + " |" * 8)
             continue
         served = statistics.median(row["served_s"]) if row.get("served_s") else None
         direct = min(row["direct_s"]) if row.get("direct_s") else None
@@ -487,9 +491,10 @@ def served_table(rows: list[dict]) -> list[str]:
         for i, (peer, peer_s) in enumerate(peers):
             head = (
                 f"| {row['model']} | {row['size']}² | {row['steps']} | {_cell(served)} | {_cell(direct)} | "
-                f"{_cell(ratio, '{:.3f}')} | {_cell(row.get('served_peak_gib'))} | {_cell(row.get('direct_peak_gib'))}"
+                f"{_cell(ratio, '{:.3f}')} | {_cell(row.get('allocated_at_rest_gib'))} | "
+                f"{_cell(row.get('served_peak_gib'))} | {_cell(row.get('direct_peak_gib'))}"
                 if i == 0
-                else "| | | | | | | |"
+                else "| | | | | | | | |"
             )
             mine = served / peer_s if served and peer_s else None
             lines.append(f"{head} | {peer} | {_cell(peer_s)} | {_cell(mine, '{:.2f}x')} |")
@@ -551,7 +556,8 @@ def markdown(result: dict) -> str:
     sections = (
         (
             "batching",
-            f"## Batching gain (request mode, max_num_seqs {max(scale['batches'])}, a {BATCH_WINDOW_MS:.0f} ms window)",
+            f"## Batching gain (request mode, max_num_seqs {max(scale['batches'])}, "
+            f"a {scale['window_ms']:.0f} ms window)",
             batching_table,
         ),
         ("modes", f"## Step mode against request mode under load ({scale['modes']}², Poisson arrivals)", modes_table),
@@ -582,6 +588,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--knobs", default=",".join(KNOBS), help=f"comma-separated, of {', '.join(KNOBS)}")
     parser.add_argument("--batches", default="1,4,8", help="the batching part's N, comma-separated")
     parser.add_argument("--budget-s", type=float, default=480.0, help="what does not fit is skipped and listed")
+    parser.add_argument(
+        "--window-ms", type=float, default=BATCH_WINDOW_MS, help="the batching engine's request_batch_max_wait_ms"
+    )
     parser.add_argument("--served-reps", type=int, default=2, help="timed served requests after the warm-up")
     parser.add_argument("--direct-reps", type=int, default=1, help="timed direct pipeline calls")
     parser.add_argument("--poisson-rate", type=float, help="the modes part's arrivals/s (default: 80 %% of N = 4's)")
@@ -604,8 +613,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     if not args.reduced and not torch.cuda.is_available():
         parser.error(
-            "the full size needs CUDA (FLUX.1-dev alone is 34 GB of bfloat16 weights), and there is none here; "
-            "--reduced runs the same code path at the reduced size on the CPU"
+            "without --reduced, the full size needs CUDA (FLUX.1-dev alone is 34 GB of bfloat16 weights), and there "
+            "is none here; --reduced runs the same code path at the reduced size on the CPU"
         )
     return args
 
@@ -629,7 +638,7 @@ def _batching_and_modes(run: Run, family: str, result: dict) -> None:
     rows, request_side = part_batching(run, family) if "batching" in run.args.parts else ([], None)
     if "batching" not in run.args.parts and "modes" in run.args.parts:  # request mode's side on its own engine
         knobs = run.base_knobs() | {"max_num_seqs": max(run.args.batches)}
-        worker = run.worker("request-mode", family, knobs | {"request_batch_max_wait_ms": BATCH_WINDOW_MS})
+        worker = run.worker("request-mode", family, knobs | {"request_batch_max_wait_ms": run.args.window_ms})
         if worker is not None:
             try:
                 request_side = _load(run, worker, family, "request", rows)
@@ -661,6 +670,7 @@ def main(argv: list[str] | None = None) -> None:
             "knobs": args.knobs,
             "batches": args.batches,
             "budget_s": args.budget_s,
+            "window_ms": args.window_ms,
             "single": scale.single,
             "batching_sizes": list(scale.batching),
             "modes": scale.modes,
