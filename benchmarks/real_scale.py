@@ -54,6 +54,8 @@ from common import PROMPTS, Shape, publish
 from engine_workers import WORKERS
 from speed_knobs import skipped_computations, variant_knobs
 
+from vllm_omni.testing.full_size import FULL_SIZE, make_full_size_model
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ("flux", "qwen-image")
 PARTS = ("served", "batching", "modes", "knobs")
@@ -263,13 +265,17 @@ class Run:
         return max(self.ready_s, default=0.0)
 
     def request_estimate(self, family: str, side: int, n: int = 1) -> float:
-        """N requests at ``side``: from the same family's nearest measured side, by pixels (batching gains nothing
-        at a GPU's large sizes, so the estimate assumes none)."""
-        known = [(s, secs) for (f, s), secs in self.single_s.items() if f == family]
-        if not known:
+        """N requests at ``side``: from the nearest measured side, by pixels, of the same family, else of another
+        by its denoiser's published parameters and steps (batching gains nothing at a GPU's large sizes, so the
+        estimate assumes none)."""
+        if not self.single_s:
             return 0.0
-        s, secs = min(known, key=lambda item: abs(item[0] - side))
-        return n * secs * (side / s) ** 2
+        (f, s), secs = min(self.single_s.items(), key=lambda item: (item[0][0] != family, abs(item[0][1] - side)))
+        return n * secs * (side / s) ** 2 * self._work(family) / self._work(f)
+
+    def _work(self, family: str) -> float:
+        """A request's denoising work, relative: the transformer's published parameters times the steps."""
+        return FULL_SIZE[family].components["transformer"].published_count * self.scale.steps[family]
 
     def worker(self, name: str, family: str, knobs: dict, extra_s: float = 0.0) -> ServerWorker | None:
         """A started engine for ``family``, or ``None`` when its start does not fit the budget (or failed: reported)."""
@@ -651,7 +657,6 @@ def _batching_and_modes(run: Run, family: str, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from vllm_omni.testing.full_size import make_full_size_model
 
     scale = REDUCED if args.reduced else FULL
     budget = Budget(args.budget_s)

@@ -44,6 +44,12 @@ class Component:
     published: str
     """Its parameter count as published, ``"11.9 B"``: the count agrees with it to every digit it gives."""
 
+    @property
+    def published_count(self) -> float:
+        """`published` as a number."""
+        figure, unit = self.published.split()
+        return float(figure) * {"B": 1e9, "M": 1e6}[unit]
+
 
 @dataclass(frozen=True)
 class FullSizeFamily:
