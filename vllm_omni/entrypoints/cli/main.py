@@ -81,6 +81,13 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
         "sd3, wan) in the original key layout, quantized by the gguf package, as city96's GGUFs. Serve it with "
         "--model-config DIR.",
     )
+    _add_full_size_args(tiny)
+    tiny.add_argument("--omni", action="store_true", help=argparse.SUPPRESS)
+    tiny.set_defaults(func=functools.partial(_make_tiny_model, tiny))
+
+
+def _add_full_size_args(tiny: argparse.ArgumentParser) -> None:
+    """``--full-size`` and ``--configs-only``: the published configuration instead of the tiny one."""
     tiny.add_argument(
         "--full-size",
         action="store_true",
@@ -94,8 +101,6 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
         help="With --full-size: write the configs, tokenizers and scheduler alone (no weights, under a MB), to serve "
         "with --load-format dummy, which draws the random weights on the stage's device.",
     )
-    tiny.add_argument("--omni", action="store_true", help=argparse.SUPPRESS)
-    tiny.set_defaults(func=functools.partial(_make_tiny_model, tiny))
 
 
 def _make_tiny_model(tiny: argparse.ArgumentParser, args: argparse.Namespace) -> None:
