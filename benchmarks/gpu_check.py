@@ -7,7 +7,7 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
         [--skip-poisson]
         [--skip-speed-knobs] [--speed-knobs-args '...']
         [--skip-quantization] [--quantization-args '...'] [--skip-parallel] [--parallel-args '...'] [--quick]
-    python benchmarks/gpu_check.py --real-scale [--real-scale-args '...'] [--real-scale-timeout 660]
+    python benchmarks/gpu_check.py --real-scale [--real-scale-args '...'] [--real-scale-timeout 540]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
    (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it
@@ -58,10 +58,11 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
 7. **Real scale** (``--real-scale``, instead of parts 1 to 6): ``benchmarks/real_scale.py``: FLUX.1-dev and
    Qwen-Image at their published sizes with random weights (``load_format: dummy``), one request served and called
    directly against the peers' published seconds, batching, step vs request mode under load, the step caches and
-   ``compile=regional``, peak memory; it keeps to its own ``--budget-s`` (480 s), and is stopped after
-   ``--real-scale-timeout``; its results go to ``results/<name>-real-scale.{json,md}`` and its tables are copied
-   here. The tiny-model parts are left out: both would not fit one lent machine's 15 minutes. It needs CUDA (exit
-   2 without, naming the flag); ``--real-scale --quick --device cpu`` runs its reduced smoke configuration.
+   ``compile=regional``, peak memory; it keeps to its own ``--budget-s`` (420 s), and is stopped after
+   ``--real-scale-timeout`` (540 s; it then writes what ran); its results go to
+   ``results/<name>-real-scale.{json,md}`` and its tables are copied here. The tiny-model parts are left out: both
+   would not fit one lent machine's 15 minutes. It needs CUDA (exit 2 without, naming the flag); ``--real-scale
+   --quick --device cpu`` runs its reduced smoke configuration.
 
 Pass bars (worst pixel difference against the stock pipeline alone):
 
@@ -1074,7 +1075,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="only the real-scale part: FLUX.1-dev and Qwen-Image at full size with random weights (CUDA)",
     )
     parser.add_argument(
-        "--real-scale-timeout", type=float, default=660.0, help="seconds before the real-scale run is stopped"
+        "--real-scale-timeout", type=float, default=540.0, help="seconds before the real-scale run is stopped"
     )
     parser.add_argument(
         "--real-scale-args", default="", help="further real_scale.py arguments, e.g. '--budget-s 900 --parts served'"

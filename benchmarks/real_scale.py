@@ -3,7 +3,7 @@ weights, timed through the served API and as a direct pipeline call, against the
 
     python benchmarks/real_scale.py [--families flux,qwen-image] [--parts served,batching,modes,knobs]
         [--knobs first_block,taylorseer,magcache,pab,cache_dit,compile_regional] [--batches 1,4,8]
-        [--budget-s 480] [--name real-scale] [--out-dir DIR]
+        [--budget-s 420] [--name real-scale] [--out-dir DIR]
     python benchmarks/real_scale.py --reduced    # the same code path at the reduced size, on the CPU (smoke)
 
 Each family's folder holds its published configs, tokenizers and scheduler, no weights
@@ -26,7 +26,8 @@ at a time, so one model is in GPU memory at a time; requests go over HTTP from t
 4. **knobs** (flux): each step cache (`speed_knobs.VARIANTS`' settings) and ``compile=regional`` against none, one
    request at 1024x1024 and 28 steps, with the block computations each cache skipped.
 
-The whole run keeps to ``--budget-s`` (480 s: with a machine's start it fits a lent H100's 15 minutes): before each
+The whole run keeps to ``--budget-s`` (420 s: with the imports and the shutdowns it fits one 10-minute command on a
+lent machine, and with the machine's start its 15 minutes): before each
 engine start and each measured request or batch it estimates the time from what it has measured so far, and what
 does not fit is skipped and listed in the report. ``--reduced``: the same parts on the families' reduced sizes
 (one or two layers, a few channels; 64x64, 2 steps) on the CPU, the smoke test (tests/benchmarks/test_scripts.py);
@@ -439,22 +440,34 @@ def part_knobs(run: Run, family: str) -> list[dict]:
         needs = extra + 2 * run.request_estimate(family, side)
         if not run.budget.allows(f"{family} {variant}: engine start and request", run.start_estimate() + needs):
             continue
-        worker = run.worker(variant, family, knobs, extra)
+        row = {"family": family, "variant": variant, "size": side, "steps": steps}
+        try:
+            worker = run.worker(variant, family, knobs, extra)
+        except RuntimeError as exc:  # refused on this host (cache_dit not installed, say): reported, not measured
+            rows.append(row | {"refused": str(exc).strip().splitlines()[-1]})
+            continue
         if worker is None:
             continue
         try:
-            if variant != "compile_regional":  # compiled at `side` as it started: another size would compile again
-                served_seconds(worker.base, PROMPTS[1], side // 2, steps, 98)
-            before = worker.call(skipped_blocks)
-            seconds = served_seconds(worker.base, PROMPTS[0], side, steps, 1)
-            row = {"family": family, "variant": variant, "size": side, "steps": steps, "seconds": round(seconds, 3)}
-            row |= {"skipped_blocks": worker.call(skipped_blocks) - before, "ready_s": round(worker.ready_s, 1)}
-            row["over_none"] = round(seconds / none, 3) if none else None
-            rows.append(row)
-            print(f"[{family}] {variant}: {row}", flush=True)
+            rows.append(row | _one_knob(worker, variant, side, steps, none))
+            print(f"[{family}] {variant}: {rows[-1]}", flush=True)
         finally:
             worker.close()
     return rows
+
+
+def _one_knob(worker: ServerWorker, variant: str, side: int, steps: int, none: float | None) -> dict:
+    """A knob's engine after a warm-up at half the side: one request's seconds, the blocks its cache skipped."""
+    if variant != "compile_regional":  # compiled at `side` as it started: another size would compile again
+        served_seconds(worker.base, PROMPTS[1], side // 2, steps, 98)
+    before = worker.call(skipped_blocks)
+    seconds = served_seconds(worker.base, PROMPTS[0], side, steps, 1)
+    return {
+        "seconds": round(seconds, 3),
+        "skipped_blocks": worker.call(skipped_blocks) - before,
+        "ready_s": round(worker.ready_s, 1),
+        "over_none": round(seconds / none, 3) if none else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -538,6 +551,9 @@ def modes_table(rows: list[dict]) -> list[str]:
 def knobs_table(rows: list[dict]) -> list[str]:
     lines = ["| variant | e2e s | / none | skipped block computations | engine ready s |", "|---|---|---|---|---|"]
     for row in rows:
+        if "refused" in row:
+            lines.append(f"| {row['variant']} | refused: {row['refused']} | | | |")
+            continue
         lines.append(
             f"| {row['variant']} | {row['seconds']:.2f} | {_cell(row.get('over_none'), '{:.2f}x')} | "
             f"{row.get('skipped_blocks', '–')} | {row.get('ready_s', '–')} |"
@@ -593,7 +609,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--knobs", default=",".join(KNOBS), help=f"comma-separated, of {', '.join(KNOBS)}")
     parser.add_argument("--batches", default="1,4,8", help="the batching part's N, comma-separated")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="what does not fit is skipped and listed")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="what does not fit is skipped and listed")
     parser.add_argument(
         "--window-ms", type=float, default=BATCH_WINDOW_MS, help="the batching engine's request_batch_max_wait_ms"
     )
@@ -682,8 +698,11 @@ def main(argv: list[str] | None = None) -> None:
             "steps": scale.steps,
         }
         result |= {"served": [], "batching": [], "modes": [], "knobs": []}
-        for family in args.families:
-            _family_parts(run, family, result)
+        try:
+            for family in args.families:
+                _family_parts(run, family, result)
+        except KeyboardInterrupt:  # gpu_check.py's time limit: what ran is still written
+            budget.skipped.append("interrupted (the caller's time limit): the parts after this point did not run")
     result["skipped"] = budget.skipped
     result["engine_ready_s"] = [round(s, 1) for s in run.ready_s]
     result["wall_s"] = round(time.perf_counter() - budget.started, 1)
