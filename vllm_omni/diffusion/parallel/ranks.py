@@ -154,7 +154,6 @@ def _next_call(inbox, owner: int) -> dict[str, Any] | None:
 
 def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, outbox) -> None:
     """One rank: join the group, load the pipeline, then run every call put in its inbox until ``None``."""
-
     if setup["torch_threads"] is not None:
         torch.set_num_threads(setup["torch_threads"])
     cuda = torch.cuda.is_available()

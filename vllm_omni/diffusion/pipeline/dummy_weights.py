@@ -6,7 +6,7 @@ noise: speed measured at full size from a folder of configs and tokenizers alone
 
 A component is built with its parameters on the ``meta`` device (accelerate's ``init_empty_weights``; its buffers,
 rotary tables and position ids, are computed as usual), then each parameter is allocated on the device and filled
-in place (`random_weights`), so a 12 B-parameter transformer is ready in seconds on a GPU where the classes' own
+in place (`materialize_`), so a 12 B-parameter transformer is ready in seconds on a GPU where the classes' own
 initialisation on the CPU takes minutes."""
 
 from __future__ import annotations
@@ -65,12 +65,18 @@ def materialize_(module: torch.nn.Module, device: torch.device, dtype: torch.dty
 def float32_modules(model_class: type, dtype: torch.dtype) -> tuple[str, ...]:
     """The submodules a real load keeps in float32 at ``dtype``: diffusers' ``_keep_in_fp32_modules`` always;
     transformers' ``_keep_in_fp32_modules_strict`` in a half dtype, its ``_keep_in_fp32_modules`` in float16 only."""
-    if model_class.__module__.startswith("diffusers"):
+    if _is_diffusers(model_class):
         return tuple(getattr(model_class, "_keep_in_fp32_modules", None) or ())
     names = list(getattr(model_class, "_keep_in_fp32_modules_strict", None) or ()) if dtype != torch.float32 else []
     if dtype == torch.float16:
         names += list(getattr(model_class, "_keep_in_fp32_modules", None) or ())
     return tuple(names)
+
+
+def _is_diffusers(cls: type) -> bool:
+    from diffusers.models.modeling_utils import ModelMixin
+
+    return issubclass(cls, ModelMixin)
 
 
 def meta_model(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -107,7 +113,7 @@ def model_class(library: str, class_name: str) -> type | None:
 
 def from_config(cls: type, folder: str) -> Callable[[], torch.nn.Module]:
     """What builds ``cls`` from the ``config.json`` in ``folder``, as its ``from_pretrained`` would."""
-    if cls.__module__.startswith("diffusers"):
+    if _is_diffusers(cls):
         config = cls.load_config(folder)  # type: ignore[attr-defined]
         return lambda: cls.from_config(config)  # type: ignore[attr-defined]
     config = cls.config_class.from_pretrained(folder)  # type: ignore[attr-defined]
