@@ -89,7 +89,7 @@ class Scale:
 
 
 FULL = Scale(single=1024, batching=(512, 1024), modes=512, steps={"flux": 28, "qwen-image": 50}, poisson_requests=12)
-REDUCED = Scale(single=64, batching=(32, 64), modes=32, steps={"flux": 2, "qwen-image": 2}, poisson_requests=4)
+REDUCED = Scale(single=64, batching=(64,), modes=64, steps={"flux": 2, "qwen-image": 2}, poisson_requests=4)
 
 
 @dataclass

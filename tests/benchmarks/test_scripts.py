@@ -430,7 +430,7 @@ def test_real_scale_reduced_runs_every_part_on_the_cpu(bench, tmp_path):
     assert (served["model"], served["size"], served["steps"]) == ("FLUX.1-dev", 64, 2)
     assert len(served["served_s"]) == len(served["direct_s"]) == 1 and served["served_s"][0] > 0
     assert served["served_peak_gib"] is None  # no CUDA memory on the CPU
-    assert [(r["size"], r["n"]) for r in result["batching"]] == [(32, 1), (32, 2), (64, 1), (64, 2)]
+    assert [(r["size"], r["n"]) for r in result["batching"]] == [(64, 1), (64, 2)]
     for row in result["batching"]:  # what the server ran (a burst's requests share a batch: timing's business)
         assert row["failed"] == 0 and row["images_per_s"] > 0 and row["gain"] > 0 and 1 <= row["mean_batch"] <= row["n"]
     assert [r["mode"] for r in result["modes"]] == ["request", "step"]
