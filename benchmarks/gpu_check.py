@@ -7,6 +7,7 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
         [--skip-poisson]
         [--skip-speed-knobs] [--speed-knobs-args '...']
         [--skip-quantization] [--quantization-args '...'] [--skip-parallel] [--parallel-args '...'] [--quick]
+    python benchmarks/gpu_check.py --real-scale [--real-scale-args '...'] [--real-scale-timeout 540]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
    (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it
@@ -54,6 +55,15 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
    NCCL, against one process; ``PARALLEL_FULL``): latency alone and images/s at 4 in flight; its results go to
    ``results/<name>-parallel.{json,md}`` and its table is copied here (reported, never an exit code).
 
+7. **Real scale** (``--real-scale``, instead of parts 1 to 6): ``benchmarks/real_scale.py``: FLUX.1-dev and
+   Qwen-Image at their published sizes with random weights (``load_format: dummy``), one request served and called
+   directly against the peers' published seconds, batching, step vs request mode under load, the step caches and
+   ``compile=regional``, peak memory; it keeps to its own ``--budget-s`` (420 s), and is stopped after
+   ``--real-scale-timeout`` (540 s; it then writes what ran); its results go to
+   ``results/<name>-real-scale.{json,md}`` and its tables are copied here. The tiny-model parts are left out: both
+   would not fit one lent machine's 15 minutes. It needs CUDA (exit 2 without, naming the flag); ``--real-scale
+   --quick --device cpu`` runs its reduced smoke configuration.
+
 Pass bars (worst pixel difference against the stock pipeline alone):
 
 - float32: ≤ 2/255. Batching changes only the order of floating-point sums (other GEMM / convolution tilings),
@@ -74,9 +84,9 @@ Pass bars (worst pixel difference against the stock pipeline alone):
   mode equals the blocks alone.
 
 Exit code 1 when a stepper or engine check fails (or raises), 2 on bad arguments (e.g. ``--device cuda`` without
-CUDA); the Poisson and speed-knob parts never change it. ``--quick``: those parts with their own smoke settings
-(step_batching: 32x32, 4 steps, 6 requests, one load; speed_knobs: 4 requests, 2 steps, one rep); the correctness
-checks are the same, so
+CUDA); the Poisson and speed-knob parts never change it; with ``--real-scale``, 1 when that part did not finish.
+``--quick``: those parts with their own smoke settings (step_batching: 32x32, 4 steps, 6 requests, one load;
+speed_knobs: 4 requests, 2 steps, one rep; real_scale.py: ``--reduced``); the correctness checks are the same, so
 ``--device cpu --dtypes float32 --quick`` is the CPU smoke test (tests/benchmarks/test_gpu_check.py).
 """
 
@@ -876,6 +886,14 @@ def run_speed_knobs(args) -> dict[str, Any]:
     return run_script("speed_knobs.py", script_args, name, args.speed_knobs_timeout, ("rows",), args)
 
 
+def run_real_scale(args) -> dict[str, Any]:
+    """real_scale.py: the full-size models with random weights, against the peers' published figures."""
+    script_args = [*(["--reduced"] if args.quick else []), *args.real_scale_args]
+    name = f"{args.name}-real-scale"
+    keys = ("served", "batching", "modes", "knobs", "skipped", "environment")
+    return run_script("real_scale.py", script_args, name, args.real_scale_timeout, keys, args)
+
+
 def run_parallel(args) -> dict[str, Any]:
     """parallel.py on flux-bench: each parallel degree on two GPUs against one process."""
     script_args = ["--family", "flux-bench", "--dtype", "bfloat16", *PARALLEL_FULL, *args.parallel_args]
@@ -914,6 +932,9 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(
             f"TF32 during float32 checks: off (defaults: matmul {env['tf32_matmul']}, cuDNN {env['tf32_cudnn']})."
         )
+    if not summary["correctness"] and summary.get("real_scale") is not None:  # --real-scale: that part alone
+        lines += ["", "Real scale only (`--real-scale`): the tiny-model parts were left out."]
+        return _real_scale_markdown(lines, summary["real_scale"])
     lines += [
         "",
         "## Correctness: step mode against the stock pipeline alone",
@@ -967,6 +988,13 @@ def markdown(summary: dict[str, Any]) -> str:
     ):
         lines += [f"`{parallel['command']}` ({parallel['wall_s']} s); full results in `{parallel['json']}`.", ""]
         lines.append(parallel["table_md"].strip())
+    return "\n".join(lines) + "\n"
+
+
+def _real_scale_markdown(lines: list[str], real_scale: dict[str, Any]) -> str:
+    if _part(lines, real_scale, "Real scale: random weights, published sizes", "--real-scale not given"):
+        lines += [f"`{real_scale['command']}` ({real_scale['wall_s']} s); full results in `{real_scale['json']}`."]
+        lines += ["", real_scale["table_md"].strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -1041,6 +1069,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--parallel-timeout", type=float, default=600.0, help="seconds before the parallel run is stopped"
     )
     parser.add_argument("--parallel-args", default="", help="further parallel.py arguments, e.g. '--variants ...'")
+    parser.add_argument(
+        "--real-scale",
+        action="store_true",
+        help="only the real-scale part: FLUX.1-dev and Qwen-Image at full size with random weights (CUDA)",
+    )
+    parser.add_argument(
+        "--real-scale-timeout", type=float, default=540.0, help="seconds before the real-scale run is stopped"
+    )
+    parser.add_argument(
+        "--real-scale-args", default="", help="further real_scale.py arguments, e.g. '--budget-s 900 --parts served'"
+    )
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     args.dtypes, args.families, args.engine_families, args.audio_families, args.speech_families = (
@@ -1052,6 +1091,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args.poisson_args, args.speed_knobs_args = args.poisson_args.split(), args.speed_knobs_args.split()
     args.quantization_args, args.parallel_args = args.quantization_args.split(), args.parallel_args.split()
+    args.real_scale_args = args.real_scale_args.split()
     if unknown := [d for d in args.dtypes if d not in DTYPES]:
         parser.error(f"unknown dtypes {unknown}; choose from {', '.join(DTYPES)}")
     for option, chosen in (("--families", args.families), ("--engine-families", args.engine_families)):
@@ -1068,6 +1108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = torch.device(args.device)
     except RuntimeError as exc:
         parser.error(f"--device {args.device!r}: {exc}")
+    if args.real_scale and not args.quick and not torch.cuda.is_available():
+        parser.error(
+            "--real-scale runs FLUX.1-dev and Qwen-Image at full size (34 and 57 GB of bfloat16 weights) and needs "
+            "CUDA, which is not available here; --real-scale --quick --device cpu runs its reduced smoke configuration"
+        )
     if args.device.type == "cuda":
         if not torch.cuda.is_available():
             parser.error(
@@ -1082,6 +1127,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif args.device.type != "cpu":
         parser.error(f"--device {args.device}: use cuda, cuda:K or cpu")
     return args
+
+
+def _real_scale_only(args, summary: dict[str, Any], started: float) -> int:
+    """``--real-scale``: that part alone (part 7); exit code 1 when it did not finish."""
+    try:
+        summary["real_scale"] = run_real_scale(args)
+    except Exception:  # noqa: BLE001 - reported
+        summary["real_scale"] = {"ok": False, "error": traceback.format_exc(limit=5), "wall_s": None, "command": ""}
+    done = summary["real_scale"]
+    print(f"[real_scale] {'done' if done['ok'] else done['error']} ({done['wall_s']} s)", flush=True)
+    summary["pass"] = bool(done["ok"])
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    base = write(summary, args.out_dir)
+    print(markdown(summary))
+    print(f"{'PASS' if summary['pass'] else 'FAIL'}; took {summary['wall_s']} s; wrote {base}.json and {base}.md")
+    return 0 if summary["pass"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1105,9 +1166,12 @@ def main(argv: list[str] | None = None) -> int:
         "speed_knobs": None,
         "quantization": None,
         "parallel": None,
+        "real_scale": None,
         "pass": True,
         "wall_s": None,
     }
+    if args.real_scale:
+        return _real_scale_only(args, summary, started)
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     engine_families, audio_families = args.engine_families, args.audio_families
     speech_families = args.speech_families

@@ -75,3 +75,15 @@ def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(
     assert "| speech | orpheus | float32 |" in markdown
     assert result["parallel"] is None  # two ranks need two GPUs: parallel.py's own smoke test is test_scripts.py's
     assert "## Parallel degrees against one process (flux-bench)\n\nSkipped (fewer than 2 GPUs" in markdown
+
+
+def test_the_real_scale_run_without_cuda_is_refused_naming_the_flag(bench, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        bench("gpu_check", "--real-scale", "--out-dir", str(tmp_path))
+    assert info.value.code == 2
+    assert "--real-scale runs FLUX.1-dev and Qwen-Image at full size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        bench("real_scale", "--out-dir", str(tmp_path))
+    assert info.value.code == 2 and "without --reduced, the full size needs CUDA" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran

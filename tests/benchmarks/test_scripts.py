@@ -413,3 +413,32 @@ def test_priority_benchmark_reports_both_classes(bench, tiny_flux, tmp_path):
     for name in ("background", "interactive"):
         assert 0 < rep[name]["p50_ms"] <= rep[name]["p90_ms"]
     assert "| step | priority |" in (tmp_path / "smoke.md").read_text()
+
+
+def test_real_scale_reduced_runs_every_part_on_the_cpu(bench, tmp_path):
+    """The GPU check's real-scale run (benchmarks/real_scale.py) on the families' reduced sizes: one engine after
+    another, each serving the HTTP API from a folder of configs with random weights; every part writes its rows."""
+    bench(
+        "real_scale",
+        *("--reduced", "--families", "flux", "--knobs", "first_block", "--batches", "1,2", "--served-reps", "1"),
+        *("--window-ms", "300"),  # a loaded machine's burst still arrives within it, mostly
+        *("--name", "smoke", "--out-dir", str(tmp_path)),
+    )
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["skipped"] == [] and len(result["engine_ready_s"]) == 4  # served, batching, step mode, first_block
+    [served] = result["served"]
+    assert (served["model"], served["size"], served["steps"]) == ("FLUX.1-dev", 64, 2)
+    assert len(served["served_s"]) == len(served["direct_s"]) == 1 and served["served_s"][0] > 0
+    assert served["served_peak_gib"] is None  # no CUDA memory on the CPU
+    assert [(r["size"], r["n"]) for r in result["batching"]] == [(64, 1), (64, 2)]
+    for row in result["batching"]:  # what the server ran (a burst's requests share a batch: timing's business)
+        assert row["failed"] == 0 and row["images_per_s"] > 0 and row["gain"] > 0 and 1 <= row["mean_batch"] <= row["n"]
+    assert [r["mode"] for r in result["modes"]] == ["request", "step"]
+    assert len({r["rate"] for r in result["modes"]}) == 1  # the same arrivals for both modes
+    assert all(r["failed"] == 0 and r["requests_per_s"] > 0 for r in result["modes"])
+    assert [r["variant"] for r in result["knobs"]] == ["none", "first_block"]
+    assert result["knobs"][1]["skipped_blocks"] >= 0 and result["knobs"][1]["over_none"] > 0
+    markdown = (tmp_path / "smoke.md").read_text()
+    assert markdown.startswith("# Real-scale speed (reduced size: a smoke run, not a measurement)")
+    assert "**Random weights**" in markdown and "| FLUX.1-dev | 64² | 2 |" in markdown
+    assert "| step |" in markdown and "| first_block |" in markdown

@@ -111,6 +111,12 @@ def test_gguf_for_a_model_that_is_not_a_gguf_file_is_refused_naming_the_knob(fol
             r"--cpu-offload 'sequential' \(cli\) moves each submodule's weights by value .* use cpu_offload 'model'",
         ),
         (
+            {"quantization": "int8", "load_format": "dummy"},
+            r"--quantization 'int8' \(cli\) quantizes the weights as they are read from the files, and --load-format "
+            r"is 'dummy' \(cli\), which reads none: use quantization 'fp8_storage' or 'none'",
+        ),
+        ({"load_format": "safetensors"}, r"--load-format 'safetensors': Input should be 'auto' or 'dummy'"),
+        (
             {"quantization": "fp8", "enable_lora": True},
             r"--quantization 'fp8' \(cli\) with --enable-lora True \(cli\): PEFT's LoRA layer on a torchao weight "
             r"takes int8 weights only; serve LoRA with quantization 'int8' or 'fp8_storage'",
@@ -124,6 +130,12 @@ def test_gguf_for_a_model_that_is_not_a_gguf_file_is_refused_naming_the_knob(fol
 def test_refusals_name_each_knob_as_written(knobs, message):
     with pytest.raises(ValueError, match=message):
         resolve_stage_configs(global_knobs=knobs, global_source="cli")
+
+
+def test_random_weights_take_fp8_storage_which_casts_them_after_the_load():
+    stage = resolve_stage_configs(global_knobs={"load_format": "dummy", "quantization": "fp8_storage"})[0]
+    assert (stage.load_format, stage.quantization) == ("dummy", "fp8_storage")
+    assert "load_format='dummy' (python)" in stage.describe()
 
 
 def test_lora_with_int8_or_fp8_storage_and_a_model_offload_resolve():

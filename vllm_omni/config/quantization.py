@@ -20,6 +20,10 @@ QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
 GGUF_SOURCE: Final = "model"
 """The provenance of ``quantization: gguf`` that a ``.gguf`` model file set."""
 
+LOADING_MODES = ("int8", "fp8", "nf4", "gguf")
+"""The modes that quantize the weights as they are read from the files (``fp8_storage`` casts them after the
+load)."""
+
 LORA_MODES = ("none", "int8", "fp8_storage", "gguf")
 """The modes whose quantized layers serve LoRA adapters per row (PEFT's torchao layer takes int8 weights only;
 bitsandbytes' LoRA layers are not per-row layers here; a GGUF layer is an ``nn.Linear`` that PEFT wraps as any
@@ -77,6 +81,12 @@ def check_quantization(
                 f"stage {stage_id}: {written('quantize_components')}: a GGUF file quantizes the denoiser it holds, "
                 "and nothing else; remove quantize_components"
             )
+    if mode in LOADING_MODES and values["load_format"] == "dummy":
+        raise ValueError(
+            f"stage {stage_id}: {written('quantization')} quantizes the weights as they are read from the files, "
+            f"and {written('load_format', 'is ')}, which reads none: use quantization 'fp8_storage' or 'none', or "
+            "load_format 'auto'"
+        )
     if mode != "none" and values["cpu_offload"] == "sequential":
         raise ValueError(
             f"stage {stage_id}: {written('cpu_offload')} moves each submodule's weights by value through accelerate's "

@@ -44,6 +44,9 @@ checker: `STAGE_TYPES`' keys in its order (tests/config/test_stage_graph.py chec
 CpuOffload = Literal["none", "model", "sequential"]
 """diffusers' CPU offload: none, whole components (``model``) or submodules (``sequential``) moved to the GPU to run."""
 
+LoadFormat = Literal["auto", "dummy"]
+"""Where the weights come from: the model's files, or random ones built from its configs (vLLM's ``dummy``)."""
+
 CompileMode = Literal["none", "regional", "full"]
 """torch.compile of the denoiser: none, its repeated blocks (diffusers' ``compile_repeated_blocks``), or whole."""
 
@@ -176,6 +179,16 @@ class StageDeployConfig(BaseModel):
     dtype: Annotated[DType, Knob("pipeline", flag="vllm")] = "auto"
     """Weights and activations dtype. ``auto`` is bfloat16 on CUDA (float16 where bf16 is not supported) and float32
     on CPU. Not on ``llm`` stages (vLLM's ``dtype`` goes into ``engine_args``)."""
+
+    load_format: Annotated[LoadFormat, Knob("pipeline", flag="vllm")] = "auto"
+    """Where the weights come from. ``auto``: the model's files. ``dummy``: none are read; each diffusers or
+    transformers component is built from its ``config.json`` with random weights, on the stage's device, in
+    ``dtype`` (vLLM's ``--load-format dummy``): the same classes and shapes, so the same work and memory, with noise
+    for outputs. For speed measured at full size from a folder of configs and tokenizers alone (``vllm-omni
+    make-tiny-model DIR --family flux --full-size --configs-only``; [performance.md](performance.md#real-scale-speed)).
+    Refused with the ``quantization`` modes that quantize weights as they are read (``fp8_storage`` is taken);
+    sleep level 2 is refused then (its wake-up rereads the files). vLLM's ``--load-format`` (its other values are
+    refused)."""
 
     enable_lora: Annotated[bool, Knob("lora", flag="vllm")] = False
     """Serve LoRA adapters. Giving ``lora_modules`` turns it on; it is needed alone only for adapters loaded later

@@ -422,7 +422,8 @@ class OmniEngine:
         """Put every replica of every diffusers stage to sleep at ``level`` (diffusion/features/sleep.py), stage by
         stage; returns once all sleep, their running batches finished. Requests that arrive meanwhile wait."""
         for stage in self.stages:
-            check_level(level, stage.stage_config.cpu_offload, stage.stage_config.quantization)
+            config = stage.stage_config
+            check_level(level, config.cpu_offload, config.quantization, config.load_format)
         with self._sleep_lock:  # one sleep or wake-up at a time, so that every stage ends in the same state
             for stage in self._sleepers:
                 wait(stage.call("sleep", level))

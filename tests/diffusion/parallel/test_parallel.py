@@ -58,6 +58,25 @@ def test_ulysses_2_on_two_gloo_ranks_gives_the_single_process_image(request, fam
     assert np.abs(again - reference).max() > 2 / 255  # another seed: the group runs each call anew
 
 
+def test_random_weights_are_drawn_alike_on_every_rank(tmp_path):
+    """``load_format: dummy`` on a folder of configs: each rank draws the weights itself, seeded, so two Ulysses ranks
+    give the image that one process gives with them."""
+    from vllm_omni.diffusion.pipeline.dummy_weights import dummy_components, pipeline_loader
+    from vllm_omni.testing.full_size import make_full_size_model
+
+    model = make_full_size_model(tmp_path / "flux", "flux", configs_only=True, size="reduced")
+    built = dummy_components(model, torch.float32, torch.device("cpu"))
+    alone = pipeline_loader({"_class_name": "FluxPipeline"}, True).from_pretrained(model, dtype=torch.float32, **built)
+    reference = _pixels(alone(**_call("flux"), generator=torch.Generator().manual_seed(7)), "flux")
+    group = RankGroup(model, ulysses_degree=2, load_format="dummy")
+    try:
+        pixels = _pixels(group.call(generator=torch.Generator().manual_seed(7), **_call("flux")), "flux")
+    finally:
+        group.close()
+    assert pixels.shape == reference.shape and reference.std() > 0
+    assert np.abs(pixels - reference).max() <= 2 / 255
+
+
 def test_a_failed_call_is_reported_and_the_group_serves_the_next(tiny_flux):
     group = RankGroup(tiny_flux, ulysses_degree=2)
     try:

@@ -266,6 +266,17 @@ def test_trust_remote_code_is_vllms_flag_and_a_stage_knob(parser, tiny_flux):
     assert (stages[0].trust_remote_code, stages[0].provenance["trust_remote_code"]) == (False, "default")
 
 
+def test_load_format_is_vllms_flag_and_a_stage_knob_taking_our_values(parser, tiny_flux, capsys):
+    _, stages, _ = _config(parser, [tiny_flux, "--load-format", "dummy"])
+    assert (stages[0].load_format, stages[0].provenance["load_format"]) == ("dummy", "cli")
+    _, stages, _ = _config(parser, [tiny_flux])
+    assert (stages[0].load_format, stages[0].provenance["load_format"]) == ("auto", "default")
+    # vLLM's parser takes its own formats; the resolver takes ours, naming the flag
+    assert "--load-format 'safetensors': Input should be 'auto' or 'dummy'" in _error(
+        parser, [tiny_flux, "--load-format", "safetensors"], capsys
+    )
+
+
 def test_scheduling_policy_is_vllms_flag_and_a_stage_knob_with_provenance(parser, tiny_flux, capsys):
     _, stages, _ = _config(parser, [tiny_flux, "--scheduling-policy", "priority"])
     assert (stages[0].scheduling_policy, stages[0].provenance["scheduling_policy"]) == ("priority", "cli")

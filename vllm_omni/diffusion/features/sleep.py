@@ -41,10 +41,11 @@ _MEMORY_TAGS = frozenset({"weights", "kv_cache"})
 """What a sleep of level 1 or 2 puts to sleep; the engine serves again once none is asleep."""
 
 
-def check_level(level: object, cpu_offload: str = "none", quantization: str = "none") -> int:
+def check_level(level: object, cpu_offload: str = "none", quantization: str = "none", load_format: str = "auto") -> int:
     """``level`` if it is one of `SLEEP_LEVELS`, else `SleepModeError` naming the allowed values (and level 2 under
-    sequential CPU offload, whose hooks hold the weights where it cannot drop them, or of a GGUF model, whose
-    denoiser has no safetensors files to reload from)."""
+    sequential CPU offload, whose hooks hold the weights where it cannot drop them, of a GGUF model, whose
+    denoiser has no safetensors files to reload from, or of random weights, ``load_format`` ``dummy``, which no file
+    holds)."""
     if not isinstance(level, int) or isinstance(level, bool) or level not in SLEEP_LEVELS:
         raise SleepModeError("level", f"level must be one of {', '.join(map(str, SLEEP_LEVELS))}; got {level!r}")
     if level == 2 and cpu_offload == "sequential":
@@ -56,6 +57,12 @@ def check_level(level: object, cpu_offload: str = "none", quantization: str = "n
             "level",
             "level 2 drops the weights and wake_up reloads them from each component's safetensors files; the GGUF "
             "denoiser (quantization 'gguf') has none, only its .gguf file's quantized blocks: use level 1",
+        )
+    if level == 2 and load_format == "dummy":
+        raise SleepModeError(
+            "level",
+            "level 2 drops the weights and wake_up reloads them from the model's files; load_format 'dummy' made "
+            "random ones that no file holds: use level 1",
         )
     return level
 
@@ -256,7 +263,8 @@ def _read_safetensors(folder: str, keys: list[str]) -> Iterator[tuple[str, torch
 def sleep(core, level: int = 1) -> Future:
     """Sleep at ``level`` (`PipelineSleep`) once the requests in progress have finished: from then on no request
     starts (those that arrive wait) until `wake_up`; calls still run. The future is done once it sleeps."""
-    check_level(level, core.od_config.stage.cpu_offload, core.od_config.stage.quantization)
+    stage = core.od_config.stage
+    check_level(level, stage.cpu_offload, stage.quantization, stage.load_format)
     core.runner.refuse("sleep", level)  # the extensions' refusals: a replica of ranks, quantized weights
     return core.scheduler.call(lambda: _sleep(core, level), drain=True)
 

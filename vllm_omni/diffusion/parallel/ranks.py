@@ -14,6 +14,7 @@ does not run)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import multiprocessing
 import os
@@ -34,6 +35,7 @@ from vllm_omni.diffusion.features.sde import SdeSettings
 from vllm_omni.diffusion.parallel.cfg import enable_cfg_parallel
 from vllm_omni.diffusion.parallel.vae_patch import enable_vae_patch_parallel
 from vllm_omni.diffusion.pipeline.components import loaded_denoisers
+from vllm_omni.diffusion.pipeline.dummy_weights import dummy_components, pipeline_loader
 from vllm_omni.diffusion.pipeline.extension import Extension
 from vllm_omni.diffusion.pipeline.noise import draws_brownian_noise
 from vllm_omni.errors import SamplingParamsError, SleepModeError, WeightUpdateError
@@ -152,8 +154,6 @@ def _next_call(inbox, owner: int) -> dict[str, Any] | None:
 
 def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, outbox) -> None:
     """One rank: join the group, load the pipeline, then run every call put in its inbox until ``None``."""
-    from diffusers import DiffusionPipeline
-
     if setup["torch_threads"] is not None:
         torch.set_num_threads(setup["torch_threads"])
     cuda = torch.cuda.is_available()
@@ -167,8 +167,12 @@ def _rank_main(rank: int, world: int, port: int, setup: dict[str, Any], inbox, o
     devices = setup["devices"].split(",") if setup["devices"] else range(world)
     device = torch.device("cuda", int(devices[rank])) if cuda else torch.device("cpu")
     try:
-        pipeline = DiffusionPipeline.from_pretrained(
-            setup["model"], dtype=setup["dtype"], local_files_only=True, trust_remote_code=setup["trust_remote_code"]
+        model, dtype = setup["model"], setup["dtype"]
+        dummies = dummy_components(model, dtype, device) if setup["load_format"] == "dummy" else {}
+        with open(os.path.join(model, "model_index.json"), encoding="utf-8") as index:
+            loader = pipeline_loader(json.load(index), bool(dummies))
+        pipeline = loader.from_pretrained(
+            model, dtype=dtype, local_files_only=True, trust_remote_code=setup["trust_remote_code"], **dummies
         ).to(device)
         pipeline.set_progress_bar_config(disable=True)
         ulysses, ring, cfg = setup["ulysses_degree"], setup["ring_degree"], setup["cfg_parallel_size"]
@@ -258,6 +262,7 @@ class RankGroup:
         timeout_s: float = 300.0,
         devices: str | None = None,
         trust_remote_code: bool = False,
+        load_format: str = "auto",
     ):
         check_not_bootstrapping()
         _check_degrees(cfg_parallel_size, ulysses_degree, ring_degree, vae_patch_parallel_size, dtype)
@@ -277,6 +282,7 @@ class RankGroup:
             timeout_s=timeout_s,
             devices=devices,
             trust_remote_code=trust_remote_code,
+            load_format=load_format,  # dummy: every rank draws the same weights (`dummy_weights.SEED`)
         )
         # Forked from this process's forkserver, a process that has run no torch op (no OpenMP team and no CUDA
         # context is forked). Its preload, where the process set one (the tests' forkserver
@@ -318,6 +324,7 @@ class RankGroup:
             torch_threads=None if threads is None else max(1, threads // world),
             devices=stage.devices,
             trust_remote_code=stage.trust_remote_code,
+            load_format=stage.load_format,
         )
 
     def _receive(self, what: str) -> Any:

@@ -22,6 +22,7 @@ from vllm_omni.diffusion.features.quantization import QuantizationExtension, Qua
 from vllm_omni.diffusion.features.step_cache import CallCache, StepCache, StepCacheExtension
 from vllm_omni.diffusion.lora.adapters import LoraAdapters, LoraExtension
 from vllm_omni.diffusion.parallel.ranks import RanksExtension
+from vllm_omni.diffusion.pipeline.dummy_weights import dummy_components, pipeline_loader
 from vllm_omni.diffusion.pipeline.extensions import CompileExtension, Extensions, StepHook
 from vllm_omni.diffusion.pipeline.image_inputs import fitted_inputs
 from vllm_omni.diffusion.pipeline.noise import noise_per_request
@@ -82,13 +83,13 @@ def load_pipeline(
     cpu_offload: str = "none",
     quantization: QuantizationPlan | None = None,
     trust_remote_code: bool = False,
+    load_format: str = "auto",
 ):
     """The pipeline on ``device`` (or offloaded to the CPU, moving to ``device`` to run), without the components
     named in ``skips``, its components quantized as ``quantization`` plans (`QuantizationPlan`);
-    ``trust_remote_code``: diffusers may run the folder's own pipeline or component code (the stage's knob)."""
-    import diffusers
-    from diffusers import DiffusionPipeline
-
+    ``trust_remote_code``: diffusers may run the folder's own pipeline or component code (the stage's knob);
+    ``load_format`` ``dummy``: its model components built from their configs with random weights
+    (`dummy_components`), on the CPU under offload."""
     # transformers loads a model's weights on a pool of worker threads unless this is set: torch ops on other
     # threads than the engine's (see EngineReplica), whose OpenMP teams slow every later forward.
     os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
@@ -102,11 +103,10 @@ def load_pipeline(
         for name in held_as_gguf
         if name not in skipped
     }
-    # DiffusionPipeline.from_pretrained loads an optional component (Wan's transformer) from the folder even when it
-    # is passed or skipped; the pipeline's own class does not, and a GGUF denoiser's folder holds no weights.
-    loader = getattr(diffusers, components["_class_name"]) if held_as_gguf else DiffusionPipeline
     quantized = {} if quantization is None else {"quantization_config": quantization.pipeline_config()}
-    pipeline = loader.from_pretrained(
+    built_on = device if cpu_offload == "none" else torch.device("cpu")
+    dummies = dummy_components(model, dtype, built_on, skips) if load_format == "dummy" else {}
+    pipeline = pipeline_loader(components, bool(held_as_gguf or dummies)).from_pretrained(
         model,
         dtype=dtype,
         local_files_only=True,
@@ -114,6 +114,7 @@ def load_pipeline(
         **skipped,
         **ggufs,
         **quantized,
+        **dummies,
     )
     pipeline.set_progress_bar_config(disable=True)
     if quantization is not None:
@@ -164,7 +165,8 @@ class DiffusionRunner:
         """What the stage holds quantized (``quantization``, or a folder saved quantized)."""
         device = self.device if self.group is None else torch.device("cpu")
         self.pipeline = load_pipeline(
-            od_config.model, self.dtype, device, skips, stage.cpu_offload, self.quantization, stage.trust_remote_code
+            *(od_config.model, self.dtype, device, skips, stage.cpu_offload, self.quantization),
+            *(stage.trust_remote_code, stage.load_format),
         )
         set_vae_memory(self.pipeline, stage.vae_tiling, stage.vae_slicing)
         self.extensions.on_load(self.pipeline)

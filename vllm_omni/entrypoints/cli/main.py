@@ -81,14 +81,37 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
         "sd3, wan) in the original key layout, quantized by the gguf package, as city96's GGUFs. Serve it with "
         "--model-config DIR.",
     )
+    _add_full_size_args(tiny)
     tiny.add_argument("--omni", action="store_true", help=argparse.SUPPRESS)
     tiny.set_defaults(func=functools.partial(_make_tiny_model, tiny))
+
+
+def _add_full_size_args(tiny: argparse.ArgumentParser) -> None:
+    """``--full-size`` and ``--configs-only``: the published configuration instead of the tiny one."""
+    tiny.add_argument(
+        "--full-size",
+        action="store_true",
+        help="Write the published configuration instead (flux: FLUX.1-dev, qwen-image: Qwen-Image, wan: "
+        "Wan2.1-T2V-14B) with random bfloat16 weights drawn on the GPU where there is one (FLUX.1-dev: 34 GB of "
+        "files); for speed measured at full size.",
+    )
+    tiny.add_argument(
+        "--configs-only",
+        action="store_true",
+        help="With --full-size: write the configs, tokenizers and scheduler alone (no weights, under a MB), to serve "
+        "with --load-format dummy, which draws the random weights on the stage's device.",
+    )
 
 
 def _make_tiny_model(tiny: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``vllm-omni make-tiny-model``: the pipeline, then each extra file asked for, printing each path written."""
     _check_lora_args(tiny, args)
     _check_layout_args(tiny, args)
+    if _check_full_size_args(tiny, args):
+        from vllm_omni.testing.full_size import make_full_size_model
+
+        print(make_full_size_model(args.dir, args.family, configs_only=args.configs_only), flush=True)
+        return
 
     from vllm_omni.testing.tiny import make_tiny_model
 
@@ -144,6 +167,29 @@ def _check_layout_args(tiny: argparse.ArgumentParser, args: argparse.Namespace) 
             f"argument --gguf: a GGUF holds a denoiser alone in its original layout, and family {args.family!r} has "
             f"no such layout here (families with one: {', '.join(DENOISER_ONLY_FAMILIES)})"
         )
+
+
+def _check_full_size_args(tiny: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Whether ``--full-size`` is asked for, refused, before anything is written, for a family without one and
+    beside the options that write the tiny model's extra files; ``--configs-only`` needs it."""
+    if args.configs_only and not args.full_size:
+        tiny.error("argument --configs-only: needs --full-size")
+    if not args.full_size:
+        return False
+    from vllm_omni.testing.full_size import FULL_SIZE
+
+    if args.family not in FULL_SIZE:
+        tiny.error(
+            f"argument --full-size: family {args.family!r} has none here (families with one: {', '.join(FULL_SIZE)})"
+        )
+    extras = [
+        flag
+        for flag, given in (("--lora", args.lora), ("--single-file", args.single_file), ("--gguf", args.gguf))
+        if given
+    ]
+    if extras:
+        tiny.error(f"argument --full-size: {', '.join(extras)} write the tiny model's extra files; leave them out")
+    return True
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ _USED_VLLM_FLAGS = frozenset(
         *("revision", "download_dir", "hf_token"),
         *("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
         "quantization",
+        "load_format",
         "tensor_parallel_size",
         "profiler_config",
         "otlp_traces_endpoint",
@@ -347,8 +348,9 @@ def _stage_knobs(args: argparse.Namespace, explicit: set[str]) -> dict:
     given = {name: getattr(args, name) for name in ("max_num_seqs", "distributed_executor_backend", *_OMNI_STAGE_FLAGS)}
     if "dtype" in explicit:
         given["dtype"] = _VLLM_DTYPES.get(args.dtype, args.dtype)
-    if "quantization" in explicit:  # vLLM's flag takes any text; the resolver checks it against our values
-        given["quantization"] = args.quantization
+    for name in ("quantization", "load_format"):  # vLLM's flags take its values; the resolver checks ours
+        if name in explicit:
+            given[name] = getattr(args, name)
     # vLLM's flags that are knobs here, parsed by vLLM (--lora-modules as name=path or JSON), taken only when given:
     # its defaults are not ours, or not from our layer (provenance).
     given.update(
