@@ -104,7 +104,7 @@ def test_a_request_preempted_again_and_again_ends_as_it_does_unpreempted(request
     urgent = [(1, "urgent0", _params(engine, 0, seed=4, steps=2)), (3, "urgent1", _params(engine, -1, seed=5, steps=2))]
     got = run.until_done(urgent)["low"]
     assert _counted(engine, "vllm_omni:num_preemptions_total") == 2
-    assert run.preempted_at == [2, 4]  # the urgent one is encoded at the boundary it came, and preempts at the next
+    assert run.preempted_at == [1, 3]  # the urgent one is encoded at the boundary it came, and preempts there
     assert np.array_equal(_pixels(got), _pixels(want))
     for name in ("trajectory_latents", "trajectory_log_probs", "trajectory_timesteps"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -134,7 +134,7 @@ def test_a_step_cache_and_sde_in_batches_that_change_shape(tiny_flux):
     run = _Run(engine, "b")
     requests(run)
     got = run.until_done([(1, "urgent", _params(engine, 0, seed=3, steps=3))])
-    assert run.preempted_at == [2] and _counted(engine, "vllm_omni:num_preemptions_total") == 1
+    assert run.preempted_at == [1] and _counted(engine, "vllm_omni:num_preemptions_total") == 1
     assert skipped_apart > 0
     assert _counted(engine, "vllm_omni:cache_skipped_steps_total") - skipped - skipped_apart == skipped_apart
     for name in ("a", "b", "urgent"):
@@ -157,5 +157,5 @@ def test_a_split_denoise_stage_preempts_and_hands_on_the_same_latents(tiny_flux)
     run = _Run(engine, "low")
     run.add("low", low, low_prompt)
     got = run.until_done([(2, "urgent", urgent)], payload=urgent_prompt)["low"].payload
-    assert run.preempted_at == [3]
+    assert run.preempted_at == [2]
     assert torch.equal(got.latents, want.latents)

@@ -107,13 +107,13 @@ def test_encode_and_decode_on_side_workers_give_the_same_results(tiny_flux):
     [stage] = resolve_stage_configs(global_knobs={"max_num_seqs": 4, "execution_mode": "step"})
     engine = StepEngine(OmniDiffusionConfig.from_stage(tiny_flux, stage), ROLES["diffusion"], side_workers=True)
     threads = []
-    prepare = engine.role.stepper.prepare
+    encode = engine.role.stepper.encode
 
-    def recording_prepare(*args):
+    def recording_encode(*args):
         threads.append(threading.current_thread().name)
-        return prepare(*args)
+        return encode(*args)
 
-    engine.role.stepper.prepare = recording_prepare
+    engine.role.stepper.encode = recording_encode
     try:
         # Straight to the engine, past admission: the parameters are complete already (Flux's default guidance).
         futures = [
@@ -137,3 +137,40 @@ def test_encode_and_decode_on_side_workers_give_the_same_results(tiny_flux):
             generator=[torch.Generator("cpu").manual_seed(i)],
         ).images[0]
         assert np.abs(np.round(output.images[0] * 255) - np.round(stock * 255)).max() <= 2
+
+
+def test_requests_encoded_at_a_boundary_take_its_step_together(tiny_flux):
+    """Encoded on the loop's thread (the CPU arrangement): the prompts waiting at a boundary are encoded in one call,
+    and those that arrive meanwhile (a closed loop's other clients, moments behind the first) in the next, and all
+    of them take that boundary's step: they step, finish and are decoded as one group, not a step apart."""
+    from vllm_omni.config import OmniDiffusionConfig, resolve_stage_configs
+    from vllm_omni.diffusion.engine.roles import ROLES
+    from vllm_omni.diffusion.engine.step_mode import StepEngine
+
+    [stage] = resolve_stage_configs(global_knobs={"max_num_seqs": 4, "execution_mode": "step"})
+    engine = StepEngine(OmniDiffusionConfig.from_stage(tiny_flux, stage), ROLES["diffusion"], side_workers=False)
+    encoded: list[list[str]] = []
+    encode = engine.role.stepper.encode
+
+    def add(i: int):
+        return engine.add_request(f"r{i}", PROMPTS[i], _params(2, seed=i, guidance_scale=3.5))
+
+    def encode_while_others_arrive(prompts, params):
+        encoded.append(list(prompts))
+        if len(encoded) == 1:
+            futures.extend(add(i) for i in range(2, 4))
+        return encode(prompts, params)
+
+    engine.role.stepper.encode = encode_while_others_arrive
+    try:
+        futures = [add(0), add(1)]
+        assert engine.step() == 4
+        assert encoded == [PROMPTS[:2], PROMPTS[2:]]
+        assert [engine.scheduler.state(f"r{i}")[1].steps_done for i in range(4)] == [1] * 4
+        while not all(f.done() for f in futures):
+            engine.step(timeout=0.05)
+        outputs = [f.result() for f in futures]
+    finally:
+        engine.close()
+        engine.shutdown()
+    assert [(o.metrics.batch_size, o.metrics.steps) for o in outputs] == [(4.0, 2)] * 4

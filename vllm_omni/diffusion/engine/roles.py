@@ -118,8 +118,13 @@ class StageRole:
         failed that request alone."""
         raise NotImplementedError
 
-    def begin(self, request: DiffusionRequest) -> StepState:
-        """A request's denoising state: noise and its own schedule around its encoded prompt."""
+    def begin_key(self, request: DiffusionRequest) -> Hashable:
+        """What must match for requests to `begin` together (step mode groups the requests it starts by it)."""
+        return None
+
+    def begin(self, requests: list[DiffusionRequest]) -> list[StepState]:
+        """Each request's denoising state: noise and its own schedule around its encoded prompt (requests of one
+        `begin_key`)."""
         raise NotImplementedError(f"a {self.stage_type} stage does not denoise")
 
     def end(self, requests: list[DiffusionRequest]) -> list[Any]:
@@ -130,9 +135,9 @@ class StageRole:
         """Request mode of a role that denoises: the batch runs its steps together, one forward per step over the
         requests that still have steps (each on its own schedule), until all are done or all are aborted."""
         failed: dict[int, BaseException] = {}
-        for request in batch:
-            request.state = self.begin(request)
-            request.total_steps = len(request.state.timesteps)
+        for request, state in zip(batch, self.begin(batch), strict=True):
+            request.state = state
+            request.total_steps = len(state.timesteps)
         while not all(request.aborted for request in batch):
             pending = [r for r in batch if id(r) not in failed and not r.state.done]
             if not pending:
@@ -170,8 +175,18 @@ class DiffusionRole(StageRole):
     def run(self, batch: list[DiffusionRequest]) -> list[list[Any]]:
         return self.runner.run(batch, self.previews)
 
-    def begin(self, request: DiffusionRequest) -> StepState:
-        return _sampling(self.stepping.prepare(request.prompt, request.params, request.seed), request)
+    def begin_key(self, request: DiffusionRequest) -> Hashable:
+        return self.stepping.encode_key(self.stepping.card, request.params)
+
+    def begin(self, requests: list[DiffusionRequest]) -> list[StepState]:
+        # One text-encoder call for all the prompts, as a request-mode batch encodes them: on small models the
+        # calls' fixed cost, paid once per request, was step mode's largest cost beside the forwards.
+        stepper = self.stepping
+        conditionings = stepper.encode([r.prompt for r in requests], [r.params for r in requests])
+        return [
+            _sampling(stepper.start(conditioning, r.params, r.seed), r)
+            for conditioning, r in zip(conditionings, requests, strict=True)
+        ]
 
     def end(self, requests: list[DiffusionRequest]) -> list[list[Any]]:
         return self.stepping.decode([request.state for request in requests])
@@ -203,8 +218,8 @@ class DenoiseRole(StageRole):
     def run(self, batch: list[DiffusionRequest]) -> list[Any]:
         return self._denoise(batch)
 
-    def begin(self, request: DiffusionRequest) -> StepState:
-        return _sampling(self.stepping.start(request.payload, request.params, request.seed), request)
+    def begin(self, requests: list[DiffusionRequest]) -> list[StepState]:
+        return [_sampling(self.stepping.start(r.payload, r.params, r.seed), r) for r in requests]
 
     def end(self, requests: list[DiffusionRequest]) -> list[Latents]:
         return [

@@ -163,8 +163,8 @@ class BatchScheduler:
         self.paused = False
         """Whether the engine sleeps: no request starts until `pause` (False)."""
         self.on_schedule: Callable[[list[DiffusionRequest]], None] | None = None
-        """Told of each batch `schedule` starts (step mode: each step's, `StepBatchScheduler.plan`), before it runs:
-        the engine's metrics observe the scheduler there."""
+        """Told of each batch `schedule` starts, before it runs: the request engine's metrics observe the scheduler
+        there (the step engine observes each step's batch itself, once late joiners are in)."""
 
     def call(self, fn: Callable[[], Any], *, drain: bool = False) -> Future:
         """Run ``fn`` on the engine's thread at the next batch or step boundary; the future holds its result.
@@ -518,15 +518,11 @@ class StepBatchScheduler(BatchScheduler):
             _fail(request, StageUnavailableError(self.stage_id, why, request.request_id))
 
     def plan(self, timeout: float | None = None) -> StepPlan:
-        """Block until there is work (an encode to start, a batch to step, an abort) and return it (telling
-        `on_schedule` of the batch it steps).
+        """Block until there is work (an encode to start, a batch to step, an abort) and return it.
 
         With requests running it never blocks: the running batch is stepped at once.
         """
-        plan = self._next_plan(timeout)
-        if plan.batch and self.on_schedule is not None:
-            self.on_schedule(plan.batch)
-        return plan
+        return self._next_plan(timeout)
 
     def _next_plan(self, timeout: float | None) -> StepPlan:
         give_up = None if timeout is None else self._clock() + timeout

@@ -12,12 +12,14 @@ joins or leaves does not stall the requests in flight: all three threads queue w
 stream, the GPU interleaves it, and the loop thread never waits for an encode or a decode. On the CPU
 they run on the loop thread between steps instead: there they would share the loop's cores, and each
 extra OpenMP master thread made every forward ~40 % slower (docs/performance.md), which costs more than
-the stall.
+the stall. There the requests encoded at a boundary join its forward (`StepEngine._schedule`), and the prompts
+that start at one boundary are encoded in one text-encoder call per encode key, as a request-mode batch's are.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -27,7 +29,7 @@ from vllm_omni.config import OmniDiffusionConfig
 from vllm_omni.diffusion.engine.core import EngineCore
 from vllm_omni.diffusion.engine.denoise import denoise_step, run_isolated
 from vllm_omni.diffusion.engine.request import DiffusionRequest
-from vllm_omni.diffusion.engine.scheduler import StepBatchScheduler
+from vllm_omni.diffusion.engine.scheduler import StepBatchScheduler, StepPlan
 from vllm_omni.diffusion.families.steppers.state import kept_nbytes
 from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
@@ -47,7 +49,6 @@ class StepEngine(EngineCore):
     def __init__(self, od_config: OmniDiffusionConfig, role: type[StageRole], *, side_workers: bool | None = None):
         """``side_workers``: encode and decode on worker threads beside the loop; ``None``: on CUDA only."""
         super().__init__(od_config, StepBatchScheduler(od_config, measure=kept_nbytes), role)
-        self.scheduler.on_schedule = self._stepping
         self.metrics.preempted_state_bytes.set_function(lambda: self.scheduler.kept_bytes)
         if side_workers is None:
             side_workers = self.runner.device.type == "cuda"
@@ -64,8 +65,9 @@ class StepEngine(EngineCore):
         """One step boundary: schedule (start the encodes the plan asks for, drop aborted requests), run one forward
         over the running requests, finish those done (to the decoder); returns how many requests it stepped (0 if
         none in ``timeout``)."""
-        batch = self._schedule(timeout)  # observed by `_stepping`
+        batch = self._schedule(timeout)
         if batch:
+            self.metrics.batch_num_requests.observe(len(batch))
             self._run(batch)
             self._retire(batch)
         return len(batch)
@@ -75,8 +77,24 @@ class StepEngine(EngineCore):
         the aborted ones have been dropped."""
         self.scheduler.run_calls()
         plan = self.scheduler.plan(timeout)
-        for request in plan.to_prepare:
-            _run_on(self._encoder, self._begin, request)
+        while True:
+            self._start(plan)
+            if not plan.to_prepare or self._encoder is not None:
+                return plan.batch
+            # Encoded here and now: they join this step, and so do those that arrived while they were encoded (a
+            # closed loop's other clients, moments behind the first). Stepped a step later, they would form a second
+            # group a step behind the first for as long as the loop runs, each group with forwards, text-encoder and
+            # VAE calls of its own. Bounded: the encode look-ahead stops at max_num_seqs waiting requests.
+            plan = self.scheduler.plan(0)
+
+    def _start(self, plan: StepPlan) -> None:
+        """Start the encodes ``plan`` asks for (one `_begin` per `StageRole.begin_key`), fail the aborted requests it
+        dropped and count the preempted ones."""
+        groups: dict[Hashable, list[DiffusionRequest]] = {}
+        for request in plan.to_prepare:  # best first, within each group too
+            groups.setdefault(self.role.begin_key(request), []).append(request)
+        for group in groups.values():
+            _run_on(self._encoder, self._begin, group)
         for request in plan.dropped:
             self.scheduler.complete(request, RequestAbortedError(request.request_id))
         if plan.preempted:
@@ -88,11 +106,6 @@ class StepEngine(EngineCore):
                     request.steps_done,
                     request.kept_bytes,
                 )
-        return plan.batch
-
-    def _stepping(self, batch: list[DiffusionRequest]) -> None:
-        """The scheduler's observer: a step of ``batch`` is about to run."""
-        self.metrics.batch_num_requests.observe(len(batch))
 
     def _run(self, batch: list[DiffusionRequest]) -> None:
         """One denoising step of ``batch`` (`denoise_step`, inside the extensions' `Extensions.around_step`)."""
@@ -110,20 +123,32 @@ class StepEngine(EngineCore):
             self.scheduler.retire(done)
             _run_on(self._decoder, self._finish, done)
 
-    def _begin(self, request: DiffusionRequest) -> None:
-        """The request's denoising state from its role (on the encode worker, where there is one)."""
-        request.started_time = time.monotonic()
-        self.metrics.queue_time.observe(request.started_time - request.arrival_time)
-        try:
-            with torch.inference_mode(), self.timer.recording([request]):
-                self.runner.load_adapters([request], keep=self.scheduler.adapters_in_use())
-                state = self.role.begin(request)
-        except Exception as exc:  # noqa: BLE001 - fails this request only
-            logger.warning("encoding request %s failed: %s: %s", request.request_id, type(exc).__name__, exc)
-            self.scheduler.fail_waiting(request, exc)
-            return
-        request.total_steps = len(state.timesteps)
-        self.scheduler.prepared(request, state)  # dropped if aborted, cancelled or shut down meanwhile
+    def _begin(self, requests: list[DiffusionRequest]) -> None:
+        """The denoising states of requests of one `StageRole.begin_key`, from their role in one call (on the encode
+        worker, where there is one); a request whose encoding fails (alone: `run_isolated`) fails by itself."""
+        started = time.monotonic()
+        for request in requests:
+            request.started_time = started
+            self.metrics.queue_time.observe(started - request.arrival_time)
+
+        def begin(group: list[DiffusionRequest]) -> list:
+            with torch.inference_mode(), self.timer.recording(group):
+                self.runner.load_adapters(group, keep=self.scheduler.adapters_in_use())
+                return self.role.begin(group)
+
+        states = run_isolated(
+            begin,
+            requests,
+            what="encoding of request",
+            name=lambda r: r.request_id,
+            on_oom_split=self.runner.release_cached_memory,
+        )
+        for request, state in zip(requests, states, strict=True):
+            if isinstance(state, BaseException):
+                self.scheduler.fail_waiting(request, state)
+            else:
+                request.total_steps = len(state.timesteps)
+                self.scheduler.prepared(request, state)  # dropped if aborted, cancelled or shut down meanwhile
 
     def _finish(self, requests: list[DiffusionRequest]) -> None:
         """The outputs of requests whose denoising is done (on the decode worker, where there is one)."""
