@@ -56,8 +56,9 @@ def test_each_component_of_a_batch_is_timed_in_the_record_and_the_histogram(tiny
         assert counts["denoise_step"] == STEPS
         assert len(lines) == 1 and all(output.request_id in lines[0] for output in outputs)
         assert f"denoise_step {outputs[0].metrics['components']['denoise_step']:.1f} ms" in lines[0]
-    else:  # each request encodes alone; they share the steps they both run (the second may join a step late)
-        assert counts["text_encoder"] == 2 and STEPS <= counts["denoise_step"] <= 2 * STEPS
+    else:  # the prompts handed over at one boundary share an encoder call, so one call, or two when the second
+        # request came after the first's boundary; they share the steps they both run (the second may join late)
+        assert counts["text_encoder"] in (1, 2) and STEPS <= counts["denoise_step"] <= 2 * STEPS
         assert all(any(output.request_id in line for line in lines) for output in outputs)
 
 
