@@ -101,29 +101,19 @@ def serve(
             omni.shutdown()
 
 
-class Worker:
-    """A worker process: forked from `WORKERS`, then `start`-ed with its engine's knobs."""
+class PipeWorker:
+    """A process forked from `WORKERS` (whose preload imported the stack) that the benchmark talks to over a pipe:
+    it answers each command with ``("done", value)`` or ``("error", traceback)``, and exits on ``None``."""
 
-    def __init__(
-        self,
-        name: str,
-        prepare: Hook | None = None,
-        report: Hook | None = None,
-        describe: Hook | None = None,
-        setup: Callable | None = None,
-        daemon: bool = True,
-    ):
-        """``daemon=False`` for an engine that starts processes of its own (a stage of several ranks): a daemonic
-        process may not; such a worker still exits with the benchmark, when its pipe closes."""
-        self.name = name
+    def __init__(self, name: str, target: Callable, args: tuple, daemon: bool = True, join_s: float = 60):
+        """``daemon=False`` for a process that starts processes of its own (a stage of several ranks): a daemonic
+        process may not; such a worker still exits with the benchmark, when its pipe closes. ``join_s``: how long
+        `close` waits for it to stop on its own (an engine that frees a GPU takes longer)."""
+        self.name, self.join_s = name, join_s
         self.conn, theirs = WORKERS.Pipe()
-        args = (theirs, prepare, report, describe, setup)
-        self.process = WORKERS.Process(target=serve, args=args, name=f"bench-{name}", daemon=daemon)
+        self.process = WORKERS.Process(target=target, args=(theirs, *args), name=f"bench-{name}", daemon=daemon)
         self.process.start()
         theirs.close()
-
-    def start(self, model: str, engine: dict) -> None:
-        self.conn.send((model, engine))
 
     def answer(self):
         try:
@@ -134,18 +124,36 @@ class Worker:
             raise RuntimeError(f"worker {self.name} failed:\n{value}")
         return value
 
-    def run(self, variant: str, clients: Clients) -> dict:
-        self.conn.send((variant, clients))
-        return self.answer()
-
     def close(self) -> None:
         if self.process.is_alive():
             with contextlib.suppress(OSError):
                 self.conn.send(None)
-            self.process.join(60)
+            self.process.join(self.join_s)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(10)
+
+
+class Worker(PipeWorker):
+    """A worker process running `serve`, then `start`-ed with its engine's knobs."""
+
+    def __init__(
+        self,
+        name: str,
+        prepare: Hook | None = None,
+        report: Hook | None = None,
+        describe: Hook | None = None,
+        setup: Callable | None = None,
+        daemon: bool = True,
+    ):
+        super().__init__(name, serve, (prepare, report, describe, setup), daemon=daemon)
+
+    def start(self, model: str, engine: dict) -> None:
+        self.conn.send((model, engine))
+
+    def run(self, variant: str, clients: Clients) -> dict:
+        self.conn.send((variant, clients))
+        return self.answer()
 
 
 def start_all(

@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 from bench_serving import run_benchmark
 from common import PROMPTS, Shape, publish
-from engine_workers import WORKERS
+from engine_workers import PipeWorker
 from speed_knobs import skipped_computations, variant_knobs
 
 from vllm_omni.testing.full_size import FULL_SIZE, make_full_size_model
@@ -190,46 +190,24 @@ def skipped_blocks(app) -> int:
 # ------------------------------------------------------------------------------------------------ the main side
 
 
-class ServerWorker:
-    """An engine serving the HTTP API in a worker process of its own (forked from `engine_workers.WORKERS`, whose
-    preload imported the stack); `call` runs a function of this module on its app there."""
+class ServerWorker(PipeWorker):
+    """An engine serving the HTTP API in a worker process of its own; `call` runs a function of this module on its
+    app there. `close` stops its server (its engine shuts down) and waits for the process: its GPU memory is free
+    after."""
 
     def __init__(self, name: str, model: str, knobs: dict):
-        self.name = name
-        self.conn, theirs = WORKERS.Pipe()
-        self.process = WORKERS.Process(target=_serve, args=(theirs, model, knobs), name=f"real-scale-{name}")
         started = time.perf_counter()
-        self.process.start()
-        theirs.close()
+        super().__init__(f"real-scale-{name}", _serve, (model, knobs), join_s=180)
         try:
-            self.base: str = self._answer()
+            self.base: str = self.answer()
         except BaseException:
             self.close()
             raise
         self.ready_s = time.perf_counter() - started
 
-    def _answer(self):
-        try:
-            status, value = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"worker {self.name} exited (code {self.process.exitcode})") from None
-        if status == "error":
-            raise RuntimeError(f"worker {self.name} failed:\n{value}")
-        return value
-
     def call(self, function, *args):
         self.conn.send((function, args))
-        return self._answer()
-
-    def close(self) -> None:
-        """Stop its server (its engine shuts down) and wait for the process: its GPU memory is free after."""
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(None)
-            self.process.join(180)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(30)
+        return self.answer()
 
 
 def served_seconds(base: str, prompt: str, size: int, steps: int, seed: int) -> float:

@@ -49,7 +49,6 @@ Nothing is asserted and the exit code says nothing about speed. Writes ``<out-di
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
@@ -57,7 +56,7 @@ import time
 import traceback
 
 from common import PROMPTS, cpu_seconds, publish
-from engine_workers import WORKERS
+from engine_workers import WORKERS, PipeWorker
 from step_batching import HERE, _device, cached_model
 
 NEGATIVE_PROMPT = "blurry, low quality"
@@ -217,39 +216,16 @@ def serve(conn, kind: str, model: str, n: int, mode: str | None) -> None:
             maker.close()
 
 
-class Worker:
+class Worker(PipeWorker):
     """One rollout maker in a process of its own."""
 
     def __init__(self, kind: str, model: str, n: int = 0, mode: str | None = None):
-        self.name = kind if kind == "ceiling" else f"{mode}-N{n}"
-        self.conn, theirs = WORKERS.Pipe()
-        self.process = WORKERS.Process(
-            target=serve, args=(theirs, kind, model, n, mode), name=f"rl-{self.name}", daemon=True
-        )
-        self.process.start()
-        theirs.close()
-
-    def answer(self):
-        try:
-            status, value = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"worker {self.name} exited (code {self.process.exitcode})") from None
-        if status == "error":
-            raise RuntimeError(f"worker {self.name} failed:\n{value}")
-        return value
+        name = kind if kind == "ceiling" else f"{mode}-N{n}"
+        super().__init__(name, serve, (kind, model, n, mode))
 
     def run(self, waves: list, logprobs: bool, spec: dict) -> dict:
         self.conn.send((waves, logprobs, spec))
         return self.answer()
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(None)
-            self.process.join(60)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(10)
 
 
 # Weight updates.

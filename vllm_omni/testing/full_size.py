@@ -97,6 +97,18 @@ _T5_REDUCED = {
     "relative_attention_num_buckets": 8,
 }
 
+WAN21_VAE = {
+    "base_dim": 96,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+}
+"""Wan2.1's VAE, which Qwen-Image's ``AutoencoderKLQwenImage`` has too (the same published configuration)."""
+
+
 FULL_SIZE: dict[str, FullSizeFamily] = {
     "flux": FullSizeFamily(
         model="black-forest-labs/FLUX.1-dev",
@@ -289,15 +301,7 @@ FULL_SIZE: dict[str, FullSizeFamily] = {
             ),
             "vae": Component(
                 "diffusers.AutoencoderKLQwenImage",  # Wan2.1's VAE; its latents' mean and std are the defaults
-                {
-                    "base_dim": 96,
-                    "z_dim": 16,
-                    "dim_mult": [1, 2, 4, 4],
-                    "num_res_blocks": 2,
-                    "attn_scales": [],
-                    "temperal_downsample": [False, True, True],
-                    "dropout": 0.0,
-                },
+                dict(WAN21_VAE),
                 # x2, as the reduced Flux VAE
                 {"base_dim": 4, "dim_mult": [1, 1], "num_res_blocks": 1, "temperal_downsample": [False]},
                 "127 M",
@@ -351,15 +355,7 @@ FULL_SIZE: dict[str, FullSizeFamily] = {
             ),
             "vae": Component(
                 "diffusers.AutoencoderKLWan",  # its latents' mean and std are the defaults
-                {
-                    "base_dim": 96,
-                    "z_dim": 16,
-                    "dim_mult": [1, 2, 4, 4],
-                    "num_res_blocks": 2,
-                    "attn_scales": [],
-                    "temperal_downsample": [False, True, True],
-                    "dropout": 0.0,
-                },
+                dict(WAN21_VAE),
                 {"base_dim": 4, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1},
                 "127 M",
             ),
