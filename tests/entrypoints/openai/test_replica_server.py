@@ -17,7 +17,8 @@ from vllm_omni.testing.server import RemoteOmniServer
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-BODY = {"size": "32x32", "num_inference_steps": 200, "response_format": "b64_json"}
+# Long enough that a replica killed once both run still holds work (its batch of two and two more behind it).
+BODY = {"size": "32x32", "num_inference_steps": 80, "response_format": "b64_json"}
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +97,15 @@ def test_health_lists_every_live_replica(server):
 def test_losing_a_replica_under_load_loses_no_request_and_health_reports_the_degraded_stage(server):
     victim, survivor = _replica_pids(server)
     retries = _retries(server)
-    with ThreadPoolExecutor(12) as pool:
-        responses = [pool.submit(_post, server, seed) for seed in range(12)]
+    with ThreadPoolExecutor(8) as pool:
+        responses = [pool.submit(_post, server, seed) for seed in range(8)]
         # Under load: both replicas run a batch, and each holds more requests behind it.
         _wait(lambda: all(_running(server)), 120, "both replicas running")
         os.kill(victim, signal.SIGKILL)
         status, body = _wait(lambda: (h := _health(server))[1]["status"] == "degraded" and h, 30, "degraded health")
         results = [r.result() for r in responses]
     assert status == 200 and body["stages"][0]["status"] == "degraded" and len(body["stages"][0]["alive_replicas"]) == 1
-    assert [r.status_code for r in results] == [200] * 12, [r.text for r in results if r.status_code != 200]
+    assert [r.status_code for r in results] == [200] * 8, [r.text for r in results if r.status_code != 200]
     assert _retries(server) > retries
     _wait(lambda: _health(server)[1]["status"] == "ok", 120, "replica back")
     assert survivor in _replica_pids(server) and victim not in _replica_pids(server)
