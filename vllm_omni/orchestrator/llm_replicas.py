@@ -122,6 +122,12 @@ def start_llm_replicas(stage: StageDeployConfig) -> tuple[list[LlmReplica], Call
             # on the num_cpus Ray gave it.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": str(stage.num_cpus),
+            # vLLM's CPU backend runs its one worker in a process of its own under the engine core's (so that vLLM
+            # can set the OpenMP environment before torch starts, which nobind and OMP_NUM_THREADS above already
+            # did) unless this is 0: then the worker runs in the engine core's process, one interpreter fewer to
+            # start per replica (about a quarter of its start-up CPU). AsyncLLM keeps its engine core in a process
+            # of its own either way; a GPU engine of one device already runs its worker there.
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         }
     }
     if stage.python_executable is not None:
