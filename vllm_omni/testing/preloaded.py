@@ -22,12 +22,18 @@ from vllm_omni.config.vllm_device import set_device_hint
 
 # Imported here, in the forkserver, so that every fork starts with them (the forkserver's preload).
 set_device_hint()  # vLLM reads its platform once, at its first import: as the CLI sets it before
+# Everything a server imports before it loads its model, found with ``python -X importtime`` on a real start:
+# vLLM's serve parser (its engine arguments import vllm.config and the quantization registry), its executors,
+# our API server and diffusers' pipeline registry (the auto pipelines import every pipeline class).
 import diffusers  # noqa: E402, F401
+import diffusers.pipelines.auto_pipeline  # noqa: E402, F401
 import torch  # noqa: E402, F401
 import vllm.entrypoints.cli.main  # noqa: E402
+import vllm.entrypoints.common.cli_args  # noqa: E402, F401
+import vllm.v1.executor  # noqa: E402, F401
 
 import vllm_omni.entrypoints.cli.serve  # noqa: E402, F401
-import vllm_omni.entrypoints.openai.app  # noqa: E402, F401
+import vllm_omni.entrypoints.openai.api_server  # noqa: E402, F401
 
 
 def serve(argv: list[str], log_path: str | None, cwd: str, environ: dict[str, str]) -> None:
