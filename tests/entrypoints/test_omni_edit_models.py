@@ -51,7 +51,8 @@ def test_batched_instruction_edits_equal_the_stock_pipeline_alone(family, extra,
         assert refused.value.param == "mask_image"
         with pytest.warns(UserWarning, match="strength ignored: strength is not accepted by"):
             (dropped,) = omni.generate(
-                ["x"], OmniDiffusionSamplingParams(image=images[0], strength=0.5, num_inference_steps=2)
+                ["x"],
+                OmniDiffusionSamplingParams(image=images[0], strength=0.5, num_inference_steps=2, height=64, width=64),
             )
         assert [field.param for field in dropped.ignored_fields] == ["strength"]  # it conditions on the image
     for i, output in enumerate(outputs):
