@@ -40,6 +40,8 @@ from common import PROMPTS, add_model_arguments, publish
 from engine_workers import Clients, Worker, start_all
 from step_batching import HERE, _device, _ratio, cached_model
 
+from vllm_omni.testing.server import preloaded_context
+
 MAX_NUM_SEQS = 4
 CLIENTS = 4
 FAMILIES = ("flux", "flux-bench")
@@ -86,7 +88,9 @@ def workload(count: int, clients: int, args, seed: int) -> Clients:
 
 def measure(model: str, args) -> list[dict]:
     """Every variant: one row each."""
-    workers = {v: Worker(f"parallel-{v}", daemon=False) for v in args.variants}  # a worker's ranks are its children
+    # A worker's ranks are its children, forked from a forkserver of its own (`RankGroup`): `preloaded_context` as
+    # the worker's setup makes that one import the stack once for all its ranks, not each rank for itself.
+    workers = {v: Worker(f"parallel-{v}", daemon=False, setup=preloaded_context) for v in args.variants}
     reps: dict[str, list[dict]] = {v: [] for v in args.variants}
     try:
         ready, refused = start_all(workers, {v: (model, variant_knobs(v, args)) for v in workers})
@@ -96,8 +100,9 @@ def measure(model: str, args) -> list[dict]:
             "latency": workload(args.latency_requests, 1, args, args.seed),
             "throughput": workload(args.requests, CLIENTS, args, args.seed),
         }
-        warm = workload(2 * CLIENTS, CLIENTS, args, args.seed + 10_000)
-        for worker in workers.values():  # the batch shapes of the loops, once
+        # The batch shapes of the loops, once (no more than the throughput loop: a smoke run's 4 are one batch)
+        warm = workload(min(2 * CLIENTS, args.requests), CLIENTS, args, args.seed + 10_000)
+        for worker in workers.values():
             worker.run("warm-up", warm)
         order = list(workers)
         for rep in range(args.reps):
