@@ -23,10 +23,14 @@ overhead ≤ 1.10) are checked and reported, never an exit code.
 ``--baseline DIR`` runs every case a second time with servers and workers that
 import vllm_omni from the checkout DIR (e.g. a ``git worktree`` of the commit
 before a change), interleaved with the current code block by block, and reports
-both side by side with the ratio current ÷ baseline. Servers and workers always
-run with ``PYTHONPATH`` and the working directory set to their checkout; where
-each took vllm_omni from is checked from outside (``py-spy dump`` of the server,
-``vllm_omni.__file__`` of the workers) and recorded in the JSON.
+both side by side with the ratio current ÷ baseline. The baseline's server and
+workers run with ``PYTHONPATH`` and the working directory set to its checkout,
+and so do the current code's where this process does not import vllm_omni from
+this checkout; else its workers are forks of the preloaded forkserver
+(`common.Script`), and its server a preloaded one where the caller asked for
+those (the tests). Where each took vllm_omni from is checked from outside
+(``py-spy dump`` of the server, ``vllm_omni.__file__`` of the workers) and
+recorded in the JSON.
 
 On a CUDA machine, ``--family flux-bench --shapes 256x256:8,512x512:8`` builds
 and serves a bigger random-weight Flux.

@@ -31,7 +31,8 @@ against the targets (≥ 1.6× at 4 steps, ≥ 1.8× at 20 steps), never an exit
 ``--baseline DIR`` starts every configuration a second time with the server and
 its Ray actors importing vllm_omni from the checkout DIR (``PYTHONPATH`` and the
 working directory set to DIR; the current code gets its own checkout the same
-way), alternating which goes first, and reports both side by side with the
+way, except that its inline server is a preloaded one where the caller asked for
+those, the tests), alternating which goes first, and reports both side by side with the
 ratio. Where the server and each actor took vllm_omni from is checked with
 ``py-spy dump`` (when installed) and recorded.
 
