@@ -40,8 +40,6 @@ from common import PROMPTS, add_model_arguments, publish
 from engine_workers import Clients, Worker, start_all
 from step_batching import HERE, _device, _ratio, cached_model
 
-from vllm_omni.testing.server import preloaded_context
-
 MAX_NUM_SEQS = 4
 CLIENTS = 4
 FAMILIES = ("flux", "flux-bench")
@@ -88,9 +86,7 @@ def workload(count: int, clients: int, args, seed: int) -> Clients:
 
 def measure(model: str, args) -> list[dict]:
     """Every variant: one row each."""
-    # A worker's ranks are its children, forked from a forkserver of its own (`RankGroup`): `preloaded_context` as
-    # the worker's setup makes that one import the stack once for all its ranks, not each rank for itself.
-    workers = {v: Worker(f"parallel-{v}", daemon=False, setup=preloaded_context) for v in args.variants}
+    workers = {v: Worker(f"parallel-{v}", daemon=False) for v in args.variants}  # a worker's ranks are its children
     reps: dict[str, list[dict]] = {v: [] for v in args.variants}
     try:
         ready, refused = start_all(workers, {v: (model, variant_knobs(v, args)) for v in workers})
