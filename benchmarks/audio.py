@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ import time
 import aiohttp
 from bench_offline import _on_one_thread
 from bench_serving import scrape, server_view
-from common import PROMPTS, REPO, add_model_arguments, cpu_seconds, in_tree, publish
+from common import PROMPTS, REPO, Script, add_model_arguments, cpu_seconds, in_tree, publish
 
 from vllm_omni.testing.server import RemoteOmniServer
 
@@ -82,18 +81,14 @@ def _serve_worker(args) -> None:
 
 
 class Ceiling:
-    """A ``--worker`` process: the stock pipeline, loaded once; ``seconds(N, COUNT)`` times COUNT batch-N calls."""
+    """A ``--worker`` process of this checkout (`common.Script`): the stock pipeline, loaded once; ``seconds(N,
+    COUNT)`` times COUNT batch-N calls."""
 
     def __init__(self, args, thread: str, log_path: str):
         self.thread, self.log_path = thread, log_path
-        command = [sys.executable, os.path.abspath(__file__), "--worker", "--thread", thread, "--model", args.model]
-        command += ["--steps", str(args.steps), "--audio-length", str(args.audio_length)]
-        command += ["--guidance-scale", str(args.guidance_scale)]
-        command = in_tree(command, REPO)  # this checkout's vllm_omni, whatever the environment has installed
-        with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
-            )
+        argv = ["--worker", "--thread", thread, "--model", args.model, "--steps", str(args.steps)]
+        argv += ["--audio-length", str(args.audio_length), "--guidance-scale", str(args.guidance_scale)]
+        self.process = Script("audio", argv, REPO, log_path)
         self.info: dict = {}
 
     def wait_ready(self) -> dict:
@@ -110,7 +105,6 @@ class Ceiling:
         return float(self.process.stdout.readline())
 
     def close(self) -> None:
-        self.process.stdin.close()
         self.process.wait()
 
 

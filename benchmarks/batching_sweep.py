@@ -23,10 +23,14 @@ overhead ≤ 1.10) are checked and reported, never an exit code.
 ``--baseline DIR`` runs every case a second time with servers and workers that
 import vllm_omni from the checkout DIR (e.g. a ``git worktree`` of the commit
 before a change), interleaved with the current code block by block, and reports
-both side by side with the ratio current ÷ baseline. Servers and workers always
-run with ``PYTHONPATH`` and the working directory set to their checkout; where
-each took vllm_omni from is checked from outside (``py-spy dump`` of the server,
-``vllm_omni.__file__`` of the workers) and recorded in the JSON.
+both side by side with the ratio current ÷ baseline. The baseline's server and
+workers run with ``PYTHONPATH`` and the working directory set to its checkout,
+and so do the current code's where this process does not import vllm_omni from
+this checkout; else its workers are forks of the preloaded forkserver
+(`common.Script`), and its server a preloaded one where the caller asked for
+those (the tests). Where each took vllm_omni from is checked from outside
+(``py-spy dump`` of the server, ``vllm_omni.__file__`` of the workers) and
+recorded in the JSON.
 
 On a CUDA machine, ``--family flux-bench --shapes 256x256:8,512x512:8`` builds
 and serves a bigger random-weight Flux.
@@ -41,14 +45,13 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from bench_serving import run_benchmark
-from common import REPO, Shape, check_tree, cpu_seconds, imported_from, imports_ok, in_tree
+from common import REPO, Script, Shape, check_tree, cpu_seconds, imported_from, imports_ok, in_tree, runs_tree
 
 from vllm_omni.testing.server import RemoteOmniServer
 from vllm_omni.testing.tiny import FAMILIES
@@ -71,19 +74,13 @@ DEFAULT = {"name": "cpu-tiny-flux", "shapes": "32x32:4,64x64:4", "max_num_seqs":
 
 class OfflineWorker:
     """bench_offline.py --worker --thread THREAD: the same pipeline, called directly, in its own process, importing
-    vllm_omni from the checkout ``tree``. Starts loading at once; `wait_ready` waits for it."""
+    vllm_omni from the checkout ``tree`` (`common.Script`; ``fork=False``: a new interpreter, as a baseline's
+    workers are). Starts loading at once; `wait_ready` waits for it."""
 
-    def __init__(self, model: str, thread: str, tree: str, log_path: str):
+    def __init__(self, model: str, thread: str, tree: str, log_path: str, fork: bool = True):
         self.thread, self.log_path = thread, log_path
-        command = [sys.executable, os.path.join(HERE, "bench_offline.py"), "--model", model, "--worker"]
-        with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
-                in_tree([*command, "--thread", thread], tree),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-            )
+        argv = ["--model", model, "--worker", "--thread", thread]
+        self.process = Script("bench_offline", argv, tree, log_path, fork=fork)
         self.info: dict = {}
 
     def wait_ready(self) -> dict:
@@ -100,16 +97,18 @@ class OfflineWorker:
         return float(self.process.stdout.readline())
 
     def close(self) -> None:
-        if self.process.stdin and not self.process.stdin.closed:
-            self.process.stdin.close()
         self.process.wait()
 
 
 class Variant:
-    """One checkout under test: its two ceiling workers (for the whole sweep) and its server for the N at hand."""
+    """One checkout under test: its two ceiling workers (for the whole sweep) and its server for the N at hand. The
+    current code's are forks of processes that have imported the stack already where this process runs its checkout
+    (`common.Script`, and a preloaded server where the caller asked for those: the tests); a baseline's are always
+    new interpreters of its checkout (`in_tree`), as another checkout's must be, even when it is this one."""
 
     def __init__(self, label: str, tree: str):
         self.label, self.tree = label, tree
+        self.fork = label == "current"
         self.server: RemoteOmniServer | None = None
         self.workers: dict[str, OfflineWorker] = {}
         self.imports: dict = {}
@@ -137,7 +136,7 @@ def _start_workers(variants: list[Variant], model: str, args, stack: contextlib.
     for variant in variants:
         for thread in THREADS:
             log = os.path.join(args.log_dir, f"worker-{variant.label}-{thread}.log")
-            worker = OfflineWorker(model, thread, variant.tree, log)
+            worker = OfflineWorker(model, thread, variant.tree, log, fork=variant.fork)
             stack.callback(worker.close)
             variant.workers[thread] = worker
 
@@ -146,9 +145,11 @@ def _start(variants: list[Variant], model: str, n: int, shapes: list[Shape], arg
     """Start every variant's server for N; check imports (the workers' once they are ready)."""
     for variant in variants:
         log = os.path.join(args.log_dir, f"server-{variant.label}-n{n}.log")
-        # cli: a real `vllm serve` process, whose command `in_tree` rewrites to run the variant's checkout.
-        variant.server = RemoteOmniServer(model, _server_args(n, shapes, args.wait_ms), log_path=log, cli=True)
-        variant.server.command = in_tree(variant.server.command, variant.tree)
+        # Else a real `vllm serve` process, whose command `in_tree` rewrites to run the variant's checkout.
+        preload = variant.fork and runs_tree(variant.tree)
+        variant.server = RemoteOmniServer(model, _server_args(n, shapes, args.wait_ms), log_path=log, cli=not preload)
+        if not variant.server.preloaded:
+            variant.server.command = in_tree(variant.server.command, variant.tree)
     with ThreadPoolExecutor(len(variants)) as pool:  # the servers start side by side
         starts = [pool.submit(variant.server.__enter__) for variant in variants]
         wait(starts)

@@ -38,12 +38,12 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-from common import EDIT_STRENGTH, PROMPTS, Shape, edit_image, edit_mask, emit
+from common import EDIT_STRENGTH, PROMPTS, REPO, Script, Shape, edit_image, edit_mask, emit
 
 THREADS = ("main", "dedicated")
 
@@ -192,16 +192,20 @@ def run_best(
     dtype: str = "auto",
     edit: Edit | None = None,
 ) -> dict:
-    """Each thread variant in a fresh process of this script; per row the faster variant (lower batched call)."""
+    """Each thread variant in a fresh process of this script (`common.Script`: one after the other, this checkout's
+    vllm_omni); per row the faster variant (lower batched call)."""
     variants = {}
     for thread in THREADS:
-        command = [sys.executable, os.path.abspath(__file__), "--model", model, "--thread", thread]
-        command += ["--batches", ",".join(map(str, batches)), "--shapes", ",".join(map(str, shapes))]
-        command += ["--reps", str(reps), "--dtype", dtype]
+        argv = ["--model", model, "--thread", thread, "--batches", ",".join(map(str, batches))]
+        argv += ["--shapes", ",".join(map(str, shapes)), "--reps", str(reps), "--dtype", dtype]
         if edit is not None:
-            command += ["--task", "edit", "--strength", str(edit.strength), *(["--mask"] if edit.mask else [])]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        variants[thread] = json.loads(done.stdout)
+            argv += ["--task", "edit", "--strength", str(edit.strength), *(["--mask"] if edit.mask else [])]
+        with tempfile.NamedTemporaryFile("r", prefix=f"bench-offline-{thread}-", suffix=".log") as log:
+            script = Script("bench_offline", argv, REPO, log.name)
+            output = script.stdout.read()
+            if code := script.wait():
+                raise RuntimeError(f"bench_offline.py --thread {thread} exited with {code}: {log.read()[-3000:]}")
+        variants[thread] = json.loads(output)
     first = variants[THREADS[0]]
     results = []
     for rows in zip(*(variants[t]["results"] for t in THREADS), strict=True):

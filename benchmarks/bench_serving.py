@@ -42,12 +42,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -345,15 +341,16 @@ def offline_ceiling(
     faster kept) for ``shape`` at batch ``batch``; its row for that batch, with the pipeline it ran."""
     if task not in ("image", "edit"):
         raise ValueError(f"no offline ceiling for task {task!r}")
-    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_offline.py")]
-    command += ["--model", model, "--batches", str(batch), "--shapes", str(shape), "--reps", str(reps)]
-    command += ["--dtype", dtype, "--thread", "best", "--task", task]
-    if task == "edit":
-        command += ["--strength", str(strength), *(["--mask"] if mask else [])]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"bench_offline.py failed ({done.returncode}): {done.stderr[-3000:]}")
-    offline = json.loads(done.stdout)
+    from bench_offline import Edit, run_best
+
+    offline = run_best(
+        model,
+        batches=[batch],
+        shapes=[shape],
+        reps=reps,
+        dtype=dtype,
+        edit=Edit(strength, mask) if task == "edit" else None,
+    )
     [row] = offline["results"]
     keep = ("model", "task", "strength", "mask", "pipeline", "device", "dtype", "torch_threads", "reps")
     return {key: offline[key] for key in keep if key in offline} | row

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,6 +126,92 @@ def in_tree(command: list[str], tree: str) -> list[str]:
     tree = os.path.abspath(tree)
     pythonpath = os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])])
     return ["env", "-C", tree, f"PYTHONPATH={pythonpath}", *command]
+
+
+def runs_tree(tree: str) -> bool:
+    """Whether this process imports ``vllm_omni`` from the checkout ``tree`` (so does every process forked from it, or
+    from the preloaded forkserver it starts: see `Script`)."""
+    import vllm_omni  # the package alone: its engines load on first use
+
+    package = os.path.dirname(os.path.realpath(vllm_omni.__file__))
+    return package == os.path.join(os.path.realpath(tree), "vllm_omni")
+
+
+class Script:
+    """``python benchmarks/SCRIPT.py ARGS`` importing ``vllm_omni`` from the checkout ``tree``, talking over text pipes
+    (``stdin``, ``stdout``: what its ``main`` reads and prints), its stderr in ``log_path``. Where this process
+    already runs ``tree`` (`runs_tree`), the script's ``main`` runs in a fork of the preloaded forkserver
+    (`vllm_omni.testing.server.preloaded_context`, shared with the preloaded servers and the engine workers), which
+    has imported the stack once and run no torch op: a fork skips the ~7 s of CPU a new interpreter spends importing
+    torch, vLLM and diffusers, and still starts with no OpenMP team, as a new process does. Otherwise (another
+    checkout) it is a new interpreter, `in_tree`; so it is with ``fork=False``."""
+
+    def __init__(self, script: str, args: list[str], tree: str, log_path: str, fork: bool = True):
+        self.forked = fork and runs_tree(tree)
+        if self.forked:
+            from vllm_omni.testing.server import preloaded_context
+
+            ours, theirs = socket.socketpair()
+            context = preloaded_context()
+            self._process = context.Process(
+                target=_run_script, args=(script, args, theirs, log_path), name=f"bench-{script}", daemon=True
+            )
+            self._process.start()
+            theirs.close()
+            self.pid = self._process.pid
+            self._channel = ours
+            self.stdin, self.stdout = ours.makefile("w", encoding="utf-8"), ours.makefile("r", encoding="utf-8")
+        else:
+            command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{script}.py")]
+            with open(log_path, "w") as log:
+                self._popen = subprocess.Popen(
+                    in_tree([*command, *args], tree),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                )
+            self.pid = self._popen.pid
+            self.stdin, self.stdout = self._popen.stdin, self._popen.stdout
+
+    def poll(self) -> int | None:
+        """Its exit code, or ``None`` while it runs."""
+        return self._process.exitcode if self.forked else self._popen.poll()
+
+    def send_signal(self, number: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, number)
+
+    def wait(self) -> int:
+        """Close its stdin (the end of its input) and wait for it to exit; its exit code."""
+        if not self.stdin.closed:
+            self.stdin.close()
+        if not self.forked:
+            return self._popen.wait()
+        with contextlib.suppress(OSError):  # the end of its input; the socket stays open for its output
+            self._channel.shutdown(socket.SHUT_WR)
+        self._process.join()
+        self.stdout.close()
+        self._channel.close()
+        assert self._process.exitcode is not None, "joined"
+        return self._process.exitcode
+
+
+def _run_script(script: str, args: list[str], channel: socket.socket, log_path: str) -> None:
+    """`Script`'s fork: stdin and stdout are the channel, stderr (and what writes to the file descriptors 1 and 2
+    directly) the log; then the script's ``main``, as ``python SCRIPT.py ARGS`` runs it."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdin, sys.stdout = channel.makefile("r", encoding="utf-8"), channel.makefile("w", encoding="utf-8")
+    channel.close()
+    try:
+        code = importlib.import_module(script).main(args)
+    finally:
+        sys.stdout.flush()
+    if code:
+        sys.exit(code)
 
 
 def check_tree(tree: str) -> str:

@@ -37,13 +37,11 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
-from common import publish
+from common import REPO, Script, publish
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.testing.server import RemoteOmniServer, free_port
@@ -71,23 +69,26 @@ def phase_totals(client: httpx.Client) -> dict[str, tuple[float, float]]:
 
 
 class StubServer:
-    """The real HTTP app (``build_app``, uvicorn) in a subprocess, with a stub engine instead of the model: one
-    thread that answers each request at once with ``n`` ready-made random images (after ``busy_ms`` of torch
-    matrix products, when given, reported as its execution, to leave the CPU as a pipeline call leaves it). The
-    HTTP layer's own floor."""
+    """The real HTTP app (``build_app``, uvicorn) in a process of its own (`common.Script`), with a stub engine instead
+    of the model: one thread that answers each request at once with ``n`` ready-made random images (after
+    ``busy_ms`` of torch matrix products, when given, reported as its execution, to leave the CPU as a pipeline call
+    leaves it). The HTTP layer's own floor."""
 
     def __init__(self, args):
         self.port = free_port()
-        self.command = [sys.executable, os.path.abspath(__file__), "--serve-stub", str(self.port)]
-        self.command += ["--size", args.size, "--stub-busy-ms", str(args.stub_busy_ms)]
+        self.argv = ["--serve-stub", str(self.port), "--size", args.size, "--stub-busy-ms", str(args.stub_busy_ms)]
         self.base_url = f"http://127.0.0.1:{self.port}"
+        # Always a log, so that a stub that dies before it is ready can say why, as `RemoteOmniServer`'s.
+        descriptor, self.log_path = tempfile.mkstemp(prefix="overhead-stub-", suffix=".log")
+        os.close(descriptor)
         self.returncode: int | None = None
 
     def __enter__(self) -> StubServer:
-        self.process = subprocess.Popen(self.command)
+        self.process = Script("overhead", self.argv, REPO, self.log_path)
         while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the stub server exited with {self.process.returncode}")
+            if (code := self.process.poll()) is not None:
+                with open(self.log_path) as log:
+                    raise RuntimeError(f"the stub server exited with {code}: {log.read()[-2000:]}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
                     return self

@@ -96,8 +96,9 @@ def measure(model: str, args) -> list[dict]:
             "latency": workload(args.latency_requests, 1, args, args.seed),
             "throughput": workload(args.requests, CLIENTS, args, args.seed),
         }
-        warm = workload(2 * CLIENTS, CLIENTS, args, args.seed + 10_000)
-        for worker in workers.values():  # the batch shapes of the loops, once
+        # The batch shapes of the loops, once (no more than the throughput loop: a smoke run's 4 are one batch)
+        warm = workload(min(2 * CLIENTS, args.requests), CLIENTS, args, args.seed + 10_000)
+        for worker in workers.values():
             worker.run("warm-up", warm)
         order = list(workers)
         for rep in range(args.reps):

@@ -31,7 +31,8 @@ against the targets (≥ 1.6× at 4 steps, ≥ 1.8× at 20 steps), never an exit
 ``--baseline DIR`` starts every configuration a second time with the server and
 its Ray actors importing vllm_omni from the checkout DIR (``PYTHONPATH`` and the
 working directory set to DIR; the current code gets its own checkout the same
-way), alternating which goes first, and reports both side by side with the
+way, except that its inline server is a preloaded one where the caller asked for
+those, the tests), alternating which goes first, and reports both side by side with the
 ratio. Where the server and each actor took vllm_omni from is checked with
 ``py-spy dump`` (when installed) and recorded.
 
@@ -51,7 +52,7 @@ import time
 
 import psutil
 from bench_serving import run_benchmark
-from common import REPO, Shape, check_tree, imported_from, imports_ok, in_tree, publish
+from common import REPO, Shape, check_tree, imported_from, imports_ok, in_tree, publish, runs_tree
 
 from vllm_omni.testing.server import RemoteOmniServer
 
@@ -197,9 +198,16 @@ def _stop(server: RemoteOmniServer, probe: CpuProbe) -> None:
 
 def run_config(model: str, config: str, label: str, tree: str, args, shapes: list[Shape]) -> dict:
     log = os.path.join(args.log_dir, f"server-{label}-{config}.log")
-    # cli: a real `vllm serve` process, whose command `in_tree` rewrites to run the checkout ``tree``.
-    server = RemoteOmniServer(model, _server_args(config, args, shapes), log_path=log, startup_timeout_s=600, cli=True)
-    server.command = in_tree(server.command, tree)
+    # The current code's inline server is a preloaded one where the caller asked for those (the tests) and this process
+    # runs its checkout. Else a real `vllm serve` process, whose command `in_tree` rewrites to run the checkout
+    # ``tree``: a baseline's (another checkout's, even when it is this one) and every Ray server (its actors take the
+    # server's working directory and environment, which a preloaded server has from its caller).
+    preload = label == "current" and config == "inline" and runs_tree(tree)
+    server = RemoteOmniServer(
+        model, _server_args(config, args, shapes), log_path=log, startup_timeout_s=600, cli=not preload
+    )
+    if not server.preloaded:
+        server.command = in_tree(server.command, tree)
     started = time.perf_counter()
     server.__enter__()
     probe = CpuProbe(server.process.pid)

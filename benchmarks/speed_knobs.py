@@ -11,8 +11,9 @@ base knobs; ``none`` has none (``cache_dit`` runs at ``max_num_seqs`` 1, the onl
 whole pipeline call). Each engine runs in a worker process of its own (`engine_workers`), started and warmed
 up (`AsyncOmni.warm_up`, which compiles ``compile_sizes``) before any is measured; the seconds that took are its
 ``ready_s``. All run the same closed loop: 4 clients, ``--requests`` requests per rep in all (request j: client
-j mod 4, its own prompt, seed ``--seed`` + j), after one warm-up round of 8. Each of the ``--reps`` reps runs every
-variant in turn, the order alternating per rep, so a shared machine's drift hits all alike. Per (mode, variant):
+j mod 4, its own prompt, seed ``--seed`` + j), after a warm-up of 8 requests (``--requests`` when fewer). Each of
+the ``--reps`` reps runs every variant in turn, the order alternating per rep, so a shared machine's drift hits all
+alike. Per (mode, variant):
 images/s, end-to-end latency p50/p90/mean and the mean batch size, medians over the reps; the block computations
 its step cache skipped per request (`StepCache.skipped`, what ``vllm_omni:cache_skipped_steps_total`` counts); and
 against ``none`` the ratios of images/s and of p50 latency, medians over the reps of each rep's ratio (rep i of
@@ -120,8 +121,9 @@ def measure_mode(mode: str, model: str, args) -> list[dict]:
         ready, refused = start_all(workers, {v: (model, variant_knobs(v, mode, args)) for v in workers})
         for variant in workers:
             print(f"[{mode}] {variant}: up and warm in {ready[variant]:.1f} s", flush=True)
-        warm = workload(2 * CLIENTS, args, args.seed + 10_000)
-        for worker in workers.values():  # the batch shapes of the loop, once
+        # The batch shapes of the loop, once (no more than the loop itself: a smoke run's 4 are one batch)
+        warm = workload(min(2 * CLIENTS, args.requests), args, args.seed + 10_000)
+        for worker in workers.values():
             worker.run("warm-up", warm)
         work = workload(args.requests, args, args.seed)
         order = list(workers)
