@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from vllm_omni.testing.tiny_models import build_tiny_flux, build_tiny_wan
+from vllm_omni.testing.tiny_models import _thin_vae, build_tiny_flux, build_tiny_wan
 from vllm_omni.testing.tiny_tokenizers import WORDS
 
 # The system part of Qwen-Image-Edit's prompt template, learnt whole by the tiny BPE so that, as with the real
@@ -176,18 +176,12 @@ def build_tiny_kontext():
     """FLUX.1 Kontext: the tiny Flux components with a VAE that scales by 8, as the real one does. Kontext resizes
     its input image to one of its ~1024x1024 px resolutions, whose latents join the sequence: 4096 tokens at x8,
     where the tiny Flux VAE's x2 would make 65536."""
-    from diffusers import AutoencoderKL, FluxKontextPipeline
+    from diffusers import FluxKontextPipeline
 
     components = build_tiny_flux().components
-    vae = AutoencoderKL(
-        # thin, as Z-Image's: every input image is encoded at ~1024x1024 px, where 32-64 channels and a mid-block
-        # self-attention over 16,384 positions made the encode four fifths of a call on a CPU (8 times faster now)
-        block_out_channels=(8, 8, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=8,
+    # no mid-block self-attention: over the 16,384 positions of a ~1024x1024 px input, it was half of the encode
+    vae = _thin_vae(
+        4,
         mid_block_add_attention=False,
         use_quant_conv=False,
         use_post_quant_conv=False,

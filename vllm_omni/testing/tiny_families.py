@@ -15,7 +15,7 @@ from vllm_omni.testing.tiny_edit_models import (
     build_tiny_qwen_image_edit,
     make_qwen2_tokenizer,
 )
-from vllm_omni.testing.tiny_models import _t5_config
+from vllm_omni.testing.tiny_models import _t5_config, _thin_vae
 from vllm_omni.testing.tiny_tokenizers import make_t5_tokenizer
 
 QWEN_IMAGE_SYSTEM = (
@@ -79,7 +79,7 @@ def build_tiny_qwen_image():
 
 def build_tiny_z_image():
     """Z-Image (Turbo's layout): Qwen3 + AutoencoderKL (×8, 16 latent channels) + ZImageTransformer2DModel."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
     # from its module: to mypy, diffusers' top-level names are the dummy classes of its torch-less install
     from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
@@ -102,16 +102,7 @@ def build_tiny_z_image():
     with torch.no_grad():  # made with torch.empty: fixed, so that the saved folder is finite and the same each time
         transformer.x_pad_token.fill_(1.0)
         transformer.cap_pad_token.fill_(1.0)
-    vae = AutoencoderKL(
-        block_out_channels=(8, 8, 16, 16),  # ×8, as the real one; thin, for its default size: 1024x1024 px
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=16,
-        layers_per_block=1,
-        norm_num_groups=8,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-    )
+    vae = _thin_vae(16, scaling_factor=0.3611, shift_factor=0.1159)
     return ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # Z-Image-Turbo's
         vae=vae,
