@@ -92,8 +92,15 @@ class RequestComponents:
         """The modular pipeline's property of that name, as the stepper found it once (`ModularStepper`)."""
 
     def __getattr__(self, name: str) -> Any:
-        found = inspect.getattr_static(type(self._modular), name, None)
-        return found.__get__(self) if isinstance(found, property) else getattr(self._modular, name)
+        found = _property(type(self._modular), name)
+        return getattr(self._modular, name) if found is None else found.__get__(self)
+
+
+@functools.cache  # a request's blocks read the pipeline's attributes hundreds of times; its class never changes
+def _property(cls: type, name: str) -> property | None:
+    """``cls``'s property of that name, or ``None``."""
+    found = inspect.getattr_static(cls, name, None)
+    return found if isinstance(found, property) else None
 
 
 @dataclass(frozen=True)
