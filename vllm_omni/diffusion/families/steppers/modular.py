@@ -224,7 +224,10 @@ class _GroupPass:
         self.counts = [len(state.latents) for state in states]
         first = states[0]
         values = vars(first.loop)
-        merged = joined([_loop_inputs(s) for s in states], self.counts) if len(states) > 1 else _loop_inputs(first)
+        if len(states) > 1:
+            merged = joined([_loop_inputs(state) for state in states], self.counts)
+        else:  # its own values, but a dict the sub-blocks fill each step (Qwen-Image's additional_cond_kwargs)
+            merged = {k: dict(v) if isinstance(v, dict) else v for k, v in _loop_inputs(first).items()}
         merged |= {name: values[name] for name in _LOOP_OWN if name in values}
         merged |= {name: {k: merged[k] for k in keys} for name, v in values.items() if (keys := _alias(v, values))}
         self.loop: Any = BlockState(**merged)
