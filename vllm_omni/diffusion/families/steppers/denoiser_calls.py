@@ -1,7 +1,7 @@
 """The denoiser calls of many requests' modular blocks, made one forward
-(`vllm_omni.diffusion.families.steppers.modular`): each request's blocks call `DenoiserCalls` instead of the denoiser,
-and `batched` groups the recorded calls whose arguments can be concatenated row-wise. The decoder blocks' inputs of many
-requests are put together the same way."""
+(`vllm_omni.diffusion.families.steppers.modular`): each group's blocks call `DenoiserCalls` instead of the denoiser,
+and `batched` groups the recorded calls whose arguments can be concatenated row-wise. The loop inputs and the decoder
+blocks' inputs of many requests are put together the same way."""
 
 from __future__ import annotations
 

@@ -1,18 +1,23 @@
-"""Step mode for the families that diffusers ships as modular pipelines: the family's own blocks run each request,
-and only the denoiser call is shared.
+"""Step mode for the families that diffusers ships as modular pipelines: the family's own blocks run each group of
+requests, and the denoiser calls of all groups are one forward.
 
 A modular pipeline (``diffusers.modular_pipelines``) splits a family into blocks: the text encoder, the steps before
 the denoising loop (inputs, initial latents, timesteps, position inputs), the loop, whose sub-blocks are one step
-(``before_denoiser``, the ``denoiser`` with its guider, ``after_denoiser``), and the decoder. `ModularStepper` runs
-a request's blocks up to the loop when it joins, and each engine step runs its loop's sub-blocks for every request
-with that request's own scheduler and guider. The denoiser calls of all requests in a step are one forward:
+(``before_denoiser``, the ``denoiser`` with its guider, ``after_denoiser``), and the decoder. `ModularStepper`
+encodes the prompts of one `encode_key` in one call of its text-encoder blocks, as a request-mode batch does, and
+splits what they made back per request; it runs a request's blocks before the loop when it joins; and each engine
+step runs its loop's sub-blocks once per group of requests, as a request-mode batch runs them once:
 
-1. each request's ``before_denoiser`` and ``denoiser`` run with `DenoiserCalls` standing in for the denoiser,
-   which records the call's arguments and answers zeros shaped like its input (the answers are thrown away);
-2. the recorded calls are concatenated row-wise into as few forwards as their arguments allow (`batched`);
-3. the same sub-blocks run again, each call answered with its rows of the batch: the guider combines them as the
-   family's maintainers wrote it (Qwen-Image's norm rescale included);
-4. ``after_denoiser`` (the scheduler's update) runs per request, in `advance`.
+1. the requests form groups whose guiders act alike at their steps (classifier-free guidance at one scale, on or
+   off) and whose loop inputs can be put together (`batched`); each group's inputs become one block state of its
+   rows (`_GroupPass`: latents and embeddings concatenated, masked embeddings padded, each row at its own timestep);
+2. each group's ``before_denoiser`` and ``denoiser`` run with `DenoiserCalls` standing in for the denoiser, which
+   records the call's arguments and answers zeros shaped like its input (the answers are thrown away);
+3. the recorded calls of all groups are concatenated row-wise into as few forwards as their arguments allow, each
+   row with its request's LoRA adapters and step cache;
+4. the same sub-blocks run again, each call answered with its rows: the guider combines them as the family's
+   maintainers wrote it (Qwen-Image's norm rescale included), and each request takes its rows of the prediction;
+5. ``after_denoiser`` (the scheduler's update) runs per request, with its own scheduler, in `advance`.
 
 A split pipeline runs the same blocks in three stages: ``encode`` the ones that read a text encoder (what they
 made is `Conditioning.blocks`), ``denoise`` the rest up to the loop and the loop, ``decode`` the blocks after it
@@ -22,6 +27,7 @@ whose inputs to them can be put together. Previews decode with those blocks too.
 A request that samples stochastically (``sde_type``, RL rollouts) takes its `SdeSampler.step` after the family's
 update: the update keeps the scheduler's own step index, and in the request's window the sampler's latents replace
 the Euler step's, as request mode's `sde_sampling` replaces them around the stock pipeline's ``scheduler.step``.
+At its first step it is a group of its own, so that the text inputs its denoiser sees are recorded as its own.
 
 The family's blocks are the ones diffusers maps its pipeline class to; what it adds is a table entry
 (`MODULAR_FAMILIES`, in modular_families.py): how a request's parameters become its guider, and what its blocks
@@ -92,7 +98,8 @@ class RequestComponents:
         """The modular pipeline's property of that name, as the stepper found it once (`ModularStepper`)."""
 
     def __getattr__(self, name: str) -> Any:
-        found = _property(type(self._modular), name)
+        owner: type = type(self._modular)
+        found = _property(owner, name)
         return getattr(self._modular, name) if found is None else found.__get__(self)
 
 
