@@ -238,21 +238,68 @@ def test_z_image_steps_through_its_modular_blocks_one_forward_per_step(tiny_z_im
     assert rows == [2, 3, 7, 7, 7], "one forward per engine step: A's 2 rows, then B's 1, then C's 4"
 
 
-def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image):
+def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image, monkeypatch):
     """Qwen-Image guides with true_cfg_scale and a negative prompt, and its blocks rescale the guided prediction to
     the conditional one's norm. Its text embeddings are as long as each prompt and come with a mask, so the rows of
-    different prompts share a forward padded to the longest (as the stock pipeline pads a batch of prompts)."""
+    different prompts share a forward padded to the longest (as the stock pipeline pads a batch of prompts). The
+    requests whose guiders act alike (A and B) run its loop's sub-blocks once as one group, their rows at their own
+    timesteps."""
+    pipeline = _load(tiny_qwen_image)
+    denoiser_block = type(make_stepper(pipeline, CPU).predict_blocks[-1])
+    passes, original = [], denoiser_block.__call__
+
+    def counted(self, components, block_state, i, t):
+        passes.append(len(block_state.latents))
+        return original(self, components, block_state, i, t)
+
+    monkeypatch.setattr(denoiser_block, "__call__", counted)
     size = {"height": 64, "width": 64}
     cfg = {"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 3.0}}
     rows = _check(
-        _load(tiny_qwen_image),
+        pipeline,
         [
             (0, "A", "a photo of a cat", _params(num_inference_steps=4, **cfg, **size), 1),
-            (1, "B", "a red car", _params(num_inference_steps=3, **cfg, **size), 2),
+            (1, "B", "a red car on a long and winding road", _params(num_inference_steps=3, **cfg, **size), 2),
             (1, "C", "a red car", _params(num_inference_steps=3, **size), 3),
         ],
     )
     assert rows == [2, 5, 5, 5], "one forward per engine step: A's 2 rows, then B's 2 and C's 1"
+    assert passes == [1, 1] + [2, 1, 2, 1] * 3, "per step, a pass to record and one to answer: A and B as one group"
+
+
+@pytest.mark.parametrize(
+    ("family", "call", "calls"),
+    [
+        ("tiny_qwen_image", {"extra_args": {"true_cfg_scale": 3.0}}, 2),  # the prompts, then the negative prompts
+        ("tiny_flux2", {"guidance_scale": 1.0, "num_outputs_per_prompt": 2}, 1),
+    ],
+    ids=["qwen-image", "flux2"],
+)
+def test_modular_prompts_of_one_encode_key_are_encoded_in_one_call(family, call, calls, request):
+    """The prompts of one encode key go through the family's text-encoder blocks in one call, and each request gets
+    what it gets alone: Qwen-Image's embeddings as long as the longest prompt, the rest masked out."""
+    pipeline = _load(request.getfixturevalue(family))
+    stepper = make_stepper(pipeline, CPU)
+    prompts = ["a photo of a cat", "a red car on a long and winding road", "a house"]
+    params = [_params(height=32, width=32, negative_prompt=n, **call) for n in ("blurry", "dark, grainy and low", "x")]
+    encoder_calls = []
+    hook = pipeline.text_encoder.register_forward_hook(lambda *_: encoder_calls.append(1))
+    with torch.inference_mode():
+        together = stepper.encode(prompts, params)
+        hook.remove()
+        alone = [stepper.encode([p], [q])[0] for p, q in zip(prompts, params, strict=True)]
+    assert len(encoder_calls) == calls
+    for mine, theirs in zip(together, alone, strict=True):
+        assert mine.blocks is not None and theirs.blocks is not None and mine.blocks.keys() == theirs.blocks.keys()
+        for name, want in theirs.blocks.items():
+            got = mine.blocks[name]
+            if not isinstance(want, torch.Tensor):
+                assert got is want is None, name
+                continue
+            length = want.shape[1]
+            torch.testing.assert_close(got[:, :length], want, atol=1e-5, rtol=1e-5, msg=name)
+            if f"{name}_mask" in mine.blocks:  # the padding to a longer prompt is masked out
+                assert not mine.blocks[f"{name}_mask"][:, length:].any(), name
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The denoiser calls of many requests' modular blocks, made one forward
-(`vllm_omni.diffusion.families.steppers.modular`): each request's blocks call `DenoiserCalls` instead of the denoiser,
-and `batched` groups the recorded calls whose arguments can be concatenated row-wise. The decoder blocks' inputs of many
-requests are put together the same way."""
+(`vllm_omni.diffusion.families.steppers.modular`): each group's blocks call `DenoiserCalls` instead of the denoiser,
+and `batched` groups the recorded calls whose arguments can be concatenated row-wise. The loop inputs and the decoder
+blocks' inputs of many requests are put together the same way."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import torch
 
 
 class DenoiserCalls:
-    """Stands in for the denoiser in one request's loop sub-blocks (`modular.ModularStepper.predict`): while recording,
-    each call's arguments are kept and answered with zeros shaped like its input; then each call is answered with
-    its rows of the batched forward, in the order it was made. Other attributes are the denoiser's."""
+    """Stands in for the denoiser in one pass of a group's loop sub-blocks (`modular.ModularStepper.predict`): while
+    recording, each call's arguments are kept and answered with zeros shaped like its input; then each call is
+    answered with its rows of the batched forward, in the order it was made. Other attributes are the denoiser's."""
 
-    def __init__(self, denoiser: torch.nn.Module, input_name: str):
+    def __init__(self, denoiser: torch.nn.Module, input_name: str, signature: inspect.Signature | None = None):
         self._denoiser, self._input = denoiser, input_name
-        self._signature = inspect.signature(denoiser.forward)
+        self._signature = signature or inspect.signature(denoiser.forward)
+        """Its forward's, to name positional arguments (given: found once by the stepper, not per group and step)."""
         self.calls: list[dict[str, Any]] = []
         self.answers: list[Any] | None = None
 

@@ -1,18 +1,23 @@
-"""Step mode for the families that diffusers ships as modular pipelines: the family's own blocks run each request,
-and only the denoiser call is shared.
+"""Step mode for the families that diffusers ships as modular pipelines: the family's own blocks run each group of
+requests, and the denoiser calls of all groups are one forward.
 
 A modular pipeline (``diffusers.modular_pipelines``) splits a family into blocks: the text encoder, the steps before
 the denoising loop (inputs, initial latents, timesteps, position inputs), the loop, whose sub-blocks are one step
-(``before_denoiser``, the ``denoiser`` with its guider, ``after_denoiser``), and the decoder. `ModularStepper` runs
-a request's blocks up to the loop when it joins, and each engine step runs its loop's sub-blocks for every request
-with that request's own scheduler and guider. The denoiser calls of all requests in a step are one forward:
+(``before_denoiser``, the ``denoiser`` with its guider, ``after_denoiser``), and the decoder. `ModularStepper`
+encodes the prompts of one `encode_key` in one call of its text-encoder blocks, as a request-mode batch does, and
+splits what they made back per request; it runs a request's blocks before the loop when it joins; and each engine
+step runs its loop's sub-blocks once per group of requests, as a request-mode batch runs them once:
 
-1. each request's ``before_denoiser`` and ``denoiser`` run with `DenoiserCalls` standing in for the denoiser,
-   which records the call's arguments and answers zeros shaped like its input (the answers are thrown away);
-2. the recorded calls are concatenated row-wise into as few forwards as their arguments allow (`batched`);
-3. the same sub-blocks run again, each call answered with its rows of the batch: the guider combines them as the
-   family's maintainers wrote it (Qwen-Image's norm rescale included);
-4. ``after_denoiser`` (the scheduler's update) runs per request, in `advance`.
+1. the requests form groups whose guiders act alike at their steps (classifier-free guidance at one scale, on or
+   off) and whose loop inputs can be put together (`batched`); each group's inputs become one block state of its
+   rows (`_GroupPass`: latents and embeddings concatenated, masked embeddings padded, each row at its own timestep);
+2. each group's ``before_denoiser`` and ``denoiser`` run with `DenoiserCalls` standing in for the denoiser, which
+   records the call's arguments and answers zeros shaped like its input (the answers are thrown away);
+3. the recorded calls of all groups are concatenated row-wise into as few forwards as their arguments allow, each
+   row with its request's LoRA adapters and step cache;
+4. the same sub-blocks run again, each call answered with its rows: the guider combines them as the family's
+   maintainers wrote it (Qwen-Image's norm rescale included), and each request takes its rows of the prediction;
+5. ``after_denoiser`` (the scheduler's update) runs per request, with its own scheduler, in `advance`.
 
 A split pipeline runs the same blocks in three stages: ``encode`` the ones that read a text encoder (what they
 made is `Conditioning.blocks`), ``denoise`` the rest up to the loop and the loop, ``decode`` the blocks after it
@@ -22,6 +27,7 @@ whose inputs to them can be put together. Previews decode with those blocks too.
 A request that samples stochastically (``sde_type``, RL rollouts) takes its `SdeSampler.step` after the family's
 update: the update keeps the scheduler's own step index, and in the request's window the sampler's latents replace
 the Euler step's, as request mode's `sde_sampling` replaces them around the stock pipeline's ``scheduler.step``.
+At its first step it is a group of its own, so that the text inputs its denoiser sees are recorded as its own.
 
 The family's blocks are the ones diffusers maps its pipeline class to; what it adds is a table entry
 (`MODULAR_FAMILIES`, in modular_families.py): how a request's parameters become its guider, and what its blocks
@@ -35,13 +41,14 @@ import contextlib
 import copy
 import functools
 import inspect
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import diffusers
 import torch
 from diffusers.guiders import ClassifierFreeGuidance
-from diffusers.modular_pipelines import PipelineState
+from diffusers.modular_pipelines import BlockState, PipelineState
 
 from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.diffusion.families.pipeline_facts import schedule_index
@@ -91,8 +98,16 @@ class RequestComponents:
         """The modular pipeline's property of that name, as the stepper found it once (`ModularStepper`)."""
 
     def __getattr__(self, name: str) -> Any:
-        found = inspect.getattr_static(type(self._modular), name, None)
-        return found.__get__(self) if isinstance(found, property) else getattr(self._modular, name)
+        owner: type = type(self._modular)
+        found = _property(owner, name)
+        return getattr(self._modular, name) if found is None else found.__get__(self)
+
+
+@functools.cache  # a request's blocks read the pipeline's attributes hundreds of times; its class never changes
+def _property(cls: type, name: str) -> property | None:
+    """``cls``'s property of that name, or ``None``."""
+    found = inspect.getattr_static(cls, name, None)
+    return found if isinstance(found, property) else None
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,8 @@ class ModularStepState(StepState):
     LTX's ``num_frames``)."""
     components: RequestComponents | None = None
     """Its view of the pipeline's components."""
+    inputs: tuple[str, ...] = ()
+    """What its loop's sub-blocks read of its block state (`_loop_inputs`)."""
 
 
 def _modular(state: StepState) -> ModularStepState:
@@ -179,6 +196,82 @@ def _on_device(value: Any, device: torch.device) -> Any:
     return [_on_device(v, device) for v in value] if isinstance(value, list) else value
 
 
+_LOOP_OWN = ("timesteps", "num_warmup_steps", "num_inference_steps")
+"""What a loop's block state holds for the loop itself (the engine's now): a group's sub-blocks see its first
+request's, which its guider key covers (`ModularStepper._guided_alike`)."""
+
+
+def _loop_inputs(state: ModularStepState) -> dict[str, Any]:
+    """What of the request's loop state its group puts together: what its block state held when its loop started
+    (not what a pass of the sub-blocks left, its last prediction), but the loop's own values, and a dict of
+    values the state holds by name too (Qwen-Image's ``denoiser_input_fields``), which `_GroupPass` makes again."""
+    values = vars(state.loop)
+    return {name: values[name] for name in state.inputs}
+
+
+def _input_names(loop: Any) -> tuple[str, ...]:
+    """The names `_loop_inputs` reads of a loop state as it started."""
+    values = vars(loop)
+    return tuple(name for name, value in values.items() if name not in _LOOP_OWN and _alias(value, values) is None)
+
+
+def _alias(value: Any, values: dict[str, Any]) -> list[str] | None:
+    """The names of a dict whose every entry the block state holds by that name too, or ``None``."""
+    if isinstance(value, dict) and value and all(k in values and values[k] is v for k, v in value.items()):
+        return list(value)
+    return None
+
+
+class _GroupPass:
+    """A group of requests in one step's passes of the loop's sub-blocks: their loop inputs put together as one
+    block state (rows in the group's order), each row's timestep, and the denoiser stand-in of its calls."""
+
+    def __init__(self, states: list[ModularStepState], components: RequestComponents, recorder: DenoiserCalls):
+        self.states, self.components, self.recorder = states, components, recorder
+        self.counts = [len(state.latents) for state in states]
+        first = states[0]
+        values = vars(first.loop)
+        if len(states) > 1:
+            merged = joined([_loop_inputs(state) for state in states], self.counts)
+        else:  # its own values, but a dict the sub-blocks fill each step (Qwen-Image's additional_cond_kwargs)
+            merged = {k: dict(v) if isinstance(v, dict) else v for k, v in _loop_inputs(first).items()}
+        merged |= {name: values[name] for name in _LOOP_OWN if name in values}
+        merged |= {name: {k: merged[k] for k in keys} for name, v in values.items() if (keys := _alias(v, values))}
+        self.loop: Any = BlockState(**merged)
+        same = all(state.timestep.equal(first.timestep) for state in states)
+        rows = zip(states, self.counts, strict=True)
+        self.timestep = first.timestep if same else torch.cat([state.timestep.expand(n) for state, n in rows])
+        """One for all its rows where they are at the same timestep (as a request alone), else each row's."""
+        self.answers: dict[int, Any] = {}
+        """Each recorded call's rows of the forwards, by the call's id."""
+
+    def owners(self, rows: int) -> list[ModularStepState]:
+        """The request of each row of one of its calls (a call of several times its rows repeats them)."""
+        each = [state for state, n in zip(self.states, self.counts, strict=True) for _ in range(n)]
+        assert rows % len(each) == 0, f"a call of {rows} rows from a group of {len(each)}"
+        return each * (rows // len(each))
+
+
+def _per_prompt(made: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """What the text-encoder blocks made for ``count`` prompts, per prompt: a value with the rows of every prompt
+    (as many per prompt as ``prompt_embeds`` has: its outputs per prompt, for the families that repeat there) split
+    in ``count`` equal parts, any other value (a negative prompt's embeddings encoded once for all) whole to each."""
+    if count == 1:
+        return [made]
+    per_prompt = len(made["prompt_embeds"]) // count
+    rows = [
+        name
+        for name, value in made.items()
+        if isinstance(value, torch.Tensor | list) and getattr(value, "ndim", 1) > 0 and len(value) == count * per_prompt
+    ]
+    parts = [dict(made) for _ in range(count)]
+    for name in rows:
+        value = made[name]
+        for i, part in enumerate(parts):
+            part[name] = value[i * per_prompt : (i + 1) * per_prompt]
+    return parts
+
+
 class ModularStepper(Stepper):
     """Any family of `MODULAR_FAMILIES`, stepped by its modular blocks (see the module's docstring)."""
 
@@ -223,6 +316,8 @@ class ModularStepper(Stepper):
             None if self.denoiser is None else next(iter(inspect.signature(self.denoiser.forward).parameters))
         )
         """The denoiser's first argument, whose length is a call's row count."""
+        self.signature = None if self.denoiser is None else inspect.signature(self.denoiser.forward)
+        """Its forward's, found once (`DenoiserCalls` names positional arguments by it)."""
 
     @classmethod
     @functools.cache  # read at each admission that asks for previews; the blocks of a class never change
@@ -255,7 +350,13 @@ class ModularStepper(Stepper):
 
     @classmethod
     def encode_key(cls, card: ModelCard, params: OmniDiffusionSamplingParams) -> tuple:
-        return ()  # `encode` runs each request's blocks alone, with its own guider: any requests share a batch
+        """What the text-encoder blocks read besides the prompts, equal for prompts encoded in one call: outputs per
+        prompt, whether negatives are encoded (the guider's), whether negative prompts are given, and the
+        family's ``extra_args``."""
+        family = MODULAR_FAMILIES[card.pipeline_name]
+        guided = family.guidance is None or family.guidance(params) is not None
+        extra = tuple(sorted((k, str(v)) for k, v in params.extra_args.items() if k in family.extra_args))
+        return (params.num_outputs_per_prompt, guided, params.negative_prompt is not None, extra)
 
     def _inputs(self, prompt: str | None, params: OmniDiffusionSamplingParams, seed: int | None) -> dict[str, Any]:
         n = params.num_outputs_per_prompt
@@ -288,28 +389,27 @@ class ModularStepper(Stepper):
             if scale is None:
                 guider.disable()
         scheduler = fresh_noise_scheduler(self.pipeline, self.card.scheduler_overrides(params))
-        calls: dict[str, DenoiserCalls | _Unloaded]
+        denoiser: Any = self.denoiser  # its blocks before the loop read its config; the loop's passes call a stand-in
         if self.denoiser is None or self.input_name is None:  # an encode or decode stage (the two go together)
             loaded = self.pipeline.components.items()
             dtype = next((c.dtype for n, c in loaded if n in TEXT_ENCODERS and c is not None), self.pipeline.vae.dtype)
-            calls = {self.denoiser_name: _Unloaded(self.denoiser_name, dtype)}
-        else:
-            calls = {self.denoiser_name: DenoiserCalls(self.denoiser, self.input_name)}
-        return RequestComponents(self.modular, scheduler, guider, calls, self.execution_device)
+            denoiser = _Unloaded(self.denoiser_name, dtype)
+        return RequestComponents(self.modular, scheduler, guider, {self.denoiser_name: denoiser}, self.execution_device)
 
     def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
-        """Each prompt through the family's text-encoder blocks, alone (their calls take one request's prompts)."""
-        conditionings = []
-        for prompt, request in zip(prompts, params, strict=True):
-            components = self._components(request)
-            if self.encodes_negatives:  # a guider that guides, whatever the request's scale
-                components.guider = copy.copy(self.guider)
-                components.guider.enable()
-            with torch.no_grad(), self._adapters(text=[request.lora]):
-                inputs = self._inputs(prompt, request, None)
-                state = self._run(self.encode_blocks, components, PipelineState(), inputs)
-            conditionings.append(Conditioning({}, None, {}, blocks={name: state.get(name) for name in self.encoded}))
-        return conditionings
+        """The prompts (their params share an `encode_key`) through the family's text-encoder blocks in one call, as
+        a request-mode batch encodes them; what the blocks made split back per request (`_per_prompt`)."""
+        components = self._components(params[0])
+        if self.encodes_negatives:  # a guider that guides, whatever the request's scale
+            components.guider = copy.copy(self.guider)
+            components.guider.enable()
+        inputs = self._inputs(None, params[0], None) | {"prompt": list(prompts)}
+        if params[0].negative_prompt is not None:
+            inputs["negative_prompt"] = [q.negative_prompt for q in params]
+        with torch.no_grad(), self._adapters(text=[q.lora for q in params]):
+            state = self._run(self.encode_blocks, components, PipelineState(), inputs)
+        made = {name: state.get(name) for name in self.encoded}
+        return [Conditioning({}, None, {}, blocks=blocks) for blocks in _per_prompt(made, len(prompts))]
 
     def start(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         """The family's blocks before its loop, from the encoded prompt: inputs, noise, timesteps, positions."""
@@ -321,52 +421,98 @@ class ModularStepper(Stepper):
             state = self._run(self.start_blocks, components, state, self._inputs(None, params, seed))
             loop = _loop_start(self.loop, components, state)
         # Its denoiser inputs are its loop's (cond, uncond and shared stay empty).
-        blocks = {"loop": loop, "pipeline": state, "components": components}
+        blocks = {"loop": loop, "pipeline": state, "components": components, "inputs": _input_names(loop)}
         return ModularStepState(params, loop.latents, components.scheduler, loop.timesteps, {}, None, {}, **blocks)
 
-    def _sub_blocks(self, state: ModularStepState, blocks: list) -> None:
-        components = state.components
-        for block in blocks:
-            components, state.loop = block(components, state.loop, i=state.step, t=state.timestep)
-
     def predict(self, steps: list[StepState]) -> list[torch.Tensor]:
-        states = [_modular(state) for state in steps]
-        denoiser, input_name = self.denoiser, self.input_name
-        assert denoiser is not None and input_name is not None, "the stage that steps loads the denoiser"
-        calls = []
+        """Each group of requests whose loop inputs can be put together (`_groups`) runs the loop's sub-blocks up to
+        the update once on its rows, twice in all: the first pass records the denoiser calls, which are made as few
+        forwards over all groups as their arguments allow (`_forwards`), the second answers them."""
+        passes = [self._group_pass(group) for group in self._groups(list(map(_modular, steps)))]
+        with torch.no_grad():
+            for group in passes:
+                self._sub_blocks(group, self.predict_blocks)
+                self._record_first_steps(group)
+            self._forwards(passes)
+            for group in passes:
+                self._sub_blocks(group, self.predict_blocks)
+        predictions: dict[int, torch.Tensor] = {}
+        for group in passes:
+            predictions.update(zip(map(id, group.states), group.loop.noise_pred.split(group.counts), strict=True))
+        return [predictions[id(state)] for state in steps]
+
+    def _groups(self, states: list[ModularStepState]) -> list[list[ModularStepState]]:
+        """The requests in groups whose loop sub-blocks run once on their rows: a guider that acts alike at their
+        steps (`_guided_alike`), and loop inputs that can be put together (`batched`: per-row tensors and lists
+        concatenated, masked embeddings padded, anything else equal)."""
+        alike: dict[Hashable, list[ModularStepState]] = {}
         for state in states:
-            recorder = getattr(state.components, self.denoiser_name)
-            recorder.calls, recorder.answers = [], None
-            self._sub_blocks(state, self.predict_blocks)
-            calls += [(state, call) for call in recorder.calls]
-            if state.sde is not None and state.step == 0:  # the text inputs its denoiser sees, as request mode
-                seen = [{k: v for k, v in call.items() if k in EMBEDDING_NAMES} for call in recorder.calls]
-                record_first_step([state.sde], seen, state.params.num_outputs_per_prompt)
-        answers: list[Any] = [None] * len(calls)
-        for group in batched([call for _, call in calls], input_name):
-            members = [calls[i] for i in group]
-            counts = [len(call[input_name]) for _, call in members]
-            kwargs = joined([call for _, call in members], counts)
-            adapters = [state.params.lora for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
-            caches = [state.cache for (state, _), n in zip(members, counts, strict=True) for _ in range(n)]
-            for state, _ in members:
+            alike.setdefault(self._guided_alike(state), []).append(state)
+        groups = []
+        for members in alike.values():
+            values = [_loop_inputs(state) for state in members]
+            groups += [[members[i] for i in group] for group in batched(values, "latents")]
+        return groups
+
+    @staticmethod
+    def _guided_alike(state: ModularStepState) -> Hashable:
+        """What its guider does at its step, for requests whose guiders can be one: classifier-free guidance at
+        the same scale, on or off at this step. Any other guider (one that keeps state across steps), and a
+        request whose denoiser inputs the SDE sampler records at this step, runs alone."""
+        assert state.components is not None, "set by start"
+        guider = state.components.guider
+        if type(guider) is not ClassifierFreeGuidance or (state.sde is not None and state.step == 0):
+            return id(state)
+        guider.set_state(step=state.step, num_inference_steps=len(state.timesteps), timestep=state.timestep)
+        return (guider.guidance_scale, guider.guidance_rescale, guider.use_original_formulation, guider.num_conditions)
+
+    def _group_pass(self, group: list[ModularStepState]) -> _GroupPass:
+        """The group's pass, whose sub-blocks see its first request's guider (all act alike) and `DenoiserCalls`."""
+        first = group[0].components
+        assert first is not None and self.denoiser is not None and self.input_name is not None, "a denoise stage"
+        recorder = DenoiserCalls(self.denoiser, self.input_name, self.signature)
+        denoisers: dict[str, DenoiserCalls | _Unloaded] = {self.denoiser_name: recorder}
+        components = RequestComponents(self.modular, first.scheduler, first.guider, denoisers, self.execution_device)
+        return _GroupPass(group, components, recorder)
+
+    def _sub_blocks(self, group: _GroupPass, blocks: list) -> None:
+        components, first = group.components, group.states[0]
+        for block in blocks:
+            components, group.loop = block(components, group.loop, i=first.step, t=group.timestep)
+
+    def _record_first_steps(self, group: _GroupPass) -> None:
+        """The text inputs a stochastic request's denoiser sees, as request mode records them (it runs alone)."""
+        state = group.states[0]
+        if state.sde is not None and state.step == 0:
+            seen = [{k: v for k, v in call.items() if k in EMBEDDING_NAMES} for call in group.recorder.calls]
+            record_first_step([state.sde], seen, state.params.num_outputs_per_prompt)
+
+    def _forwards(self, passes: list[_GroupPass]) -> None:
+        """The recorded calls of every group as few forwards as their arguments allow, each row with its request's
+        adapters and step cache; each call answered with its rows."""
+        assert self.denoiser is not None and self.input_name is not None, "the stage that steps loads the denoiser"
+        calls = [(group, call) for group in passes for call in group.recorder.calls]
+        for group in passes:
+            group.recorder.answers = []
+            for state in group.states:
                 state.cache.timestep = float(state.timestep)
-            cached = contextlib.nullcontext() if self.step_cache is None else self.step_cache.rows(caches)
-            with self._adapters(denoiser=adapters), cached:
-                output = denoiser(**kwargs)[0]
-            start = 0
-            for index, n in zip(group, counts, strict=True):
-                answers[index] = output[start : start + n]
-                start += n
-        for state in states:
-            getattr(state.components, self.denoiser_name).answers = [
-                answers[i] for i, (s, _) in enumerate(calls) if s is state
-            ]
-        predictions = []
-        for state in states:
-            self._sub_blocks(state, self.predict_blocks)
-            predictions.append(state.loop.noise_pred)
-        return predictions
+        for indices in batched([call for _, call in calls], self.input_name):
+            members = [calls[i] for i in indices]
+            counts = [len(call[self.input_name]) for _, call in members]
+            owners = [state for group, call in members for state in group.owners(len(call[self.input_name]))]
+            kwargs = joined([call for _, call in members], counts)
+            cached = (
+                contextlib.nullcontext()
+                if self.step_cache is None
+                else self.step_cache.rows([state.cache for state in owners])
+            )
+            with self._adapters(denoiser=[state.params.lora for state in owners]), cached:
+                output = self.denoiser(**kwargs)[0]
+            start = 0  # the output is a tensor, or a list of rows (Z-Image)
+            for (group, call), n in zip(members, counts, strict=True):
+                group.answers[id(call)], start = output[start : start + n], start + n
+        for group in passes:
+            group.recorder.answers = [group.answers[id(call)] for call in group.recorder.calls]
 
     def advance(self, steps: list[StepState], predictions: list[torch.Tensor]) -> None:
         for state, prediction in zip(map(_modular, steps), predictions, strict=True):
@@ -374,7 +520,9 @@ class ModularStepper(Stepper):
             x, scheduler = state.loop.latents, state.components.scheduler
             index = schedule_index(scheduler, state.timestep)
             state.loop.noise_pred = prediction
-            self._sub_blocks(state, self.update_blocks)
+            components = state.components
+            for block in self.update_blocks:  # its own scheduler's step
+                components, state.loop = block(components, state.loop, i=state.step, t=state.timestep)
             if state.sde is not None:
                 taken = state.sde.step(x, prediction, state.timestep, scheduler.sigmas, index)
                 if taken is not None:
