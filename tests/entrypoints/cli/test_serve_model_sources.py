@@ -69,23 +69,21 @@ def test_a_repo_id_that_cannot_be_fetched_ends_start_up_naming_it(tmp_path):
     ) in done.stdout + done.stderr
 
 
-def test_make_tiny_model_writes_a_single_file_that_serves_the_folders_images(tmp_path):
+def test_make_tiny_model_writes_a_single_file_that_serves_the_folders_images(tmp_path, monkeypatch, capsys):
+    """``make-tiny-model --single-file`` (its ``main``, in this process, as the GGUF test's; the refusal test below
+    runs the script), then ``vllm serve DIR.safetensors --model-config DIR --omni``."""
+    from vllm_omni.entrypoints.cli.main import main
+
     folder = tmp_path / "tiny-sd"
-    made = subprocess.run(
-        [*_VLLM_OMNI, "make-tiny-model", str(folder), "--family", "sd", "--single-file"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert made.returncode == 0, made.stderr
+    main(["make-tiny-model", str(folder), "--family", "sd", "--single-file"])
     checkpoint = f"{folder}.safetensors"
-    assert made.stdout.split() == [str(folder), checkpoint]
+    assert capsys.readouterr().out.split() == [str(folder), checkpoint]
 
     params = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=2, seed=5)
     with Omni(str(folder)) as omni:
         want = np.asarray(omni.generate("a cat", params)[0].images[0], dtype=np.int16)
-    env = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm")}
-    with RemoteOmniServer(checkpoint, ["--model-config", str(folder)], env=env) as server:
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))  # a preloaded server takes the environment
+    with RemoteOmniServer(checkpoint, ["--model-config", str(folder)]) as server:
         client = openai.OpenAI(base_url=server.url_for("v1"), api_key="none")
         answer = client.images.generate(prompt="a cat", size="64x64", extra_body={"num_inference_steps": 2, "seed": 5})
         got = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))), dtype=np.int16)
