@@ -26,6 +26,13 @@ def _until(predicate, timeout=60.0) -> None:
         time.sleep(0.005)
 
 
+def _step_until_done(engine, futures) -> list:
+    """Step an engine driven by the test until every request is done; their outputs, in order."""
+    while not all(f.done() for f in futures):
+        engine.step(timeout=0.05)
+    return [f.result() for f in futures]
+
+
 @pytest.fixture(scope="module")
 def omni(tiny_flux):
     with Omni(model=tiny_flux, max_num_seqs=4, execution_mode="step") as omni:
@@ -119,9 +126,7 @@ def test_encode_and_decode_on_side_workers_give_the_same_results(tiny_flux):
         futures = [
             engine.add_request(f"r{i}", PROMPTS[i], _params(3 + i, seed=i, guidance_scale=3.5)) for i in range(3)
         ]
-        while not all(f.done() for f in futures):
-            engine.step(timeout=0.05)
-        outputs = [f.result() for f in futures]
+        outputs = _step_until_done(engine, futures)
     finally:
         engine.close()
         engine.shutdown()
@@ -167,9 +172,7 @@ def test_requests_encoded_at_a_boundary_take_its_step_together(tiny_flux):
         assert engine.step() == 4
         assert encoded == [PROMPTS[:2], PROMPTS[2:]]
         assert [engine.scheduler.state(f"r{i}")[1].steps_done for i in range(4)] == [1] * 4
-        while not all(f.done() for f in futures):
-            engine.step(timeout=0.05)
-        outputs = [f.result() for f in futures]
+        outputs = _step_until_done(engine, futures)
     finally:
         engine.close()
         engine.shutdown()
