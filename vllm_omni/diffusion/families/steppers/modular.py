@@ -19,6 +19,9 @@ step runs its loop's sub-blocks once per group of requests, as a request-mode ba
    maintainers wrote it (Qwen-Image's norm rescale included), and each request takes its rows of the prediction;
 5. ``after_denoiser`` (the scheduler's update) runs per request, with its own scheduler, in `advance`.
 
+A step whose requests form one group, whose guider makes one denoiser call (guidance off), runs its sub-blocks once:
+`DenoiserCalls` answers the call with its forward as it is made, there being nothing to put together with it.
+
 A split pipeline runs the same blocks in three stages: ``encode`` the ones that read a text encoder (what they
 made is `Conditioning.blocks`), ``denoise`` the rest up to the loop and the loop, ``decode`` the blocks after it
 (with what they read of the request's state besides the latents: `Latents.blocks`), in one call for the requests
@@ -252,6 +255,20 @@ class _GroupPass:
         return each * (rows // len(each))
 
 
+def _one_call(group: _GroupPass) -> bool:
+    """Whether the group's guider makes one denoiser call at its step: classifier-free guidance off (its state set
+    for the step by `ModularStepper._guided_alike`)."""
+    guider = group.components.guider
+    return type(guider) is ClassifierFreeGuidance and guider.num_conditions == 1
+
+
+def _cache_timesteps(passes: list[_GroupPass]) -> None:
+    """Each request's timestep, where the step-cache hooks that skip by timestep range read it."""
+    for group in passes:
+        for state in group.states:
+            state.cache.timestep = float(state.timestep)
+
+
 def _per_prompt(made: dict[str, Any], count: int) -> list[dict[str, Any]]:
     """What the text-encoder blocks made for ``count`` prompts, per prompt: a value with the rows of every prompt
     (as many per prompt as ``prompt_embeds`` has: its outputs per prompt, for the families that repeat there) split
@@ -427,15 +444,19 @@ class ModularStepper(Stepper):
     def predict(self, steps: list[StepState]) -> list[torch.Tensor]:
         """Each group of requests whose loop inputs can be put together (`_groups`) runs the loop's sub-blocks up to
         the update once on its rows, twice in all: the first pass records the denoiser calls, which are made as few
-        forwards over all groups as their arguments allow (`_forwards`), the second answers them."""
+        forwards over all groups as their arguments allow (`_forwards`), the second answers them; once where one
+        group makes one call (`_answered_at_once`)."""
         passes = [self._group_pass(group) for group in self._groups(list(map(_modular, steps)))]
         with torch.no_grad():
-            for group in passes:
-                self._sub_blocks(group, self.predict_blocks)
-                self._record_first_steps(group)
-            self._forwards(passes)
-            for group in passes:
-                self._sub_blocks(group, self.predict_blocks)
+            if len(passes) == 1 and _one_call(passes[0]):
+                self._answered_at_once(passes[0])
+            else:
+                for group in passes:
+                    self._sub_blocks(group, self.predict_blocks)
+                    self._record_first_steps(group)
+                self._forwards(passes)
+                for group in passes:
+                    self._sub_blocks(group, self.predict_blocks)
         predictions: dict[int, torch.Tensor] = {}
         for group in passes:
             predictions.update(zip(map(id, group.states), group.loop.noise_pred.split(group.counts), strict=True))
@@ -487,32 +508,41 @@ class ModularStepper(Stepper):
             seen = [{k: v for k, v in call.items() if k in EMBEDDING_NAMES} for call in group.recorder.calls]
             record_first_step([state.sde], seen, state.params.num_outputs_per_prompt)
 
+    def _answered_at_once(self, group: _GroupPass) -> None:
+        """A step's only group, whose guider makes one denoiser call: one pass of its sub-blocks, the call answered
+        by its forward as it is made (a recording pass would find nothing to put together with it)."""
+        _cache_timesteps([group])
+        group.recorder.answer = lambda call: self._forward([(group, call)])[0]
+        self._sub_blocks(group, self.predict_blocks)
+        self._record_first_steps(group)
+
     def _forwards(self, passes: list[_GroupPass]) -> None:
-        """The recorded calls of every group as few forwards as their arguments allow, each row with its request's
-        adapters and step cache; each call answered with its rows."""
-        assert self.denoiser is not None and self.input_name is not None, "the stage that steps loads the denoiser"
+        """The recorded calls of every group as few forwards as their arguments allow; each call answered with its
+        rows."""
+        assert self.input_name is not None, "the stage that steps loads the denoiser"
         calls = [(group, call) for group in passes for call in group.recorder.calls]
-        for group in passes:
-            group.recorder.answers = []
-            for state in group.states:
-                state.cache.timestep = float(state.timestep)
+        _cache_timesteps(passes)
         for indices in batched([call for _, call in calls], self.input_name):
             members = [calls[i] for i in indices]
-            counts = [len(call[self.input_name]) for _, call in members]
-            owners = [state for group, call in members for state in group.owners(len(call[self.input_name]))]
-            kwargs = joined([call for _, call in members], counts)
-            cached = (
-                contextlib.nullcontext()
-                if self.step_cache is None
-                else self.step_cache.rows([state.cache for state in owners])
-            )
-            with self._adapters(denoiser=[state.params.lora for state in owners]), cached:
-                output = self.denoiser(**kwargs)[0]
-            start = 0  # the output is a tensor, or a list of rows (Z-Image)
-            for (group, call), n in zip(members, counts, strict=True):
-                group.answers[id(call)], start = output[start : start + n], start + n
+            for (group, call), rows in zip(members, self._forward(members), strict=True):
+                group.answers[id(call)] = rows
         for group in passes:
             group.recorder.answers = [group.answers[id(call)] for call in group.recorder.calls]
+
+    def _forward(self, members: list[tuple[_GroupPass, dict[str, Any]]]) -> list[Any]:
+        """One forward of recorded calls (each with its group) whose arguments can be put together, each row with its
+        request's adapters and step cache; each call's rows of its output."""
+        assert self.denoiser is not None and self.input_name is not None, "the stage that steps loads the denoiser"
+        counts = [len(call[self.input_name]) for _, call in members]
+        owners = [state for group, call in members for state in group.owners(len(call[self.input_name]))]
+        kwargs = members[0][1] if len(members) == 1 else joined([call for _, call in members], counts)
+        cached = (
+            contextlib.nullcontext() if self.step_cache is None else self.step_cache.rows([s.cache for s in owners])
+        )
+        with self._adapters(denoiser=[state.params.lora for state in owners]), cached:
+            output = self.denoiser(**kwargs)[0]
+        starts = [sum(counts[:i]) for i in range(len(counts))]  # the output is a tensor, or a list of rows (Z-Image)
+        return [output[start : start + n] for start, n in zip(starts, counts, strict=True)]
 
     def advance(self, steps: list[StepState], predictions: list[torch.Tensor]) -> None:
         for state, prediction in zip(map(_modular, steps), predictions, strict=True):
