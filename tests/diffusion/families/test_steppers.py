@@ -12,7 +12,7 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 
 from vllm_omni.diffusion.families.model_card import ModelCard
-from vllm_omni.diffusion.families.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper
+from vllm_omni.diffusion.families.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper, modular
 from vllm_omni.diffusion.pipeline.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
 from vllm_omni.errors import SamplingParamsError
@@ -262,9 +262,17 @@ def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image, monkeypatc
 
 def test_one_unguided_group_runs_its_sub_blocks_once_per_step(tiny_qwen_image, monkeypatch):
     """Requests that form one group whose guider makes one denoiser call (Qwen-Image without a negative prompt) run
-    the loop's sub-blocks once per step, the call answered by its forward as it is made."""
+    the loop's sub-blocks once per step, the call answered by its forward as it is made; their loop inputs are put
+    together when the group changes, not at every step."""
     pipeline = _load(tiny_qwen_image)
     passes = _denoiser_block_passes(pipeline, monkeypatch)
+    joins, original = [], modular._Joined.__init__
+
+    def counted(self, states):
+        joins.append(len(states))
+        original(self, states)
+
+    monkeypatch.setattr(modular._Joined, "__init__", counted)
     size = {"height": 64, "width": 64}
     rows = _check(
         pipeline,
@@ -275,6 +283,7 @@ def test_one_unguided_group_runs_its_sub_blocks_once_per_step(tiny_qwen_image, m
         ],
     )
     assert rows == [1, 3, 3, 3] and passes == rows, "one pass and one forward per engine step"
+    assert joins == [1, 3], "A's inputs at its first step, A's, B's and C's once for their three steps"
 
 
 def _denoiser_block_passes(pipeline, monkeypatch) -> list[int]:
