@@ -1,6 +1,8 @@
 """How the modular stepper makes many requests' denoiser calls one forward: which calls can share one, and how
 their arguments are put together."""
 
+import inspect
+
 import torch
 
 from vllm_omni.diffusion.families.steppers.denoiser_calls import DenoiserCalls, batched, concat_rows, joined
@@ -41,6 +43,22 @@ def test_the_stand_in_records_then_answers_in_order():
     stand_in.answers = [torch.full((2, 3), 5.0)]
     (answer,) = stand_in(hidden_states=torch.ones(2, 3), timestep=torch.zeros(2))
     assert answer.eq(5).all() and stand_in.answers == []
+
+
+def test_the_stand_in_answers_each_call_at_once_where_told():
+    stand_in = DenoiserCalls(torch.nn.Linear(2, 2), "hidden_states")
+    stand_in.answer = lambda call: call["hidden_states"] * 2
+    (answer,) = stand_in(hidden_states=torch.ones(2, 3))
+    assert answer.eq(2).all() and len(stand_in.calls) == 1
+
+
+def test_the_stand_ins_forward_has_the_denoisers_signature_and_is_recorded():
+    """Blocks read the denoiser's parameters from its forward's signature (Qwen-Image's loop, at every step)."""
+    linear = torch.nn.Linear(2, 2)
+    stand_in = DenoiserCalls(linear, "input")
+    assert inspect.signature(stand_in.forward) == inspect.signature(linear.forward)
+    (zeros,) = stand_in.forward(torch.ones(1, 2))
+    assert zeros.shape == (1, 2) and list(stand_in.calls[0]) == ["input"]
 
 
 def test_masked_text_of_other_lengths_is_padded_and_masked_out():

@@ -12,7 +12,7 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 
 from vllm_omni.diffusion.families.model_card import ModelCard
-from vllm_omni.diffusion.families.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper
+from vllm_omni.diffusion.families.steppers import SPLIT, SUPPORTED_PIPELINES, make_stepper, modular
 from vllm_omni.diffusion.pipeline.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
 from vllm_omni.errors import SamplingParamsError
@@ -245,14 +245,7 @@ def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image, monkeypatc
     requests whose guiders act alike (A and B) run its loop's sub-blocks once as one group, their rows at their own
     timesteps."""
     pipeline = _load(tiny_qwen_image)
-    denoiser_block = type(make_stepper(pipeline, CPU).predict_blocks[-1])
-    passes, original = [], denoiser_block.__call__
-
-    def counted(self, components, block_state, i, t):
-        passes.append(len(block_state.latents))
-        return original(self, components, block_state, i, t)
-
-    monkeypatch.setattr(denoiser_block, "__call__", counted)
+    passes = _denoiser_block_passes(pipeline, monkeypatch)
     size = {"height": 64, "width": 64}
     cfg = {"negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 3.0}}
     rows = _check(
@@ -265,6 +258,45 @@ def test_qwen_image_steps_through_its_modular_blocks(tiny_qwen_image, monkeypatc
     )
     assert rows == [2, 5, 5, 5], "one forward per engine step: A's 2 rows, then B's 2 and C's 1"
     assert passes == [1, 1] + [2, 1, 2, 1] * 3, "per step, a pass to record and one to answer: A and B as one group"
+
+
+def test_one_unguided_group_runs_its_sub_blocks_once_per_step(tiny_qwen_image, monkeypatch):
+    """Requests that form one group whose guider makes one denoiser call (Qwen-Image without a negative prompt) run
+    the loop's sub-blocks once per step, the call answered by its forward as it is made; their loop inputs are put
+    together when the group changes, not at every step."""
+    pipeline = _load(tiny_qwen_image)
+    passes = _denoiser_block_passes(pipeline, monkeypatch)
+    joins, original = [], modular._Joined.__init__
+
+    def counted(self, states):
+        joins.append(len(states))
+        original(self, states)
+
+    monkeypatch.setattr(modular._Joined, "__init__", counted)
+    size = {"height": 64, "width": 64}
+    rows = _check(
+        pipeline,
+        [
+            (0, "A", "a photo of a cat", _params(num_inference_steps=4, **size), 1),
+            (1, "B", "a red car on a long and winding road", _params(num_inference_steps=3, **size), 2),
+            (1, "C", "a red car", _params(num_inference_steps=3, **size), 3),
+        ],
+    )
+    assert rows == [1, 3, 3, 3] and passes == rows, "one pass and one forward per engine step"
+    assert joins == [1, 3], "A's inputs at its first step, A's, B's and C's once for their three steps"
+
+
+def _denoiser_block_passes(pipeline, monkeypatch) -> list[int]:
+    """The rows of each pass of the modular stepper's denoiser block, from now on."""
+    denoiser_block = type(make_stepper(pipeline, CPU).predict_blocks[-1])
+    passes, original = [], denoiser_block.__call__
+
+    def counted(self, components, block_state, i, t):
+        passes.append(len(block_state.latents))
+        return original(self, components, block_state, i, t)
+
+    monkeypatch.setattr(denoiser_block, "__call__", counted)
+    return passes
 
 
 @pytest.mark.parametrize(

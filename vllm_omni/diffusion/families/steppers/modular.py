@@ -19,6 +19,9 @@ step runs its loop's sub-blocks once per group of requests, as a request-mode ba
    maintainers wrote it (Qwen-Image's norm rescale included), and each request takes its rows of the prediction;
 5. ``after_denoiser`` (the scheduler's update) runs per request, with its own scheduler, in `advance`.
 
+A step whose requests form one group, whose guider makes one denoiser call (guidance off), runs its sub-blocks once:
+`DenoiserCalls` answers the call with its forward as it is made, there being nothing to put together with it.
+
 A split pipeline runs the same blocks in three stages: ``encode`` the ones that read a text encoder (what they
 made is `Conditioning.blocks`), ``denoise`` the rest up to the loop and the loop, ``decode`` the blocks after it
 (with what they read of the request's state besides the latents: `Latents.blocks`), in one call for the requests
@@ -222,19 +225,43 @@ def _alias(value: Any, values: dict[str, Any]) -> list[str] | None:
     return None
 
 
+class _Joined:
+    """A group's loop inputs but its latents, put together (`joined`; a request alone: its own), with what each
+    request held when they were. Kept from step to step while the same requests hold the same inputs
+    (`ModularStepper._joined`): they change only when a request joins or leaves, and putting the embeddings
+    together again at every step was most of the stepper's own time per step beside the blocks."""
+
+    def __init__(self, states: list[ModularStepState]):
+        self.states = states
+        """Kept, so that no other request's state takes the id of one of them while it is kept."""
+        self.inputs = [_loop_inputs(state) for state in states]
+        self.layout = [(state.latents.shape[1:], state.latents.dtype) for state in states]
+        rest = [{k: v for k, v in values.items() if k != "latents"} for values in self.inputs]
+        counts = [len(state.latents) for state in states]
+        self.merged = joined(rest, counts) if len(states) > 1 else rest[0]
+
+    def holds(self, states: list[ModularStepState]) -> bool:
+        """Whether ``states`` (the same requests, in order) still hold what it was put together from."""
+        return len(states) == len(self.states) and all(
+            state is mine
+            and (state.latents.shape[1:], state.latents.dtype) == layout
+            and all(vars(state.loop).get(k) is v for k, v in kept.items() if k != "latents")
+            for state, mine, kept, layout in zip(states, self.states, self.inputs, self.layout, strict=True)
+        )
+
+
 class _GroupPass:
     """A group of requests in one step's passes of the loop's sub-blocks: their loop inputs put together as one
     block state (rows in the group's order), each row's timestep, and the denoiser stand-in of its calls."""
 
-    def __init__(self, states: list[ModularStepState], components: RequestComponents, recorder: DenoiserCalls):
+    def __init__(self, states: list[ModularStepState], inputs: _Joined, components, recorder: DenoiserCalls):
         self.states, self.components, self.recorder = states, components, recorder
         self.counts = [len(state.latents) for state in states]
         first = states[0]
         values = vars(first.loop)
-        if len(states) > 1:
-            merged = joined([_loop_inputs(state) for state in states], self.counts)
-        else:  # its own values, but a dict the sub-blocks fill each step (Qwen-Image's additional_cond_kwargs)
-            merged = {k: dict(v) if isinstance(v, dict) else v for k, v in _loop_inputs(first).items()}
+        latents = torch.cat([state.latents for state in states]) if len(states) > 1 else first.latents
+        # a copy of each dict: the sub-blocks fill some each step (Qwen-Image's additional_cond_kwargs)
+        merged = {k: dict(v) if isinstance(v, dict) else v for k, v in inputs.merged.items()} | {"latents": latents}
         merged |= {name: values[name] for name in _LOOP_OWN if name in values}
         merged |= {name: {k: merged[k] for k in keys} for name, v in values.items() if (keys := _alias(v, values))}
         self.loop: Any = BlockState(**merged)
@@ -250,6 +277,20 @@ class _GroupPass:
         each = [state for state, n in zip(self.states, self.counts, strict=True) for _ in range(n)]
         assert rows % len(each) == 0, f"a call of {rows} rows from a group of {len(each)}"
         return each * (rows // len(each))
+
+
+def _one_call(group: _GroupPass) -> bool:
+    """Whether the group's guider makes one denoiser call at its step: classifier-free guidance off (its state set
+    for the step by `ModularStepper._guided_alike`)."""
+    guider = group.components.guider
+    return type(guider) is ClassifierFreeGuidance and guider.num_conditions == 1
+
+
+def _cache_timesteps(passes: list[_GroupPass]) -> None:
+    """Each request's timestep, where the step-cache hooks that skip by timestep range read it."""
+    for group in passes:
+        for state in group.states:
+            state.cache.timestep = float(state.timestep)
 
 
 def _per_prompt(made: dict[str, Any], count: int) -> list[dict[str, Any]]:
@@ -318,6 +359,8 @@ class ModularStepper(Stepper):
         """The denoiser's first argument, whose length is a call's row count."""
         self.signature = None if self.denoiser is None else inspect.signature(self.denoiser.forward)
         """Its forward's, found once (`DenoiserCalls` names positional arguments by it)."""
+        self._joined: dict[tuple[int, ...], _Joined] = {}
+        """The last step's groups' inputs that the next may use again, by their requests' states' ids (`_Joined`)."""
 
     @classmethod
     @functools.cache  # read at each admission that asks for previews; the blocks of a class never change
@@ -427,29 +470,41 @@ class ModularStepper(Stepper):
     def predict(self, steps: list[StepState]) -> list[torch.Tensor]:
         """Each group of requests whose loop inputs can be put together (`_groups`) runs the loop's sub-blocks up to
         the update once on its rows, twice in all: the first pass records the denoiser calls, which are made as few
-        forwards over all groups as their arguments allow (`_forwards`), the second answers them."""
-        passes = [self._group_pass(group) for group in self._groups(list(map(_modular, steps)))]
+        forwards over all groups as their arguments allow (`_forwards`), the second answers them; once where one
+        group makes one call (`_answered_at_once`)."""
+        joined_before, self._joined = self._joined, {}
+        groups = self._groups(list(map(_modular, steps)), joined_before)
+        passes = [self._group_pass(group, joined_before) for group in groups]
         with torch.no_grad():
-            for group in passes:
-                self._sub_blocks(group, self.predict_blocks)
-                self._record_first_steps(group)
-            self._forwards(passes)
-            for group in passes:
-                self._sub_blocks(group, self.predict_blocks)
+            if len(passes) == 1 and _one_call(passes[0]):
+                self._answered_at_once(passes[0])
+            else:
+                for group in passes:
+                    self._sub_blocks(group, self.predict_blocks)
+                    self._record_first_steps(group)
+                self._forwards(passes)
+                for group in passes:
+                    self._sub_blocks(group, self.predict_blocks)
         predictions: dict[int, torch.Tensor] = {}
         for group in passes:
             predictions.update(zip(map(id, group.states), group.loop.noise_pred.split(group.counts), strict=True))
         return [predictions[id(state)] for state in steps]
 
-    def _groups(self, states: list[ModularStepState]) -> list[list[ModularStepState]]:
+    def _groups(
+        self, states: list[ModularStepState], joined_before: dict[tuple[int, ...], _Joined]
+    ) -> list[list[ModularStepState]]:
         """The requests in groups whose loop sub-blocks run once on their rows: a guider that acts alike at their
         steps (`_guided_alike`), and loop inputs that can be put together (`batched`: per-row tensors and lists
-        concatenated, masked embeddings padded, anything else equal)."""
+        concatenated, masked embeddings padded, anything else equal; found once while a group stays as it is)."""
         alike: dict[Hashable, list[ModularStepState]] = {}
         for state in states:
             alike.setdefault(self._guided_alike(state), []).append(state)
         groups = []
         for members in alike.values():
+            kept = joined_before.get(tuple(map(id, members)))
+            if kept is not None and kept.holds(members):  # one group at the last step, and nothing changed since
+                groups.append(members)
+                continue
             values = [_loop_inputs(state) for state in members]
             groups += [[members[i] for i in group] for group in batched(values, "latents")]
         return groups
@@ -466,14 +521,22 @@ class ModularStepper(Stepper):
         guider.set_state(step=state.step, num_inference_steps=len(state.timesteps), timestep=state.timestep)
         return (guider.guidance_scale, guider.guidance_rescale, guider.use_original_formulation, guider.num_conditions)
 
-    def _group_pass(self, group: list[ModularStepState]) -> _GroupPass:
-        """The group's pass, whose sub-blocks see its first request's guider (all act alike) and `DenoiserCalls`."""
+    def _group_pass(self, group: list[ModularStepState], joined_before: dict[tuple[int, ...], _Joined]) -> _GroupPass:
+        """The group's pass, whose sub-blocks see its first request's guider (all act alike) and `DenoiserCalls`;
+        its inputs as they were put together at the last step where nothing changed (`_Joined`), kept for the next
+        unless one of its requests ends at this step."""
         first = group[0].components
         assert first is not None and self.denoiser is not None and self.input_name is not None, "a denoise stage"
+        key = tuple(map(id, group))
+        inputs = joined_before.get(key)
+        if inputs is None or not inputs.holds(group):
+            inputs = _Joined(group)
+        if all(state.step + 1 < len(state.timesteps) for state in group):
+            self._joined[key] = inputs
         recorder = DenoiserCalls(self.denoiser, self.input_name, self.signature)
         denoisers: dict[str, DenoiserCalls | _Unloaded] = {self.denoiser_name: recorder}
         components = RequestComponents(self.modular, first.scheduler, first.guider, denoisers, self.execution_device)
-        return _GroupPass(group, components, recorder)
+        return _GroupPass(group, inputs, components, recorder)
 
     def _sub_blocks(self, group: _GroupPass, blocks: list) -> None:
         components, first = group.components, group.states[0]
@@ -487,32 +550,41 @@ class ModularStepper(Stepper):
             seen = [{k: v for k, v in call.items() if k in EMBEDDING_NAMES} for call in group.recorder.calls]
             record_first_step([state.sde], seen, state.params.num_outputs_per_prompt)
 
+    def _answered_at_once(self, group: _GroupPass) -> None:
+        """A step's only group, whose guider makes one denoiser call: one pass of its sub-blocks, the call answered
+        by its forward as it is made (a recording pass would find nothing to put together with it)."""
+        _cache_timesteps([group])
+        group.recorder.answer = lambda call: self._forward([(group, call)])[0]
+        self._sub_blocks(group, self.predict_blocks)
+        self._record_first_steps(group)
+
     def _forwards(self, passes: list[_GroupPass]) -> None:
-        """The recorded calls of every group as few forwards as their arguments allow, each row with its request's
-        adapters and step cache; each call answered with its rows."""
-        assert self.denoiser is not None and self.input_name is not None, "the stage that steps loads the denoiser"
+        """The recorded calls of every group as few forwards as their arguments allow; each call answered with its
+        rows."""
+        assert self.input_name is not None, "the stage that steps loads the denoiser"
         calls = [(group, call) for group in passes for call in group.recorder.calls]
-        for group in passes:
-            group.recorder.answers = []
-            for state in group.states:
-                state.cache.timestep = float(state.timestep)
+        _cache_timesteps(passes)
         for indices in batched([call for _, call in calls], self.input_name):
             members = [calls[i] for i in indices]
-            counts = [len(call[self.input_name]) for _, call in members]
-            owners = [state for group, call in members for state in group.owners(len(call[self.input_name]))]
-            kwargs = joined([call for _, call in members], counts)
-            cached = (
-                contextlib.nullcontext()
-                if self.step_cache is None
-                else self.step_cache.rows([state.cache for state in owners])
-            )
-            with self._adapters(denoiser=[state.params.lora for state in owners]), cached:
-                output = self.denoiser(**kwargs)[0]
-            start = 0  # the output is a tensor, or a list of rows (Z-Image)
-            for (group, call), n in zip(members, counts, strict=True):
-                group.answers[id(call)], start = output[start : start + n], start + n
+            for (group, call), rows in zip(members, self._forward(members), strict=True):
+                group.answers[id(call)] = rows
         for group in passes:
             group.recorder.answers = [group.answers[id(call)] for call in group.recorder.calls]
+
+    def _forward(self, members: list[tuple[_GroupPass, dict[str, Any]]]) -> list[Any]:
+        """One forward of recorded calls (each with its group) whose arguments can be put together, each row with its
+        request's adapters and step cache; each call's rows of its output."""
+        assert self.denoiser is not None and self.input_name is not None, "the stage that steps loads the denoiser"
+        counts = [len(call[self.input_name]) for _, call in members]
+        owners = [state for group, call in members for state in group.owners(len(call[self.input_name]))]
+        kwargs = members[0][1] if len(members) == 1 else joined([call for _, call in members], counts)
+        cached = (
+            contextlib.nullcontext() if self.step_cache is None else self.step_cache.rows([s.cache for s in owners])
+        )
+        with self._adapters(denoiser=[state.params.lora for state in owners]), cached:
+            output = self.denoiser(**kwargs)[0]
+        starts = [sum(counts[:i]) for i in range(len(counts))]  # the output is a tensor, or a list of rows (Z-Image)
+        return [output[start : start + n] for start, n in zip(starts, counts, strict=True)]
 
     def advance(self, steps: list[StepState], predictions: list[torch.Tensor]) -> None:
         for state, prediction in zip(map(_modular, steps), predictions, strict=True):
