@@ -226,7 +226,7 @@ def test_the_real_vllm_cli_refuses_a_bad_flag_before_loading(tiny_flux):
 def test_deploy_config_and_global_flag_show_in_metrics(tiny_flux, tmp_path):
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text("stages:\n  - stage_id: 0\n    max_num_seqs: 2\n    request_batch_max_wait_ms: 40\n")
-    with RemoteOmniServer(tiny_flux, ["--deploy-config", str(deploy), "--max-num-seqs", "3"], cli=True) as server:
+    with RemoteOmniServer(tiny_flux, ["--deploy-config", str(deploy), "--max-num-seqs", "3"]) as server:
         text = httpx.get(server.url_for("metrics")).text
         assert 'vllm_omni:stage_max_num_seqs{source="cli",stage="0"} 3.0' in text
         assert 'vllm_omni:stage_max_num_seqs{source="deploy_yaml"' not in text
@@ -249,9 +249,7 @@ def test_the_vllm_omni_script_has_the_same_serve_command(tiny_flux):
 
 
 def test_a_video_model_serves_and_the_images_api_refuses_it(tiny_wan):
-    with RemoteOmniServer(
-        tiny_wan, ["--max-num-seqs", "2"], cli=True
-    ) as server:  # warm-up: one frame at the default size
+    with RemoteOmniServer(tiny_wan, ["--max-num-seqs", "2"]) as server:  # warm-up: one frame at the default size
         response = httpx.post(server.url_for("v1", "images", "generations"), json={"prompt": "x", "size": "32x32"})
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "model_not_supported"

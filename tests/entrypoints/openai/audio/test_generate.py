@@ -40,9 +40,10 @@ FRAME = {"mp3": 1152, "aac": 1024}
 
 @pytest.fixture(scope="module")
 def server(tiny_stable_audio):
-    """The real ``vllm`` executable (not a preloaded fork), so this module is also the test of the CLI."""
+    """``vllm serve`` of the tiny Stable Audio (vLLM's CLI ``main`` in a preloaded fork, as every server whose promise
+    is not the executable itself)."""
     args = ["--api-key", API_KEY, "--max-num-seqs", "6", "--enforce-eager"]
-    with RemoteOmniServer(tiny_stable_audio, args, cli=True) as server:
+    with RemoteOmniServer(tiny_stable_audio, args) as server:
         yield server
     assert server.returncode == 0
 
