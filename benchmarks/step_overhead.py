@@ -3,8 +3,9 @@
     python benchmarks/step_overhead.py [--families flux,sd3,wan,qwen-image,z-image,flux2] [--n 4] [--steps 20]
         [--reps 5] [--requests 16] [--cores K] [--model DIR] [--quick] [--name cpu-tiny-step-overhead]
 
-Per family, two engines (``AsyncOmni``, ``max_num_seqs`` N; request mode with ``request_batch_max_wait_ms`` 50, so
-N clients' requests form full batches; step mode) run in worker processes of their own (`engine_workers`: one
+Per family, two engines (``AsyncOmni``, ``max_num_seqs`` N; ``request_batch_max_wait_ms`` 50 in request mode, so N
+clients' requests form full batches, and ``--step-window-ms`` in step mode, by default the same, so that an idle
+step stage encodes the clients' requests in one call) run in worker processes of their own (`engine_workers`: one
 engine thread each, all torch work on it). Each rep runs, on both in turn (the order alternating), a closed loop of
 N clients with ``--requests`` requests in all (64x64 images, 32x32x5 videos, ``--steps`` steps, seeds and prompts
 the same for both modes). Per family: each mode's req/s (median over reps) and step ÷ request (the median of the
@@ -35,10 +36,15 @@ VIDEO = {"wan", "wan2.2", "ltx"}
 MODES = ("request", "step")
 
 
-def _engine(mode: str, n: int) -> dict:
-    return {"max_num_seqs": n, "execution_mode": mode} | (
-        {"request_batch_max_wait_ms": 50} if mode == "request" else {}
-    )
+WINDOW_MS = 50
+"""Request mode's admission window: N clients' requests form full batches."""
+
+
+def _engine(mode: str, args) -> dict:
+    """``--step-window-ms``: step mode's (its idle stage's first encode waits for company as request mode's batch
+    does; 0 for a checkout that refuses it)."""
+    window = WINDOW_MS if mode == "request" else args.step_window_ms
+    return {"max_num_seqs": args.n, "execution_mode": mode} | ({"request_batch_max_wait_ms": window} if window else {})
 
 
 def _clients(family: str, args, rep: int):
@@ -68,7 +74,7 @@ def measure(family: str, args) -> dict:
     setup = functools.partial(pin, args.cores) if args.cores else None
     workers = {mode: Worker(f"{family}-{mode}", report=cpu_seconds, setup=setup) for mode in MODES}
     try:
-        ready, refused = start_all(workers, {mode: (model, _engine(mode, args.n)) for mode in MODES})
+        ready, refused = start_all(workers, {mode: (model, _engine(mode, args)) for mode in MODES})
         if refused:
             return {"family": family, "refused": refused}
         for worker in workers.values():  # a warm-up loop each
@@ -118,7 +124,8 @@ def render(summary: dict) -> str:
     lines = [
         f"# Step mode against request mode, closed loop: {summary['name']} ({summary['device']})",
         "",
-        f"N = {summary['n']}, {summary['cores']} cores per engine, {summary['steps']} steps, "
+        f"N = {summary['n']}, {summary['cores']} cores per engine, {summary['steps']} steps, admission window "
+        f"{WINDOW_MS} ms in request mode and {summary.get('step_window_ms', 0)} ms in step mode, "
         f"{summary['requests']} requests per rep, {summary['reps']} reps "
         f"(load average at start {summary['load_at_start']}, at end {summary['load_at_end']}; "
         f"{summary['wall_s']} s), `vllm_omni` from {summary['vllm_omni']}:",
@@ -151,6 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--requests", type=int, default=16, help="requests per rep and mode")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--step-window-ms",
+        type=float,
+        default=WINDOW_MS,
+        help="step mode's request_batch_max_wait_ms (default: request mode's; 0: none, as before it applied there)",
+    )
     parser.add_argument("--cores", type=int, help="pin each engine's worker to this many cores (default: all)")
     parser.add_argument("--model", help="diffusers folder to measure (one family only; default: build it)")
     parser.add_argument("--model-dir", default=os.path.join(os.path.dirname(HERE), ".tiny-models"))
@@ -171,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         "vllm_omni": _checkout(),
         "device": "cuda" if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
         "n": args.n,
+        "step_window_ms": args.step_window_ms,
         "cores": args.cores or len(os.sched_getaffinity(0)),
         "steps": args.steps,
         "requests": args.requests,

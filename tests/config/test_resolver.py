@@ -122,13 +122,8 @@ def test_execution_mode_follows_the_same_precedence(low, high):
     assert (stage.execution_mode, stage.provenance["execution_mode"]) == (modes.get(high, "request"), high)
 
 
-def test_an_admission_wait_with_step_mode_is_refused_naming_both_knobs_and_their_layers():
+def test_an_admission_wait_applies_to_step_mode_too():
     yaml_step = DeployConfig(stages=[StageDeployConfig(execution_mode="step", provenance={})])
-    with pytest.raises(ValueError) as excinfo:
-        resolve_stage_configs(yaml_step, global_knobs={"request_batch_max_wait_ms": 20}, global_source="cli")
-    assert str(excinfo.value) == (
-        "stage 0: --request-batch-max-wait-ms 20 (cli) applies to execution_mode 'request' only, but execution_mode "
-        "is 'step' (deploy_yaml): in step mode requests join the running batch at the next step, so leave it at 0"
-    )
-    fixed = resolve_stage_configs(yaml_step, stage_overrides={0: {"request_batch_max_wait_ms": 0}})[0]
-    assert (fixed.execution_mode, fixed.request_batch_max_wait_ms) == ("step", 0)
+    stage = resolve_stage_configs(yaml_step, global_knobs={"request_batch_max_wait_ms": 20}, global_source="cli")[0]
+    assert (stage.execution_mode, stage.request_batch_max_wait_ms) == ("step", 20)
+    assert stage.provenance["request_batch_max_wait_ms"] == "cli"

@@ -381,12 +381,6 @@ def _check_combination(stage_id: int, values: Mapping[str, Any], provenance: Map
     """Knobs that are valid alone but not together, named as each was written."""
 
     written = _writer(values, provenance)
-    if values["execution_mode"] == "step" and values["request_batch_max_wait_ms"] > 0:
-        raise ValueError(
-            f"stage {stage_id}: {written('request_batch_max_wait_ms')} applies to execution_mode 'request' only, "
-            f"but {written('execution_mode', 'is ')}: in step mode requests join the running batch at the next step, "
-            "so leave it at 0"
-        )
     _check_preemption(stage_id, values, provenance, written)
     if values["max_batch_pixels"] is not None and values["max_num_seqs"] == 1:
         raise ValueError(

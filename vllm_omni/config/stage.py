@@ -82,8 +82,9 @@ class StageDeployConfig(BaseModel):
 
     request_batch_max_wait_ms: Annotated[float, Knob("pipeline", metavar="MS")] = Field(default=0.0, ge=0.0)
     """How long an idle stage waits for more compatible requests before it starts a batch that is not full (see
-    [Batching](#how-batching-works)). ``execution_mode: request`` only. Not on ``llm`` stages
-    ([below](#knobs-of-an-llm-stage))."""
+    [Batching](#how-batching-works)). In ``execution_mode: step``, how long an idle stage (nothing running) waits
+    before it encodes the first requests: requests that arrive while others run join at the next step without
+    waiting. Not on ``llm`` stages ([below](#knobs-of-an-llm-stage))."""
 
     request_batch_wait: Annotated[BatchWait, Knob("pipeline")] = "window"
     """How an idle stage spends ``request_batch_max_wait_ms``. ``window``: a batch that is not full waits the whole
@@ -91,7 +92,7 @@ class StageDeployConfig(BaseModel):
     window on every request. ``adaptive``: it waits only while recent arrivals show company coming (a busy stream,
     or the clients of a closed loop coming back after their answers), for twice the gap seen, else it starts at
     once; the window stays the bound. A lone client then pays nearly nothing (docs/performance.md, "Admission
-    window"), and the first request of a burst after an idle spell runs alone. ``execution_mode: request`` only."""
+    window"), and the first request of a burst after an idle spell runs alone."""
 
     execution_mode: Annotated[ExecutionMode, Knob("denoising")] = "request"
     """``request``: a batch runs all its denoising steps together, as one pipeline call. ``step``: requests join and

@@ -97,12 +97,9 @@ def test_out_of_memory_in_a_step_splits_the_forward(omni):
     assert [o.error for o in outputs] == [None] * 4
 
 
-def test_what_step_mode_cannot_run_is_refused_before_it_runs(omni, tiny_flux):
+def test_what_step_mode_cannot_run_is_refused_before_it_runs(omni):
     with pytest.raises(SamplingParamsError, match=r"extra_args key 'joint_attention_kwargs' is not supported"):
         omni.generate(["x"], _params(extra_args={"joint_attention_kwargs": {}}))
-    expected = r"request_batch_max_wait_ms= 5 \(python\) applies to execution_mode 'request' only, but execution_mode="
-    with pytest.raises(ValueError, match=expected):
-        Omni(model=tiny_flux, execution_mode="step", request_batch_max_wait_ms=5)
 
 
 def test_encode_and_decode_on_side_workers_give_the_same_results(tiny_flux):
@@ -177,3 +174,25 @@ def test_requests_encoded_at_a_boundary_take_its_step_together(tiny_flux):
         engine.close()
         engine.shutdown()
     assert [(o.metrics.batch_size, o.metrics.steps) for o in outputs] == [(4.0, 2)] * 4
+
+
+def test_an_idle_step_stage_with_a_window_encodes_requests_that_come_apart_in_one_call(tiny_flux):
+    """``request_batch_max_wait_ms`` in step mode: the idle stage holds its first encode until the group is full (the
+    window is never reached here), so three requests added apart are encoded in one call and share every forward."""
+    with Omni(model=tiny_flux, max_num_seqs=3, execution_mode="step", request_batch_max_wait_ms=600_000) as omni:
+        pipeline = omni.engine.stages[0].replicas[0].engine.runner.pipeline
+        calls: list[int] = []
+        handle = pipeline.text_encoder_2.register_forward_pre_hook(
+            lambda _, args, kwargs: calls.append(len(args[0] if args else kwargs["input_ids"])), with_kwargs=True
+        )
+        try:
+            futures = []
+            for i in range(3):
+                futures.append(omni.engine.add_request(f"apart-{i}", PROMPTS[i], _params(3, seed=i)))
+                time.sleep(0.05)
+            outputs = [future.result(timeout=120) for future in futures]
+        finally:
+            handle.remove()
+    assert [o.error for o in outputs] == [None] * 3
+    assert calls == [3], "one text-encoder call for the three prompts"
+    assert [o.metrics["batch_size"] for o in outputs] == [3.0] * 3

@@ -3,6 +3,7 @@ adapters in use, engine calls; under the priority policy, preemption and its kep
 scheduler by its events (plan, prepared, retire, complete), never by time."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -20,20 +21,37 @@ def _nbytes(state) -> int:
     return state.nbytes if isinstance(state, torch.Tensor) else 0
 
 
-def _scheduler(max_num_seqs=2, **knobs) -> StepBatchScheduler:
+def _scheduler(max_num_seqs=2, wait_ms=0.0, clock=time.monotonic, **knobs) -> StepBatchScheduler:
     return StepBatchScheduler(
         OmniDiffusionConfig.from_stage(
             "unused",
-            StageDeployConfig(max_num_seqs=max_num_seqs, request_batch_max_wait_ms=0.0, execution_mode="step", **knobs),
+            StageDeployConfig(
+                max_num_seqs=max_num_seqs, request_batch_max_wait_ms=wait_ms, execution_mode="step", **knobs
+            ),
         ),
+        clock,
         measure=_nbytes,
     )
 
 
-def _request(name: str, key="64x64", adapters=()) -> DiffusionRequest:
+class Clock:
+    """The scheduler's clock, moved by the test: the admission wait is decided without real time passing."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _request(name: str, key="64x64", adapters=(), at: float | None = None) -> DiffusionRequest:
+    """A request; ``at``: its arrival on the test's clock (else now, on the real one)."""
     lora = [{"name": a, "path": f"/loras/{a}"} for a in adapters]  # as admitted: each with its path
     params = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=4, lora=lora)
-    return DiffusionRequest.create(name, f"prompt {name}", params, key=key)
+    request = DiffusionRequest.create(name, f"prompt {name}", params, key=key)
+    if at is not None:
+        request.arrival_time = at
+    return request
 
 
 def _ids(requests):
@@ -581,3 +599,71 @@ def test_with_preemption_off_the_running_batch_runs_on_and_a_better_key_waits_fo
     assert _running(scheduler, later, other) == ["running"]  # later, of the running key, does not join
     scheduler.retire([running])
     assert _ids(scheduler.plan(timeout=0).batch) == ["other"]
+
+
+def _finish_all(scheduler: StepBatchScheduler, plan) -> None:
+    """Encode what ``plan`` hands on, run it to its end and decode it: the stage is idle again."""
+    _encode(scheduler, plan)
+    batch = scheduler.plan(timeout=0).batch
+    scheduler.retire(batch)
+    for request in batch:
+        scheduler.complete(request, OmniRequestOutput(request.request_id, request.prompt))
+
+
+def test_an_idle_stage_holds_its_first_encode_for_company_within_the_window():
+    """``request_batch_max_wait_ms`` in step mode: an idle stage encodes once the group is full or the window after
+    its first request's arrival has passed, so that requests arriving moments apart are encoded in one call."""
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=3, wait_ms=50, clock=clock)
+    scheduler.add(_request("a", at=clock.now))
+    assert scheduler.plan(timeout=0).to_prepare == []  # alone at an idle stage: it waits for company
+    clock.now += 0.001
+    scheduler.add(_request("b", at=clock.now))
+    assert scheduler.plan(timeout=0).to_prepare == []
+    clock.now += 0.001
+    scheduler.add(_request("c", at=clock.now))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["a", "b", "c"]  # full: at once, in one encode
+    _finish_all(scheduler, plan)
+
+    scheduler.add(_request("d", at=clock.now))
+    assert scheduler.plan(timeout=0).to_prepare == []
+    clock.now += 0.050
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["d"]  # the window has passed: alone
+    _encode(scheduler, plan)
+    assert _ids(scheduler.plan(timeout=0).batch) == ["d"]
+    scheduler.add(_request("e", at=clock.now))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["e"] and _ids(plan.batch) == ["d"]  # the stage runs: no wait to join
+
+
+def test_without_a_window_an_idle_stage_encodes_at_once_and_adaptive_waits_only_for_clients_coming_back():
+    clock = Clock()
+    scheduler = _scheduler(max_num_seqs=2, clock=clock)
+    scheduler.add(_request("a", at=clock.now))
+    assert _ids(scheduler.plan(timeout=0).to_prepare) == ["a"]
+
+    scheduler = _scheduler(max_num_seqs=2, wait_ms=50, clock=clock, request_batch_wait="adaptive")
+    scheduler.add(_request("lone", at=clock.now))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["lone"]  # no sign of company: at once
+    clock.now += 0.010
+    _finish_all(scheduler, plan)
+    clock.now += 0.002  # its client comes back 2 ms after its answer, with a second one
+    scheduler.add(_request("a1", at=clock.now))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["a1"]  # one finish seen: no closed loop shows yet
+    _encode(scheduler, plan)
+    clock.now += 0.002
+    scheduler.add(_request("b1", at=clock.now))
+    plan = scheduler.plan(timeout=0)
+    assert _ids(plan.to_prepare) == ["b1"] and _ids(plan.batch) == ["a1"]  # the stage runs: no wait
+    clock.now += 0.010
+    _finish_all(scheduler, plan)
+    clock.now += 0.002  # a closed loop now: its clients come back moments after their answers
+    scheduler.add(_request("a2", at=clock.now))
+    assert scheduler.plan(timeout=0).to_prepare == []  # the other client is expected
+    clock.now += 0.001
+    scheduler.add(_request("b2", at=clock.now))
+    assert _ids(scheduler.plan(timeout=0).to_prepare) == ["a2", "b2"]  # one encode for both

@@ -24,7 +24,11 @@ schedulers that the steppers drive).
   engine was busy); with ``adaptive``, at `admission_deadline`, at most the
   window after it arrived at an idle engine (or after the engine became idle
   with it waiting): at once unless recent arrivals and finished batches say
-  company is likely, and then only while the next request is expected.
+  company is likely, and then only while the next request is expected. In step
+  mode the same wait holds back an idle stage's first encode (nothing running,
+  decoding, being encoded or preempted), so that a closed loop's clients, coming
+  back moments apart, are encoded in one text-encoder call and start together;
+  requests that arrive while others run join at the next step without waiting.
 - LoRA: a batch (in step mode, the requests running and being encoded) uses at
   most ``max_loras`` distinct adapters, so every adapter it needs is resident.
 - Engine calls (`call`): work that must run on the engine's thread between
@@ -426,6 +430,8 @@ class StepBatchScheduler(BatchScheduler):
       stops admitting and drains; the best key starts once it is empty. So a
       request waits at most for the requests that were running when it arrived (and, by priority, for the better
       ones that arrive meanwhile).
+    - Admission wait: an idle stage holds its first encode back for company as request mode holds a batch
+      (``request_batch_max_wait_ms``, ``request_batch_wait``; the module docstring), then encodes what came.
     - Encoding runs ahead of admission: a waiting request is handed to the encoder while fewer than
       ``max_num_seqs`` requests ahead of it are encoded (or being encoded), best first. Under ``fcfs`` that is
       ``max_num_seqs`` at a time; under ``priority`` a better request is encoded at once, however many worse ones
@@ -468,6 +474,8 @@ class StepBatchScheduler(BatchScheduler):
         """What the preempted requests keep now (the sum of their `DiffusionRequest.kept_bytes`)."""
         self._held_back = False
         """Whether at the latest boundary a preemption was held back for ``max_preempted_state_mb``."""
+        self._done_since_idle = 0
+        """Requests completed since the stage was last idle: the size of the `Finish` its becoming idle records."""
 
     def _in_progress(self) -> list[DiffusionRequest]:
         """Running, decoding, preempted, and on an encode worker: a draining call waits for those too."""
@@ -533,7 +541,9 @@ class StepBatchScheduler(BatchScheduler):
                 self._running = [r for r in self._running if not r.aborted]
                 plan.preempted = self._admit()
                 plan.batch = list(self._running)
-                plan.to_prepare = self._to_encode()
+                now = self._clock()
+                held_until = self._encodes_held_until(now)
+                plan.to_prepare = self._to_encode() if held_until is None else []
                 if (
                     plan.to_prepare
                     or plan.batch
@@ -542,10 +552,27 @@ class StepBatchScheduler(BatchScheduler):
                     or (self._closed and not self._finishing)
                 ):
                     return plan
-                wait = None if give_up is None else give_up - self._clock()
+                wait = None if give_up is None else give_up - now
                 if wait is not None and wait <= 0:
                     return plan
+                if held_until is not None:
+                    wait = held_until - now if wait is None else min(wait, held_until - now)
                 self._cond.wait(wait)
+
+    def _idle(self) -> bool:
+        """Whether nothing is in progress: no request running, decoding, being encoded or preempted."""
+        return not (self._running or self._finishing or any(r.preparing or r.preempted for r in self._waiting))
+
+    def _encodes_held_until(self, now: float) -> float | None:
+        """When an idle stage starts encoding a group that is not full (the admission wait of the module docstring,
+        as request mode starts a batch: ``request_batch_max_wait_ms`` and ``request_batch_wait``), or ``None`` to start
+        now. Only an idle stage waits: requests that arrive while others run join at the next step."""
+        if self.max_wait_s <= 0 or not self._waiting or self.paused or self._draining or not self._idle():
+            return None
+        head = self._waiting[0]
+        group, left_out = self._fitting([r for r in self._waiting if r.key == head.key], set())
+        start_at = self._start_at(head, now)
+        return None if len(group) == self.capacity or left_out or now >= start_at else start_at
 
     def _to_encode(self) -> list[DiffusionRequest]:
         """The waiting requests to hand to the encoder now, marked as handed (the look-ahead of the class
@@ -658,9 +685,24 @@ class StepBatchScheduler(BatchScheduler):
 
     def complete(self, request: DiffusionRequest, output: OmniRequestOutput | StageOutput | BaseException) -> None:
         """Resolve a request that was running or decoding with its output (or error)."""
+        self.complete_all([request], [output])
+
+    def complete_all(
+        self, requests: list[DiffusionRequest], outputs: list[OmniRequestOutput | StageOutput | BaseException]
+    ) -> None:
+        """`complete` for requests decoded together: all leave before any is resolved, so that a client that sends
+        its next request on its answer finds the stage idle if it is (the admission wait counts from there)."""
+        done = set(map(id, requests))
         with self._cond:
-            self._running = [r for r in self._running if r is not request]
-            self._finishing = [r for r in self._finishing if r is not request]
+            self._running = [r for r in self._running if id(r) not in done]
+            self._finishing = [r for r in self._finishing if id(r) not in done]
+            self._done_since_idle += len(requests)
+            if self._idle():  # the admission wait counts from here (`_encodes_held_until`)
+                self._idle_since = self._clock()
+                if self.adaptive_wait:
+                    self._finishes.append(Finish(self._idle_since, self._done_since_idle))
+                self._done_since_idle = 0
             self._cond.notify_all()
-        request.state = None
-        _resolve(request, output)
+        for request, output in zip(requests, outputs, strict=True):
+            request.state = None
+            _resolve(request, output)

@@ -159,8 +159,7 @@ class StepEngine(EngineCore):
             name=lambda r: r.request_id,
             on_oom_split=self.runner.release_cached_memory,
         )
-        for request, output in zip(requests, outputs, strict=True):
-            self.scheduler.complete(request, output)
+        self.scheduler.complete_all(requests, outputs)
 
     def _end(self, requests: list[DiffusionRequest]) -> list:
         with torch.inference_mode(), self.timer.recording(requests):
