@@ -140,7 +140,6 @@ def test_execution_mode_flag_resolves_with_cli_provenance(parser, tiny_flux):
             ["--execution-mode", "steps"],
             r"argument --execution-mode: invalid choice: 'steps' \(choose from 'request', 'step'\)",
         ),
-        (["--execution-mode", "step", "--request-batch-max-wait-ms", "5"], r"applies to execution_mode 'request' only"),
         (["--lora-modules", "a"], r"Invalid JSON format for --lora-modules: a"),
         (["--lora-modules", "a=/x", "a=/y"], r"lora_modules names must be unique, repeated: a"),
         (["--max-loras", "0"], r"--max-loras 0: Input should be greater than or equal to 1"),
