@@ -144,7 +144,9 @@ def test_sigterm_under_load_stops_admission_and_exits_0(tiny_flux):
 
     # The drain runs the queued requests; a busy machine may need minutes for them, and a graceful-shutdown timeout
     # that expires cancels them with a plain 500, so the timeout is far above any drain (a hang still shows).
-    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "4", "--shutdown-timeout-s", "300"], cli=True) as server:
+    # A preloaded fork (vLLM's CLI main on the same argv): the drain is the server's; the `vllm` executable's own
+    # SIGTERM handling is test_server.py's module server.
+    with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "4", "--shutdown-timeout-s", "300"]) as server:
 
         async def load() -> None:
             stop = asyncio.Event()
