@@ -5,7 +5,9 @@ metrics, start-up failures that name the file, and the routes' absence without V
 
 import asyncio
 import base64
+import contextlib
 import io
+import multiprocessing.forkserver
 import os
 
 import httpx
@@ -55,7 +57,15 @@ def server(tiny_sd, adapters, tmp_path_factory):
         *("--api-key", API_KEY, "--uvicorn-log-level", "warning"),
     ]
     log = str(tmp_path_factory.mktemp("logs") / "step.log")
-    with RemoteOmniServer(tiny_sd, args, env={RUNTIME_ENV: "true"}, log_path=log) as server:
+    with contextlib.ExitStack() as stack:
+        # The server reads RUNTIME_ENV when it builds its app, not at import: a fork of the preloaded forkserver
+        # (which starts with this process's environment as it is when the server starts) takes it as a real
+        # ``vllm`` process would, without importing the stack again. Set for the start only, and the forkserver
+        # started before (a fork keeps what the forkserver had): no later server or test sees it.
+        multiprocessing.forkserver.ensure_running()
+        with pytest.MonkeyPatch.context() as environment:
+            environment.setenv(RUNTIME_ENV, "true")
+            server = stack.enter_context(RemoteOmniServer(tiny_sd, args, log_path=log))
         server.model = tiny_sd
         yield server
 
