@@ -162,8 +162,9 @@ def test_an_added_lora_adapter_loads_on_every_replica_and_both_serve_it_as_stock
 
 def test_a_tie_goes_to_the_replica_that_holds_the_same_batch_key(omni):
     engine = omni.engine
-    small = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=60, seed=0)
-    large = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=60, seed=0)
+    # Two steps: a held replica resolves none of its requests, however fast it runs them (`_hold_batches`).
+    small = OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, seed=0)
+    large = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=2, seed=0)
     # Loads when each is routed: (0,0) -> 0; (1,0) -> 1; tie (1,1): 1 holds the small key; (1,2) -> 0;
     # tie (2,2): 1 holds the small key; (2,3) -> 0. Index order alone would send the ties to replica 0.
     order = [("a", large), ("b", small), ("c", small), ("d", large), ("e", small), ("f", large)]
@@ -246,7 +247,7 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_comes_back(omni, cap
     retries_before = _sample("request_retries_total", stage="0")
     restarts_before = _sample("replica_restarts_total", stage="0", replica="0")
     _hold_batches(victim)  # never released: it still holds its requests when it is killed, however fast it is
-    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=20, seed=100 + i) for i in range(12)]
+    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, seed=100 + i) for i in range(12)]
     futures = [omni.engine.add_request(f"kill-{i}", f"prompt {i}", p) for i, p in enumerate(params)]
 
     _wait_until(  # the victim is running a batch
@@ -283,7 +284,7 @@ def test_a_replica_whose_engine_loop_dies_is_restarted_and_its_requests_rerun(om
     # more than one batch (max_num_seqs 2); once released, its engine loop dies after its first batch.
     _hold_batches(survivor)
     _hold_batches(victim, then_break=True)
-    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=20, seed=i) for i in range(6)]
+    params = [OmniDiffusionSamplingParams(height=32, width=32, num_inference_steps=2, seed=i) for i in range(6)]
     try:
         futures = [omni.engine.add_request(f"loop-{i}", "a blue house", p) for i, p in enumerate(params)]
     finally:

@@ -1,7 +1,6 @@
 """Weight updates and LoRA adapters given as tensors on Ray replicas (the run's 2-node cluster, ``ray_cluster``): one
 copy in the object store for every replica, and a replica that Ray restarts catches up before it serves again."""
 
-import multiprocessing
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ from safetensors.torch import save_file
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.diffusion.features.weights import named_tensors
 from vllm_omni.testing.lora import write_lora_with_config
+from vllm_omni.testing.server import preloaded_context
 from vllm_omni.testing.stock import stock_pipeline
 from vllm_omni.testing.trainer import broadcast_from_file, trainer_specs
 
@@ -154,9 +154,8 @@ def test_replica_actors_join_a_trainers_group_and_receive_its_broadcasts(omni, n
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    trainer = multiprocessing.get_context("spawn").Process(
-        target=broadcast_from_file, args=("127.0.0.1", port, 3, path), daemon=True
-    )
+    # A process of its own, forked from the tests' preloaded forkserver (no interpreter of its own importing torch).
+    trainer = preloaded_context().Process(target=broadcast_from_file, args=("127.0.0.1", port, 3, path), daemon=True)
     trainer.start()
     assert omni.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=3) == 2
     omni.update_weights_from_distributed(trainer_specs(path))

@@ -390,11 +390,16 @@ class RayReplica:
             return []
 
     def shutdown(self) -> None:
+        """Stop the actor's engine, then the actor. A replica that is down (Ray restarts it) is killed at once: it
+        holds no request, and a ``shutdown`` call would wait for the restarted actor to load its model first."""
         self._stopping.set()
-        try:
-            ray.get(self._actor.shutdown.remote(), timeout=CALL_TIMEOUT_S * 6)
-        except (RayActorError, GetTimeoutError) as exc:
-            logger.warning("stage %d replica %d did not stop cleanly: %s", self._stage.stage_id, self.info.index, exc)
+        if self._alive:
+            try:
+                ray.get(self._actor.shutdown.remote(), timeout=CALL_TIMEOUT_S * 6)
+            except (RayActorError, GetTimeoutError) as exc:
+                logger.warning(
+                    "stage %d replica %d did not stop cleanly: %s", self._stage.stage_id, self.info.index, exc
+                )
         ray.kill(self._actor, no_restart=True)
         self._watcher.join()
 
