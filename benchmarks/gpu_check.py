@@ -41,7 +41,8 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
 3. **Poisson** (unless ``--skip-poisson``): ``benchmarks/step_batching.py`` on the ``flux-bench`` family
    (request vs step mode, ``--max-num-seqs 4``, loads 50/80/95 %), run as a subprocess with a time limit; its
    own results go to ``results/<name>-poisson.{json,md,png}`` and its targets are copied here (reported, never an
-   exit code). The servers use the default dtype (bfloat16 on CUDA).
+   exit code). The servers use the default dtype (bfloat16 on CUDA). Where the caller uses preloaded servers (the
+   tests' ``main``), such a part's subprocess is a fork of that preloaded forkserver instead of a new interpreter.
 4. **Speed knobs** (unless ``--skip-speed-knobs``): ``benchmarks/speed_knobs.py`` on the ``flux-bench`` family
    (every step-cache backend, ``compile=regional``, VAE tiling and slicing, a two-request pixel budget and model CPU
    offload, each against none; ``SPEED_KNOBS_FULL``), run the same way; its results go to
@@ -824,6 +825,66 @@ def _interrupt(process: subprocess.Popen) -> int:
     return process.returncode
 
 
+def _forks_scripts() -> bool:
+    """Whether a part's script runs in a fork of the preloaded forkserver instead of a new interpreter: where the
+    caller asked for preloaded servers (the tests: `vllm_omni.testing.server.use_preloaded_servers`) and this
+    process runs this checkout, whose ``vllm_omni`` the forkserver then has imported too. A fork skips the ~10 s
+    of CPU a new interpreter spends importing torch, vLLM and diffusers; a GPU check run from the command line
+    starts a new interpreter as before."""
+    from common import runs_tree
+
+    from vllm_omni.testing import server
+
+    return server._preloaded is not None and runs_tree(ROOT)
+
+
+def _run_forked(path: str, argv: list[str], env: dict[str, str]) -> None:
+    """`_ForkedScript`'s process: ``python PATH ARGV`` as the launcher of `run_script` runs it, in a session of its own
+    (a timeout interrupts it and not us), with its environment and working directory."""
+    import runpy
+
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.path.insert(0, HERE)
+    sys.argv = [path, *argv]
+    runpy.run_path(path, run_name="__main__")
+
+
+class _ForkedScript:
+    """A part's script in a fork of the preloaded forkserver, with the part of `subprocess.Popen`'s interface that
+    `run_script` and `_interrupt` use."""
+
+    def __init__(self, script: str, argv: list[str], env: dict[str, str]):
+        from vllm_omni.testing import server
+
+        assert server._preloaded is not None, "only where preloaded servers are in use"
+        # Not a daemon: the script starts processes of its own (engine workers, servers).
+        path = os.path.join(HERE, script)
+        self._process = server._preloaded.Process(
+            target=_run_forked, args=(path, argv, env), name=f"gpu-check-{script}"
+        )
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            assert timeout is not None, "join() without a timeout returns once it exited"
+            raise subprocess.TimeoutExpired(["gpu-check part"], timeout)
+        return self._process.exitcode
+
+    def send_signal(self, number: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, number)
+
+
 def run_script(script: str, script_args: list[str], name: str, timeout: float, keys: tuple[str, ...], args) -> dict:
     """``script`` (a benchmark writing ``<out-dir>/<name>.{json,md}``) as a subprocess with a time limit; the
     ``keys`` of its JSON and its table."""
@@ -845,7 +906,9 @@ def run_script(script: str, script_args: list[str], name: str, timeout: float, k
         HERE,
         *command[1:],
     ]
-    process = subprocess.Popen(launcher, cwd=ROOT, env=env, start_new_session=True)
+    process = _ForkedScript(script, command[2:], env) if _forks_scripts() else None
+    if process is None:
+        process = subprocess.Popen(launcher, cwd=ROOT, env=env, start_new_session=True)
     try:
         returncode = process.wait(timeout=timeout)
         timed_out = False
