@@ -41,7 +41,8 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
 3. **Poisson** (unless ``--skip-poisson``): ``benchmarks/step_batching.py`` on the ``flux-bench`` family
    (request vs step mode, ``--max-num-seqs 4``, loads 50/80/95 %), run as a subprocess with a time limit; its
    own results go to ``results/<name>-poisson.{json,md,png}`` and its targets are copied here (reported, never an
-   exit code). The servers use the default dtype (bfloat16 on CUDA).
+   exit code). The servers use the default dtype (bfloat16 on CUDA). Where the caller uses preloaded servers (the
+   tests' ``main``), such a part's subprocess is a fork of that preloaded forkserver instead of a new interpreter.
 4. **Speed knobs** (unless ``--skip-speed-knobs``): ``benchmarks/speed_knobs.py`` on the ``flux-bench`` family
    (every step-cache backend, ``compile=regional``, VAE tiling and slicing, a two-request pixel budget and model CPU
    offload, each against none; ``SPEED_KNOBS_FULL``), run the same way; its results go to
@@ -104,7 +105,10 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_omni.testing.server import PreloadedProcess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -796,7 +800,7 @@ def _shown_command(command: list[str]) -> str:
     return " ".join(["python"] + [_shown_path(a) if a.endswith(".py") else a for a in command[1:]])
 
 
-def _interrupt(process: subprocess.Popen) -> int:
+def _interrupt(process: subprocess.Popen | PreloadedProcess) -> int:
     """Stop step_batching.py and the servers it started (each in its own session, so not in its process group)."""
     import psutil
 
@@ -824,6 +828,34 @@ def _interrupt(process: subprocess.Popen) -> int:
     return process.returncode
 
 
+def _forks_scripts() -> bool:
+    """Whether a part's script runs in a fork of the preloaded forkserver instead of a new interpreter: where the
+    caller asked for preloaded servers (the tests: `vllm_omni.testing.server.use_preloaded_servers`) and this
+    process runs this checkout, whose ``vllm_omni`` the forkserver then has imported too. A fork skips the ~10 s
+    of CPU a new interpreter spends importing torch, vLLM and diffusers; a GPU check run from the command line
+    starts a new interpreter as before."""
+    from common import runs_tree
+
+    from vllm_omni.testing.server import preloaded_servers_in_use
+
+    return preloaded_servers_in_use() and runs_tree(ROOT)
+
+
+def _run_forked(path: str, argv: list[str], env: dict[str, str]) -> None:
+    """A forked part's body: ``python PATH ARGV`` as the launcher of `run_script` runs it, in a session of its own
+    (a timeout interrupts it and not us), with its environment and working directory."""
+    import runpy
+
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.path.insert(0, HERE)
+    sys.argv = [path, *argv]
+    runpy.run_path(path, run_name="__main__")
+
+
 def run_script(script: str, script_args: list[str], name: str, timeout: float, keys: tuple[str, ...], args) -> dict:
     """``script`` (a benchmark writing ``<out-dir>/<name>.{json,md}``) as a subprocess with a time limit; the
     ``keys`` of its JSON and its table."""
@@ -845,7 +877,13 @@ def run_script(script: str, script_args: list[str], name: str, timeout: float, k
         HERE,
         *command[1:],
     ]
-    process = subprocess.Popen(launcher, cwd=ROOT, env=env, start_new_session=True)
+    process: subprocess.Popen | PreloadedProcess
+    if _forks_scripts():  # not a daemon: the script starts processes of its own (engine workers, servers)
+        from vllm_omni.testing.server import PreloadedProcess
+
+        process = PreloadedProcess(_run_forked, (os.path.join(HERE, script), command[2:], env), daemon=False)
+    else:
+        process = subprocess.Popen(launcher, cwd=ROOT, env=env, start_new_session=True)
     try:
         returncode = process.wait(timeout=timeout)
         timed_out = False

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -90,17 +90,21 @@ def _serve_preloaded(argv: list[str], log_path: str | None, cwd: str, environ: d
     serve(argv, log_path, cwd, environ)
 
 
-class _PreloadedProcess:
-    """A preloaded server, with the part of `subprocess.Popen`'s interface that `RemoteOmniServer` and the tests
-    use: ``pid``, ``poll()``, ``wait(timeout)``, ``send_signal(sig)`` and ``returncode`` (negative: killed by that
-    signal, as Popen reports it)."""
+def preloaded_servers_in_use() -> bool:
+    """Whether `use_preloaded_servers` has run in this process (the tests' servers and scripts are forks)."""
+    return _preloaded is not None
 
-    def __init__(self, argv: list[str], log_path: str | None):
-        # The starter's environment now, not the forkserver's from when it started: Ray's RAY_AUTH_MODE, for one, is
-        # set in the process that starts a local cluster, and a server without it cannot join that cluster.
-        started = (argv, log_path, os.getcwd(), dict(os.environ))
+
+class PreloadedProcess:
+    """``target(*args)`` in a fork of `preloaded_context`, with the part of `subprocess.Popen`'s interface that
+    `RemoteOmniServer`, the tests and the benchmarks' script runners use: ``pid``, ``poll()``, ``wait(timeout)``,
+    ``send_signal(sig)`` and ``returncode`` (negative: killed by that signal, as Popen reports it). ``target``
+    sets its own session, working directory and environment. Not a ``daemon`` where it starts processes of its
+    own."""
+
+    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], daemon: bool = True):
         assert _preloaded is not None, "made only once use_preloaded_servers has run"
-        self._process = _preloaded.Process(target=_serve_preloaded, args=started, daemon=True)
+        self._process = _preloaded.Process(target=target, args=args, daemon=daemon)
         self._process.start()
         pid = self._process.pid
         assert pid is not None, "started"
@@ -117,7 +121,7 @@ class _PreloadedProcess:
         self._process.join(timeout)
         if self._process.exitcode is None:
             assert timeout is not None, "join() without a timeout returns once it exited"
-            raise subprocess.TimeoutExpired(["vllm", "serve"], timeout)
+            raise subprocess.TimeoutExpired([self._process.name], timeout)
         return self._process.exitcode
 
     def send_signal(self, sig: int) -> None:
@@ -164,7 +168,7 @@ class RemoteOmniServer:
         self.startup_timeout_s = startup_timeout_s
         # Always a log, so that a server that dies before it is ready can say why (its tail is in the error).
         self.log_path = log_path or tempfile.mkstemp(prefix="vllm-omni-server-", suffix=".log")[1]
-        self.process: subprocess.Popen | _PreloadedProcess | None = None
+        self.process: subprocess.Popen | PreloadedProcess | None = None
         self.returncode: int | None = None
         self.health_before_ready: list[tuple[int, dict]] = []
         """``/health`` answers (status, JSON body) seen while the server was listening but not ready."""
@@ -178,7 +182,10 @@ class RemoteOmniServer:
 
     def __enter__(self) -> RemoteOmniServer:
         if self.preloaded:
-            self.process = _PreloadedProcess(["vllm", *self.command[1:]], self.log_path)
+            # The starter's environment now, not the forkserver's from when it started: Ray's RAY_AUTH_MODE, for
+            # one, is set in the process that starts a local cluster, and a server without it cannot join it.
+            started = (["vllm", *self.command[1:]], self.log_path, os.getcwd(), dict(os.environ))
+            self.process = PreloadedProcess(_serve_preloaded, started)
         else:
             log = open(self.log_path, "w")  # noqa: SIM115 - closed by the child's exit
             self.process = subprocess.Popen(
