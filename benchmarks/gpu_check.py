@@ -841,21 +841,6 @@ def _forks_scripts() -> bool:
     return preloaded_servers_in_use() and runs_tree(ROOT)
 
 
-def _run_forked(path: str, argv: list[str], env: dict[str, str]) -> None:
-    """A forked part's body: ``python PATH ARGV`` as the launcher of `run_script` runs it, in a session of its own
-    (a timeout interrupts it and not us), with its environment and working directory."""
-    import runpy
-
-    os.setsid()
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(ROOT)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.path.insert(0, HERE)
-    sys.argv = [path, *argv]
-    runpy.run_path(path, run_name="__main__")
-
-
 def run_script(script: str, script_args: list[str], name: str, timeout: float, keys: tuple[str, ...], args) -> dict:
     """``script`` (a benchmark writing ``<out-dir>/<name>.{json,md}``) as a subprocess with a time limit; the
     ``keys`` of its JSON and its table."""
@@ -879,9 +864,9 @@ def run_script(script: str, script_args: list[str], name: str, timeout: float, k
     ]
     process: subprocess.Popen | PreloadedProcess
     if _forks_scripts():  # not a daemon: the script starts processes of its own (engine workers, servers)
-        from vllm_omni.testing.server import PreloadedProcess
+        from vllm_omni.testing.server import PreloadedProcess, run_as_main
 
-        process = PreloadedProcess(_run_forked, (os.path.join(HERE, script), command[2:], env), daemon=False)
+        process = PreloadedProcess(run_as_main, (os.path.join(HERE, script), command[2:], ROOT, env), daemon=False)
     else:
         process = subprocess.Popen(launcher, cwd=ROOT, env=env, start_new_session=True)
     try:

@@ -15,7 +15,6 @@ therefore started as a real ``vllm`` process (`RemoteOmniServer` decides).
 
 from __future__ import annotations
 
-import os
 import sys
 
 from vllm_omni.config.vllm_device import set_device_hint
@@ -36,16 +35,8 @@ import vllm_omni.entrypoints.cli.serve  # noqa: E402, F401
 import vllm_omni.entrypoints.openai.api_server  # noqa: E402, F401
 
 
-def serve(argv: list[str], log_path: str | None, cwd: str, environ: dict[str, str]) -> None:
-    """A fork's body: a session of its own (so that a process-group kill reaches what it starts, as for a
-    ``Popen(start_new_session=True)``), the starter's working directory and environment, stdout and stderr to the
-    log, then vLLM's CLI as the ``vllm`` script runs it."""
-    os.setsid()
-    os.chdir(cwd)
-    os.environ.update(environ)  # over what the preload set (the device hint), which the starter may lack
-    log = os.open(log_path or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+def serve(argv: list[str]) -> None:
+    """A fork's body once `vllm_omni.testing.server` set up its session, directory, environment and log: vLLM's CLI
+    as the ``vllm`` script runs it."""
     sys.argv = argv
     vllm.entrypoints.cli.main.main()

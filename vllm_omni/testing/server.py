@@ -84,10 +84,39 @@ def use_preloaded_servers() -> None:
         _preloaded = preloaded_context()
 
 
+def _enter_fork(cwd: str, environ: dict[str, str], log_path: str | None) -> None:
+    """A preloaded fork's start: a session of its own (so that a process-group kill or interrupt reaches what it
+    starts, and not its starter, as for a ``Popen(start_new_session=True)``), the starter's working directory and
+    environment (over what the preload set: the device hint, which the starter may lack), stdout and stderr to
+    ``log_path`` (``None``: the forkserver's)."""
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.update(environ)
+    if log_path is not None:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+
+
 def _serve_preloaded(argv: list[str], log_path: str | None, cwd: str, environ: dict[str, str]) -> None:
+    _enter_fork(cwd, environ, log_path or os.devnull)
     from vllm_omni.testing.preloaded import serve  # already imported: the forkserver's preload
 
-    serve(argv, log_path, cwd, environ)
+    serve(argv)
+
+
+def run_as_main(path: str, argv: list[str], cwd: str, environ: dict[str, str], log_path: str | None = None) -> None:
+    """A preloaded fork's body (`PreloadedProcess`) that runs ``python PATH ARGV`` as the interpreter would: the
+    script as ``__main__`` (``runpy``) with its folder first on ``sys.path``, SIGINT a ``KeyboardInterrupt`` even
+    where the starter ignores it; an exception it raises ends the process with exit code 1 and its traceback."""
+    import runpy
+
+    _enter_fork(cwd, environ, log_path)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    sys.argv = [path, *argv]
+    runpy.run_path(path, run_name="__main__")
 
 
 def preloaded_servers_in_use() -> bool:

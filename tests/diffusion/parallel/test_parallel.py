@@ -4,9 +4,7 @@ single-process images, with the denoiser split by diffusers' context parallelism
 import multiprocessing
 import os
 import re
-import runpy
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.diffusion.parallel.ranks import RankGroup, _next_call, enable_context_parallel
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
-from vllm_omni.testing.server import preloaded_context
+from vllm_omni.testing.server import PreloadedProcess, run_as_main
 
 pytestmark = pytest.mark.slow
 
@@ -218,20 +216,6 @@ def test_an_idle_rank_waits_on_its_inbox_and_ends_once_the_groups_owner_is_gone(
     assert _next_call(inbox, gone.pid) is None
 
 
-def _run_as_main(script: str, log: str, cwd: str, environ: dict[str, str]) -> None:
-    """A fork's body: ``script`` run as the main module, as ``python script`` runs it (``runpy``, whose module is
-    ``__main__`` with the script's ``__file__`` while it runs), in ``cwd`` with ``environ``, its output in ``log``;
-    an exception it raises ends the process with exit code 1 and its traceback, as the interpreter's."""
-    os.chdir(cwd)
-    os.environ.update(environ)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.argv = [script]
-    runpy.run_path(script, run_name="__main__")
-
-
 def test_a_script_without_a_main_guard_is_told_the_cause_and_the_fix(tiny_flux, tmp_path):
     """The ranks start from a forkserver that imports the main script again: a script that makes its parallel `Omni`
     as it is imported (no ``if __name__ == "__main__":``) fails naming that and the guard, not only "rank(s) ended";
@@ -239,13 +223,11 @@ def test_a_script_without_a_main_guard_is_told_the_cause_and_the_fix(tiny_flux, 
     forkserver (the stack already imported); the ranks' forkserver is a new interpreter that imports it again."""
     script, log = tmp_path / "no_guard.py", tmp_path / "no_guard.log"
     script.write_text(f"from vllm_omni import Omni\n\nomni = Omni({tiny_flux!r}, ulysses_degree=2)\nomni.close()\n")
-    process = preloaded_context().Process(
-        target=_run_as_main, args=(str(script), str(log), str(tmp_path), dict(os.environ))
-    )
-    process.start()
-    process.join(600)
+    # Not a daemon: the script starts the ranks' processes.
+    process = PreloadedProcess(run_as_main, (str(script), [], str(tmp_path), dict(os.environ), str(log)), daemon=False)
+    returncode = process.wait(600)
     stderr = log.read_text()
-    assert process.exitcode == 1, stderr[-2000:]
+    assert returncode == 1, stderr[-2000:]
     last = stderr.strip().splitlines()[-1]
     assert re.match(r"RuntimeError: rank\(s\) \[[01, ]+\] of the group ended before it answered \(ready\): ", last)
     assert f"imports the main script {script} again" in last and 'if __name__ == "__main__":' in last
