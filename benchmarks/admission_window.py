@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from bench_serving import run_benchmark
 from common import REPO, Shape, check_tree, imported_from, imports_ok, in_tree
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = Shape.parse("64x64:4")

@@ -36,7 +36,7 @@ from bench_offline import _on_one_thread
 from bench_serving import scrape, server_view
 from common import PROMPTS, REPO, Script, add_model_arguments, cpu_seconds, in_tree, publish
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AUDIO_FAMILIES = ("stable-audio", "stable-audio-3", "longcat-audio", "ace-step")

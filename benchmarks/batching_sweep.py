@@ -53,8 +53,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from bench_serving import run_benchmark
 from common import REPO, Script, Shape, check_tree, cpu_seconds, imported_from, imports_ok, in_tree, runs_tree
 
-from vllm_omni.testing.server import RemoteOmniServer
-from vllm_omni.testing.tiny import FAMILIES
+from vllm_omni.testing.models.tiny import FAMILIES
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 THREADS = ("main", "dedicated")

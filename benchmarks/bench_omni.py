@@ -21,7 +21,7 @@ import torch
 from common import PROMPTS, emit
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.testing.tiny import make_tiny_model
+from vllm_omni.testing.models.tiny import make_tiny_model
 
 
 def main(argv: list[str] | None = None) -> None:

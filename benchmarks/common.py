@@ -141,7 +141,8 @@ class Script:
     """``python benchmarks/SCRIPT.py ARGS`` importing ``vllm_omni`` from the checkout ``tree``, talking over text pipes
     (``stdin``, ``stdout``: what its ``main`` reads and prints), its stderr in ``log_path``. Where this process
     already runs ``tree`` (`runs_tree`), the script's ``main`` runs in a fork of the preloaded forkserver
-    (`vllm_omni.testing.server.preloaded_context`, shared with the preloaded servers and the engine workers), which
+    (`vllm_omni.testing.processes.server.preloaded_context`, shared with the preloaded servers and the engine workers),
+    which
     has imported the stack once and run no torch op: a fork skips the ~7 s of CPU a new interpreter spends importing
     torch, vLLM and diffusers, and still starts with no OpenMP team, as a new process does. Otherwise (another
     checkout) it is a new interpreter, `in_tree`; so it is with ``fork=False``."""
@@ -149,7 +150,7 @@ class Script:
     def __init__(self, script: str, args: list[str], tree: str, log_path: str, fork: bool = True):
         self.forked = fork and runs_tree(tree)
         if self.forked:
-            from vllm_omni.testing.server import preloaded_context
+            from vllm_omni.testing.processes.server import preloaded_context
 
             ours, theirs = socket.socketpair()
             context = preloaded_context()

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from vllm_omni import AsyncOmni, OmniDiffusionSamplingParams
-from vllm_omni.testing.server import preloaded_context
+from vllm_omni.testing.processes.server import preloaded_context
 
 WORKERS = preloaded_context()
 

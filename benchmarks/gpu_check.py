@@ -10,7 +10,7 @@ Poisson load, and the speed knobs against none on the flux-bench model. One comm
     python benchmarks/gpu_check.py --real-scale [--real-scale-args '...'] [--real-scale-timeout 540]
 
 1. **Steppers** (every family, every dtype): the tiny random-weight model of the family
-   (`vllm_omni.testing.tiny_models`, built into a temporary folder) is loaded as the engine loads it
+   (`vllm_omni.testing.models.tiny_models`, built into a temporary folder) is loaded as the engine loads it
    (`runner.load_pipeline`: ``from_pretrained(dtype=...)`` then ``.to(device)``). A script of requests with
    different steps, guidance, negative prompts (Flux: true-CFG negative rows) and outputs per prompt joins
    one running batch at different engine steps, one forward per step over all running requests, as the step
@@ -108,7 +108,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_omni.testing.server import PreloadedProcess
+    from vllm_omni.testing.processes.server import PreloadedProcess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -450,7 +450,7 @@ def check_steppers(family: str, model: str, dtype_name: str, device) -> dict[str
 
     from vllm_omni.diffusion.families.steppers import make_stepper
     from vllm_omni.diffusion.pipeline.runner import load_pipeline
-    from vllm_omni.testing.steppers import run_joined
+    from vllm_omni.testing.checks.steppers import run_joined
 
     script = SCRIPTS[family]
     pipeline = load_pipeline(model, getattr(torch, dtype_name), device)
@@ -680,7 +680,7 @@ def check_speech(family: str, model: str, dtype_name: str, device) -> dict[str, 
     from vllm_omni import Omni
     from vllm_omni.codec.pipeline.codecs import CodeWindow
     from vllm_omni.sampling_params import OmniDiffusionSamplingParams
-    from vllm_omni.testing.tiny_llm import CPU_ENGINE_ARGS
+    from vllm_omni.testing.models.tiny_llm import CPU_ENGINE_ARGS
 
     cpu_python = os.path.join(ROOT, ".venv-llm-cpu", "bin", "python")
     talker = {
@@ -830,13 +830,13 @@ def _interrupt(process: subprocess.Popen | PreloadedProcess) -> int:
 
 def _forks_scripts() -> bool:
     """Whether a part's script runs in a fork of the preloaded forkserver instead of a new interpreter: where the
-    caller asked for preloaded servers (the tests: `vllm_omni.testing.server.use_preloaded_servers`) and this
+    caller asked for preloaded servers (the tests: `vllm_omni.testing.processes.server.use_preloaded_servers`) and this
     process runs this checkout, whose ``vllm_omni`` the forkserver then has imported too. A fork skips the ~10 s
     of CPU a new interpreter spends importing torch, vLLM and diffusers; a GPU check run from the command line
     starts a new interpreter as before."""
     from common import runs_tree
 
-    from vllm_omni.testing.server import preloaded_servers_in_use
+    from vllm_omni.testing.processes.server import preloaded_servers_in_use
 
     return preloaded_servers_in_use() and runs_tree(ROOT)
 
@@ -864,7 +864,7 @@ def run_script(script: str, script_args: list[str], name: str, timeout: float, k
     ]
     process: subprocess.Popen | PreloadedProcess
     if _forks_scripts():  # not a daemon: the script starts processes of its own (engine workers, servers)
-        from vllm_omni.testing.server import PreloadedProcess, run_as_main
+        from vllm_omni.testing.processes.server import PreloadedProcess, run_as_main
 
         process = PreloadedProcess(run_as_main, (os.path.join(HERE, script), command[2:], ROOT, env), daemon=False)
     else:
@@ -1175,7 +1175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from vllm_omni.testing.tiny import make_tiny_model
+    from vllm_omni.testing.models.tiny import make_tiny_model
 
     started = time.perf_counter()
     os.makedirs(args.out_dir, exist_ok=True)

@@ -26,8 +26,8 @@ import aiohttp
 from bench_serving import scrape
 from common import emit
 
-from vllm_omni.testing.server import RemoteOmniServer
-from vllm_omni.testing.tiny import make_tiny_model
+from vllm_omni.testing.models.tiny import make_tiny_model
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 BODY = {"prompt": "load test", "size": "32x32", "num_inference_steps": 2, "response_format": "b64_json"}
 

@@ -9,7 +9,8 @@ model; and the RSS check (memory grows by the adapters' size only).
 Every variant runs through `AsyncOmni` (``max_num_seqs 4``, inline) on the same model (``--model``, or the tiny
 random-weight ``--family`` built once into ``--model-dir``), under the same closed loop: 4 clients, client i always
 selects tenant i's adapter (``tenant<i>``, a random rank-``--rank`` adapter written by
-`vllm_omni.testing.lora.write_random_lora`), ``--requests`` requests per variant in all (request j: client j mod 4,
+`vllm_omni.testing.models.lora.write_random_lora`), ``--requests`` requests per variant in all (request j: client j mod
+4,
 its own prompt, seed ``--seed`` + j, the same in every variant and rep):
 
 - ``mixed``: the product as is, ``max_loras 4``, the four adapters served from start-up: tenants share a batch
@@ -129,7 +130,7 @@ def rss_bytes() -> int:
 
 def prepare(args, root: str) -> dict:
     """The model folder, and the adapters: ``tenant<i>`` for the variants, ``rss<i>`` for the RSS check."""
-    from vllm_omni.testing.lora import write_random_lora
+    from vllm_omni.testing.models.lora import write_random_lora
 
     model = args.model or cached_model(args.model_dir, args.family)
     tenants = {

@@ -44,8 +44,8 @@ import httpx
 from common import REPO, Script, publish
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_omni.testing.server import RemoteOmniServer, free_port
-from vllm_omni.testing.tiny import FAMILIES, make_tiny_model
+from vllm_omni.testing.models.tiny import FAMILIES, make_tiny_model
+from vllm_omni.testing.processes.server import RemoteOmniServer, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PHASES = ("parse", "validation", "completion", "handoff", "queue", "execution", "encoding", "response")

@@ -39,7 +39,7 @@ from bench_serving import run_benchmark, scrape
 from common import PROMPTS, Shape, publish
 from step_batching import cached_model
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLASSES = {"interactive": 0, "background": 1}

@@ -7,7 +7,7 @@ and throughput at 4 in flight, in one run.
 
 Modes: ``none``, ``int8`` (torchao int8 weight-only), ``fp8_storage`` (float8 storage, compute in the stage's
 dtype), ``gguf-Q8_0`` / ``gguf-Q4_0`` (the model's transformer written as a GGUF by the ``gguf`` package,
-`vllm_omni.testing.gguf_files`, served as ``MODEL FILE.gguf --model-config DIR``), and on CUDA only ``fp8``
+`vllm_omni.testing.models.gguf_files`, served as ``MODEL FILE.gguf --model-config DIR``), and on CUDA only ``fp8``
 (torchao float8) and ``nf4`` (bitsandbytes). The default modes are those that run here; ``--gpu`` (what
 ``gpu_check.py`` runs where CUDA exists) takes all seven on a Flux-sized transformer (`flux_sized`: FLUX.1's 3072
 width, 24 heads, one double and two single blocks, random weights, with flux-bench's tiny encoders and VAE), so
@@ -82,7 +82,7 @@ def flux_sized(model_dir: str) -> str:
 def gguf_file(model: str, qtype: str) -> str:
     """``model``'s transformer as a ``qtype`` GGUF beside it (written once)."""
     from vllm_omni.diffusion.pipeline.runner import read_model_index
-    from vllm_omni.testing.gguf_files import write_gguf
+    from vllm_omni.testing.models.gguf_files import write_gguf
 
     layouts = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "WanTransformer3DModel": "wan"}
     path = f"{model.rstrip('/')}-{qtype}.gguf"
@@ -109,8 +109,8 @@ def engine_for(mode: str, model: str, args) -> tuple[str, dict]:
 
 def any_width() -> None:
     """Worker set-up: diffusers' Flux converter splits at the config's width (the tiny models are narrower than
-    FLUX.1; `vllm_omni.testing.single_file`), for the process's life."""
-    from vllm_omni.testing.single_file import flux_converter_for_any_width
+    FLUX.1; `vllm_omni.testing.models.single_file`), for the process's life."""
+    from vllm_omni.testing.models.single_file import flux_converter_for_any_width
 
     global _ANY_WIDTH
     _ANY_WIDTH = flux_converter_for_any_width()  # held: a collected context manager would undo the patch

@@ -7,7 +7,7 @@ weights, timed through the served API and as a direct pipeline call, against the
     python benchmarks/real_scale.py --reduced    # the same code path at the reduced size, on the CPU (smoke)
 
 Each family's folder holds its published configs, tokenizers and scheduler, no weights
-(`vllm_omni.testing.full_size`, ``configs_only``); each engine loads it with ``load_format: dummy``, which draws
+(`vllm_omni.testing.models.full_size`, ``configs_only``); each engine loads it with ``load_format: dummy``, which draws
 random bfloat16 weights on the GPU as the stage loads (seconds for FLUX.1-dev's 17 B parameters). The shapes are the
 real ones, so the work is too: the figures are speed, with no claim on the images. Each engine serves the HTTP API
 (the app ``vllm serve MODEL --omni`` builds, on uvicorn; `in_process_server`) in a worker process of its own, one
@@ -55,7 +55,7 @@ from common import PROMPTS, Shape, publish
 from engine_workers import PipeWorker
 from speed_knobs import skipped_computations, variant_knobs
 
-from vllm_omni.testing.full_size import FULL_SIZE, make_full_size_model
+from vllm_omni.testing.models.full_size import FULL_SIZE, make_full_size_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ("flux", "qwen-image")
@@ -120,7 +120,7 @@ class Budget:
 def _serve(conn, model: str, knobs: dict) -> None:
     """A worker: the HTTP app on ``model`` with the stage ``knobs`` (`in_process_server`), its base URL sent once it
     is ready, then ``(function, args)`` commands, each answered with ``function(app, *args)``, until ``None``."""
-    from vllm_omni.testing.server import in_process_server
+    from vllm_omni.testing.processes.server import in_process_server
 
     try:
         with in_process_server(model, **knobs) as (app, base):

@@ -54,7 +54,7 @@ import psutil
 from bench_serving import run_benchmark
 from common import REPO, Shape, check_tree, imported_from, imports_ok, in_tree, publish, runs_tree
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 TARGETS = {4: 1.6, 20: 1.8}
 """2 Ray replicas / 1 Ray replica throughput the issue asks for on this 2-core machine, by denoising steps."""

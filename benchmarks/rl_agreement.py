@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", help="write <name>.json and .md here")
     parser.add_argument("--name", default="rl-agreement")
     args = parser.parse_args(argv)
-    from vllm_omni.testing.tiny import make_tiny_model
+    from vllm_omni.testing.models.tiny import make_tiny_model
 
     rows = []
     for family, sde_type in CASES:

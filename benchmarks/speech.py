@@ -76,7 +76,7 @@ import numpy as np
 from bench_serving import _delta, scrape
 from common import REPO, cpu_seconds, in_tree, publish
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TALKER_WORKER = os.path.join(HERE, "speech_talker.py")
@@ -561,7 +561,7 @@ def _csv(value: str) -> list[str]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    from vllm_omni.testing.tiny_llm import CPU_ENGINE_ARGS
+    from vllm_omni.testing.models.tiny_llm import CPU_ENGINE_ARGS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--talker", help="the talker's folder (default: the tiny Orpheus's, built once)")
@@ -649,7 +649,7 @@ def wide_tiny_snac(model_dir: str, decoder_dim: int) -> str:
     import torch
     from snac import SNAC
 
-    from vllm_omni.testing.tiny_speech import SNAC_TINY
+    from vllm_omni.testing.models.tiny_speech import SNAC_TINY
 
     path = os.path.abspath(os.path.join(model_dir, f"orpheus-snac-{decoder_dim}"))
     if not os.path.isfile(os.path.join(path, "pytorch_model.bin")):

@@ -42,8 +42,8 @@ from bench_serving import run_benchmark
 from common import Shape
 
 from vllm_omni.codec.families import SPEECH_FAMILIES
-from vllm_omni.testing.server import RemoteOmniServer
-from vllm_omni.testing.tiny import make_tiny_model
+from vllm_omni.testing.models.tiny import make_tiny_model
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = {

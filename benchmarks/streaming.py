@@ -6,7 +6,7 @@
         [--video-size 416x240x17] [--execution-mode request] [--poll-ms 20] [--model-dir DIR]
         [--quick] [--out-dir DIR] [--name cpu-tiny-streaming]
 
-Every model is a tiny random-weight one (`vllm_omni.testing.tiny_models`), built once into ``--model-dir``, and
+Every model is a tiny random-weight one (`vllm_omni.testing.models.tiny_models`), built once into ``--model-dir``, and
 every request runs at the model's default settings: its pipeline's default steps (Flux and SD3 28, SD, SDXL and Wan
 50) and default size (tiny Flux 256x256, the others 64x64), unless ``--steps`` or ``--size`` say otherwise. Wan is
 the exception: its pipeline's default, 832x480 with 81 frames, takes about 80 s per step with the tiny model on the
@@ -64,7 +64,7 @@ from common import PROMPTS, publish
 from prometheus_client.parser import text_string_to_metric_families
 from step_batching import HERE, _device, cached_model
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 SPAWN = multiprocessing.get_context("spawn")
 PROMPT = PROMPTS[0]

@@ -3,7 +3,7 @@
     python examples/serve_demo.py [--out demo-output] [--family flux|sd] [--keep-serving]
 
 The model is a tiny random-weight pipeline written offline by
-`vllm_omni.testing.tiny_models`, so the image is coloured noise: the demo shows
+`vllm_omni.testing.models.tiny_models`, so the image is coloured noise: the demo shows
 the serving path (CLI, OpenAI Images API, batching metrics), not a trained model.
 """
 
@@ -16,8 +16,8 @@ import re
 import httpx
 import openai
 
-from vllm_omni.testing.server import RemoteOmniServer
-from vllm_omni.testing.tiny import make_tiny_model
+from vllm_omni.testing.models.tiny import make_tiny_model
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 
 def main() -> None:

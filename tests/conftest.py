@@ -21,7 +21,7 @@ def pytest_configure(config):
     Under pytest-xdist (``make test`` runs two workers) each worker owns its share of the cores: everything it
     runs and starts (engines, servers, Ray) sizes its torch threads from that affinity, so two workers never hold
     more OpenMP threads than there are cores."""
-    from vllm_omni.testing.server import use_preloaded_servers
+    from vllm_omni.testing.processes.server import use_preloaded_servers
 
     if worker := os.environ.get("PYTEST_XDIST_WORKER"):
         index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
@@ -150,7 +150,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 
 def _tiny_model(tmp_path_factory, family: str) -> str:
-    from vllm_omni.testing.tiny import make_tiny_model
+    from vllm_omni.testing.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family)
 
@@ -314,8 +314,8 @@ def speech_server(tiny_orpheus, llm_cpu_python, tmp_path_factory):
     (``llm_cpu_python``) in a Ray instance of its own (so that it holds none of the run's ``ray_cluster`` CPUs, and
     can live for the whole run), greedy (so that a test can compute its codes with transformers); the codec stage
     at max_num_seqs 4. One talker per run: every speech test uses this server."""
-    from vllm_omni.testing.server import RemoteOmniServer
-    from vllm_omni.testing.tiny_llm import CPU_ENGINE_ARGS
+    from vllm_omni.testing.models.tiny_llm import CPU_ENGINE_ARGS
+    from vllm_omni.testing.processes.server import RemoteOmniServer
 
     talker = {
         "python_executable": llm_cpu_python,
@@ -382,7 +382,7 @@ def ray_driver(ray_cluster):
 def hf_cache(tiny_flux, tmp_path_factory):
     """A Hugging Face cache holding the tiny Flux as ``tiny-org/flux`` (main), written by ``huggingface_hub`` itself
     from a local hub; ``(cache_dir, repo_id, commit)``. Load it offline with ``download_dir=cache_dir``."""
-    from vllm_omni.testing.hub import populate_cache
+    from vllm_omni.testing.processes.hub import populate_cache
 
     cache = str(tmp_path_factory.mktemp("hf-cache"))
     return cache, "tiny-org/flux", populate_cache("tiny-org/flux", tiny_flux, cache)

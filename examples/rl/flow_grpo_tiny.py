@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     model = args.model
     if model is None:
-        from vllm_omni.testing.tiny import make_tiny_model
+        from vllm_omni.testing.models.tiny import make_tiny_model
 
         model = os.path.join(args.out_dir, "tiny-sd3")
         if not os.path.isfile(os.path.join(model, "model_index.json")):

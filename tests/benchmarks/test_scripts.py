@@ -18,7 +18,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 def flux_server(tiny_flux):
     """One server for the bench_serving runs: each takes what the server did from the difference of its
     ``/metrics`` before and after the run."""
-    from vllm_omni.testing.server import RemoteOmniServer
+    from vllm_omni.testing.processes.server import RemoteOmniServer
 
     with RemoteOmniServer(tiny_flux, ["--max-num-seqs", "2"]) as server:
         yield server

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from vllm_omni.codec.families import LLASA, OPENAI_VOICES, ORPHEUS, SPEECH_FAMILIES, TalkerFormat, detect_family
-from vllm_omni.testing.tiny_llm import make_llm_tokenizer
-from vllm_omni.testing.tiny_speech import CODEBOOK_SIZE
+from vllm_omni.testing.models.tiny_llm import make_llm_tokenizer
+from vllm_omni.testing.models.tiny_speech import CODEBOOK_SIZE
 
 
 @pytest.fixture(scope="module", params=["orpheus", "llasa"])

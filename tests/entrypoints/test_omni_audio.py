@@ -1,4 +1,5 @@
-"""An audio model through `Omni`: the tiny Stable Audio (`vllm_omni.testing.tiny_audio`, its real scheduler with SDE
+"""An audio model through `Omni`: the tiny Stable Audio (`vllm_omni.testing.models.tiny_audio`, its real scheduler with
+SDE
 noise) in request mode. Batched requests equal stock diffusers called for each alone, the waveforms are the asked
 length at the model's rate, a clip the model cannot make is refused naming the field, the picture fields are
 dropped as fields it would not use, and the audio seconds are counted and the audio components timed."""
@@ -9,7 +10,7 @@ import torch
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.diffusion.features.step_cache import CallCache
-from vllm_omni.testing.stock import stock_pipeline
+from vllm_omni.testing.checks.stock import stock_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

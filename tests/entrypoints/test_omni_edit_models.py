@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
-from vllm_omni.testing.edits import noise_image, square_mask
-from vllm_omni.testing.stock import stock_pipeline
+from vllm_omni.testing.checks.edits import noise_image, square_mask
+from vllm_omni.testing.checks.stock import stock_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.testing.edits import noise_image, square_mask, stock_edit
+from vllm_omni.testing.checks.edits import noise_image, square_mask, stock_edit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

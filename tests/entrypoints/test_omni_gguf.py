@@ -15,11 +15,11 @@ from vllm_omni.config.cache import cache_hook_config
 from vllm_omni.config.model_source import ModelSourceError
 from vllm_omni.diffusion.features.gguf import GgufError, is_gguf_module
 from vllm_omni.errors import WeightUpdateError
-from vllm_omni.testing.faults import run_together
-from vllm_omni.testing.gguf_files import stock_gguf_pipeline, write_gguf
-from vllm_omni.testing.hub import populate_cache
-from vllm_omni.testing.lora import write_random_lora
-from vllm_omni.testing.single_file import flux_converter_for_any_width
+from vllm_omni.testing.checks.faults import run_together
+from vllm_omni.testing.models.gguf_files import stock_gguf_pipeline, write_gguf
+from vllm_omni.testing.models.lora import write_random_lora
+from vllm_omni.testing.models.single_file import flux_converter_for_any_width
+from vllm_omni.testing.processes.hub import populate_cache
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.config import LoRAModulePath
 from vllm_omni.errors import LoraLoadError, UnknownLoraError
-from vllm_omni.testing.lora import stock_lora_images, write_random_lora
+from vllm_omni.testing.models.lora import stock_lora_images, write_random_lora
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import pytest
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.config.model_source import ModelSourceError
-from vllm_omni.testing.single_file import flux_converter_for_any_width, write_single_file
+from vllm_omni.testing.models.single_file import flux_converter_for_any_width, write_single_file
 
 pytestmark = pytest.mark.slow
 

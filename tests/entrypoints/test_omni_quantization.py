@@ -12,8 +12,8 @@ from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.config import DeployConfig, StageDeployConfig
 from vllm_omni.diffusion.features.quantization import parameter_bytes
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
-from vllm_omni.testing.faults import run_together
-from vllm_omni.testing.stock import stock_quantized_pipeline
+from vllm_omni.testing.checks.faults import run_together
+from vllm_omni.testing.checks.stock import stock_quantized_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

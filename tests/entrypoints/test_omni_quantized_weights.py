@@ -9,9 +9,9 @@ import torch
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.diffusion.features.weights import named_tensors
 from vllm_omni.errors import WeightUpdateError
-from vllm_omni.testing.faults import run_together
-from vllm_omni.testing.lora import write_random_lora
-from vllm_omni.testing.stock import stock_quantized_pipeline
+from vllm_omni.testing.checks.faults import run_together
+from vllm_omni.testing.checks.stock import stock_quantized_pipeline
+from vllm_omni.testing.models.lora import write_random_lora
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.testing.custom_code import CUSTOM_DEFAULT_SIZE, make_custom_code_flux
-from vllm_omni.testing.server import in_process_server
+from vllm_omni.testing.models.custom_code import CUSTOM_DEFAULT_SIZE, make_custom_code_flux
+from vllm_omni.testing.processes.server import in_process_server
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from vllm_omni import AsyncOmni, Omni, OmniDiffusionSamplingParams
-from vllm_omni.testing.server import came_true
+from vllm_omni.testing.processes.server import came_true
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -113,7 +113,7 @@ def test_vllms_tags_wake_in_parts_and_repeated_calls_are_harmless(omni, referenc
 
 
 def test_a_lora_adapter_loads_at_level_1_but_not_while_the_weights_are_dropped(tiny_sd, tmp_path):
-    from vllm_omni.testing.lora import write_random_lora
+    from vllm_omni.testing.models.lora import write_random_lora
 
     path = write_random_lora(tiny_sd, str(tmp_path / "lora"))
     with Omni(model=tiny_sd, enable_lora=True) as omni:
@@ -173,7 +173,7 @@ def wide_flux(tmp_path_factory) -> str:
     weights are memory the process allocated (as any dtype conversion makes them), not pages of the file."""
     from diffusers import FluxTransformer2DModel
 
-    from vllm_omni.testing.tiny_models import build_tiny_flux
+    from vllm_omni.testing.models.tiny_models import build_tiny_flux
 
     pipeline = build_tiny_flux()
     pipeline.transformer = FluxTransformer2DModel(

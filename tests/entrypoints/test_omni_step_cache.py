@@ -12,7 +12,7 @@ import torch
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.config.cache import cache_hook_config
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
-from vllm_omni.testing.faults import run_together
+from vllm_omni.testing.checks.faults import run_together
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from vllm_omni import AsyncOmni, Omni, OmniDiffusionSamplingParams
 from vllm_omni.config import DeployConfig, StageDeployConfig
 from vllm_omni.diffusion.features.weights import named_tensors
 from vllm_omni.errors import WeightUpdateError
-from vllm_omni.testing.lora import write_lora_with_config
-from vllm_omni.testing.trainer import broadcast_from_file, trainer_specs
+from vllm_omni.testing.models.lora import write_lora_with_config
+from vllm_omni.testing.processes.trainer import broadcast_from_file, trainer_specs
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.metrics import prometheus as metrics
-from vllm_omni.testing.server import came_true, in_process_server
-from vllm_omni.testing.tiny_llm import greedy_reply, llm_stage
+from vllm_omni.testing.models.tiny_llm import greedy_reply, llm_stage
+from vllm_omni.testing.processes.server import came_true, in_process_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

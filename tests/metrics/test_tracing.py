@@ -9,7 +9,7 @@ import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from vllm_omni.testing.server import free_port, in_process_server
+from vllm_omni.testing.processes.server import free_port, in_process_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

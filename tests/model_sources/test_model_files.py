@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from vllm_omni.config.model_source import ModelSource, ModelSourceError
 from vllm_omni.model_sources.files import local_model_folder
-from vllm_omni.testing.custom_code import make_custom_code_flux
-from vllm_omni.testing.hub import LocalHub, hub_online
+from vllm_omni.testing.models.custom_code import make_custom_code_flux
+from vllm_omni.testing.processes.hub import LocalHub, hub_online
 
 REPO = "tiny-org/flux"
 
@@ -53,7 +53,7 @@ def hub(tiny_flux, tmp_path_factory):
 
 def _gguf_repo(tiny_flux: str, folder) -> str:
     """A repo as city96's: the transformer at Q8_0 and Q4_0 (one file each), two Q5 files, a README."""
-    from vllm_omni.testing.gguf_files import write_gguf
+    from vllm_omni.testing.models.gguf_files import write_gguf
 
     for qtype in ("Q8_0", "Q4_0"):
         write_gguf(tiny_flux, "flux", str(folder / f"flux-tiny-{qtype}.gguf"), qtype)

@@ -14,7 +14,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.testing.stock import stock_pipeline
+from vllm_omni.testing.checks.stock import stock_pipeline
 
 ray = pytest.importorskip("ray")
 

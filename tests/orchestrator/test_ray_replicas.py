@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, RequestAbortedError
-from vllm_omni.testing.lora import stock_lora_images, write_random_lora
-from vllm_omni.testing.server import came_true
+from vllm_omni.testing.models.lora import stock_lora_images, write_random_lora
+from vllm_omni.testing.processes.server import came_true
 
 ray = pytest.importorskip("ray")
 
@@ -82,7 +82,7 @@ def _hold_batches(replica, then_break: bool = False) -> None:
     until then)."""
 
     def hold(actor):  # runs in the replica's process
-        from vllm_omni.testing.faults import hold_batches
+        from vllm_omni.testing.checks.faults import hold_batches
 
         actor.release_batches = hold_batches(actor.replica.engine.scheduler, then_break)
 

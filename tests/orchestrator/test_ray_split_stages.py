@@ -10,7 +10,7 @@ import pytest
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.config import DeployConfig, StageDeployConfig
 from vllm_omni.diffusion.families.steppers import Conditioning
-from vllm_omni.testing.edits import noise_image, square_mask
+from vllm_omni.testing.checks.edits import noise_image, square_mask
 
 ray = pytest.importorskip("ray")
 

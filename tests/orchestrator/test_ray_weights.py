@@ -13,10 +13,10 @@ from safetensors.torch import save_file
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.diffusion.features.weights import named_tensors
-from vllm_omni.testing.lora import write_lora_with_config
-from vllm_omni.testing.server import preloaded_context
-from vllm_omni.testing.stock import stock_pipeline
-from vllm_omni.testing.trainer import broadcast_from_file, trainer_specs
+from vllm_omni.testing.checks.stock import stock_pipeline
+from vllm_omni.testing.models.lora import write_lora_with_config
+from vllm_omni.testing.processes.server import preloaded_context
+from vllm_omni.testing.processes.trainer import broadcast_from_file, trainer_specs
 
 ray = pytest.importorskip("ray")
 
@@ -77,7 +77,7 @@ def _on_both_replicas(omni, params: list[OmniDiffusionSamplingParams], tag: str)
     alternates them between the two replicas; their outputs in order."""
 
     def hold(actor):  # in the replica's process
-        from vllm_omni.testing.faults import hold_batches
+        from vllm_omni.testing.checks.faults import hold_batches
 
         actor.release_batches = hold_batches(actor.replica.engine.scheduler)
 

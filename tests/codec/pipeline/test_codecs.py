@@ -8,7 +8,7 @@ import pytest
 
 from vllm_omni.codec.families import LLASA, ORPHEUS, SpeechFamily
 from vllm_omni.codec.pipeline.codecs import Codec, CodeWindow, SnacCodec, load_codec
-from vllm_omni.testing.tiny_speech import CODEBOOK_SIZE
+from vllm_omni.testing.models.tiny_speech import CODEBOOK_SIZE
 
 FLOAT_ROUNDING = 1e-5
 """SNAC's streamed = one-shot tolerance: with its receptive field covered, a window's samples are the same sums as

@@ -13,7 +13,7 @@ from vllm_omni.diffusion.families.pipeline_facts import TWO_EXPERT_ARGS
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.outputs import IgnoredField
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
-from vllm_omni.testing.edits import noise_image, square_mask
+from vllm_omni.testing.checks.edits import noise_image, square_mask
 
 
 def card_of(path: str) -> ModelCard:

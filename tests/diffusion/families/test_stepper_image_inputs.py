@@ -19,7 +19,7 @@ from vllm_omni.diffusion.pipeline.image_inputs import fitted_inputs
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
-from vllm_omni.testing.steppers import run_joined
+from vllm_omni.testing.checks.steppers import run_joined
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from vllm_omni.diffusion.pipeline.components import DENOISERS, TEXT_ENCODERS
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
-from vllm_omni.testing.steppers import run_joined
+from vllm_omni.testing.checks.steppers import run_joined
 
 pytestmark = pytest.mark.slow
 
@@ -482,7 +482,7 @@ def test_modular_families_step_requests_with_different_adapters_in_one_forward(f
     model = request.getfixturevalue(family)
     from vllm_omni.diffusion.lora.adapters import LoraAdapters
     from vllm_omni.sampling_params import LoraSelection
-    from vllm_omni.testing.lora import stock_lora_images, write_random_lora
+    from vllm_omni.testing.models.lora import stock_lora_images, write_random_lora
 
     files = {name: write_random_lora(model, str(tmp_path / name), seed=seed) for name, seed in (("a", 1), ("b", 2))}
     pipeline = load_pipeline(model, torch.float32, CPU)

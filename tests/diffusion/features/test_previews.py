@@ -17,7 +17,7 @@ from vllm_omni.diffusion.engine import denoise
 from vllm_omni.diffusion.features import previews as previews_module
 from vllm_omni.diffusion.features.previews import LatentProjection, Previews, clean_latents, preview_steps
 from vllm_omni.errors import SamplingParamsError
-from vllm_omni.testing.edits import noise_image
+from vllm_omni.testing.checks.edits import noise_image
 
 FAMILIES = ["flux", "sd", "sd3", "sdxl", "wan", "z_image", "qwen_image"]
 FRAMES = {"wan": 5, "hunyuan_video15": 5, "ltx": 9}

@@ -15,8 +15,8 @@ from vllm_omni.diffusion.lora.adapters import LoraAdapters
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
 from vllm_omni.errors import WeightUpdateError
 from vllm_omni.sampling_params import LoraSelection
-from vllm_omni.testing.lora import write_random_lora
-from vllm_omni.testing.stock import stock_quantized_pipeline
+from vllm_omni.testing.checks.stock import stock_quantized_pipeline
+from vllm_omni.testing.models.lora import write_random_lora
 
 pytestmark = pytest.mark.slow
 

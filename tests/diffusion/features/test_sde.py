@@ -220,7 +220,7 @@ def test_qwen_image_edits_sample_stochastically_in_request_mode(tiny_qwen_edit):
 def test_inpainting_refuses_stochastic_sampling(tiny_sd3):
     """Inpainting blends the kept image back after each step: a recorded transition's result would not be the next
     step's input, so the log-probs could not be recomputed from the trajectory."""
-    from vllm_omni.testing.edits import noise_image, square_mask
+    from vllm_omni.testing.checks.edits import noise_image, square_mask
 
     params = OmniDiffusionSamplingParams(
         height=32, width=32, image=[noise_image(0, 32)], mask_image=square_mask(32), extra_args={"logprobs": True}

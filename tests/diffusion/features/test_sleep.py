@@ -239,7 +239,7 @@ def test_every_tensor_of_a_real_pipeline_comes_back_bitwise(request, family):
 def test_a_pipeline_with_a_lora_adapter_keeps_it_and_reloads_its_base_weights(tiny_sd, tmp_path):
     from vllm_omni.diffusion.lora.adapters import LoraAdapters
     from vllm_omni.diffusion.pipeline.runner import load_pipeline
-    from vllm_omni.testing.lora import write_random_lora
+    from vllm_omni.testing.models.lora import write_random_lora
 
     pipeline = load_pipeline(tiny_sd, torch.float32, CPU)
     LoraAdapters(pipeline, max_loras=1, max_lora_rank=16).load(

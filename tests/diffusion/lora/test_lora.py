@@ -12,7 +12,7 @@ from vllm_omni.diffusion.lora.adapters import LoraAdapters
 from vllm_omni.diffusion.pipeline.runner import load_pipeline
 from vllm_omni.errors import LoraLoadError
 from vllm_omni.sampling_params import LoraSelection
-from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES, stock_lora_images, write_random_lora
+from vllm_omni.testing.models.lora import CLIP_TEXT_ENCODER_FAMILIES, stock_lora_images, write_random_lora
 
 FAMILIES = ["sd", "sdxl", "sd3", "flux", "wan"]
 PROMPTS = ["a cat", "a dog", "a cow"]

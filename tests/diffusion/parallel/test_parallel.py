@@ -16,7 +16,7 @@ from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.diffusion.parallel.ranks import RankGroup, _next_call, enable_context_parallel
 from vllm_omni.errors import SamplingParamsError
 from vllm_omni.sampling_params import OmniDiffusionSamplingParams
-from vllm_omni.testing.server import PreloadedProcess, run_as_main
+from vllm_omni.testing.processes.server import PreloadedProcess, run_as_main
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_random_weights_are_drawn_alike_on_every_rank(tmp_path):
     """``load_format: dummy`` on a folder of configs: each rank draws the weights itself, seeded, so two Ulysses ranks
     give the image that one process gives with them."""
     from vllm_omni.diffusion.pipeline.dummy_weights import dummy_components, pipeline_loader
-    from vllm_omni.testing.full_size import make_full_size_model
+    from vllm_omni.testing.models.full_size import make_full_size_model
 
     model = make_full_size_model(tmp_path / "flux", "flux", configs_only=True, size="reduced")
     built = dummy_components(model, torch.float32, torch.device("cpu"))

@@ -12,7 +12,7 @@ from vllm_omni.entrypoints.cli.serve import (
     make_serve_parser,
     parse_serve_args,
 )
-from vllm_omni.testing.server import RemoteOmniServer, vllm_executable
+from vllm_omni.testing.processes.server import RemoteOmniServer, vllm_executable
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams
-from vllm_omni.testing.hub import LocalHub
-from vllm_omni.testing.server import RemoteOmniServer, vllm_executable
+from vllm_omni.testing.processes.hub import LocalHub
+from vllm_omni.testing.processes.server import RemoteOmniServer, vllm_executable
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -111,7 +111,7 @@ def test_make_tiny_model_writes_ggufs_that_vllm_serve_serves_with_model_config(t
     --model-config DIR --omni``: the image of stock diffusers with the transformer from ``from_single_file(GGUF,
     GGUFQuantizationConfig)``."""
     from vllm_omni.entrypoints.cli.main import main
-    from vllm_omni.testing.gguf_files import stock_gguf_pipeline
+    from vllm_omni.testing.models.gguf_files import stock_gguf_pipeline
 
     folder = tmp_path / "tiny-sd3"
     main(["make-tiny-model", str(folder), "--family", "sd3", "--gguf", "Q8_0", "--gguf", "Q4_0"])

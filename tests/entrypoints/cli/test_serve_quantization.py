@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from vllm_omni.entrypoints.cli.serve import build_serve_config, make_serve_parser, parse_serve_args
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 pytestmark = pytest.mark.slow
 

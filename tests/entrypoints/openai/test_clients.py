@@ -19,9 +19,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vllm_omni.testing.edits import noise_image
-from vllm_omni.testing.server import RemoteOmniServer, finished_video_job
-from vllm_omni.testing.stock import stock_pipeline
+from vllm_omni.testing.checks.edits import noise_image
+from vllm_omni.testing.checks.stock import stock_pipeline
+from vllm_omni.testing.processes.server import RemoteOmniServer, finished_video_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -12,8 +12,8 @@ import aiohttp
 import httpx
 import pytest
 
-from vllm_omni.testing.faults import hold_batches
-from vllm_omni.testing.server import RemoteOmniServer, in_process_server
+from vllm_omni.testing.checks.faults import hold_batches
+from vllm_omni.testing.processes.server import RemoteOmniServer, in_process_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

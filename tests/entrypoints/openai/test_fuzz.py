@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from PIL import Image, PngImagePlugin
 from schemathesis import GenerationMode
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from vllm_omni.testing.edits import noise_image
-from vllm_omni.testing.server import RemoteOmniServer, finished_video_job
+from vllm_omni.testing.checks.edits import noise_image
+from vllm_omni.testing.processes.server import RemoteOmniServer, finished_video_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

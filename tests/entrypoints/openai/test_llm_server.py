@@ -9,8 +9,8 @@ import openai
 import pytest
 import yaml
 
-from vllm_omni.testing.server import RemoteOmniServer, finished_video_job
-from vllm_omni.testing.tiny_llm import greedy_reply, llm_stage
+from vllm_omni.testing.models.tiny_llm import greedy_reply, llm_stage
+from vllm_omni.testing.processes.server import RemoteOmniServer, finished_video_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

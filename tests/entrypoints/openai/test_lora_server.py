@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_omni.testing.lora import stock_lora_images, write_random_lora
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.models.lora import stock_lora_images, write_random_lora
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

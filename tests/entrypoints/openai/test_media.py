@@ -22,7 +22,7 @@ from vllm_omni.entrypoints.openai.media import (
     read_references,
     video_reference,
 )
-from vllm_omni.testing.media_server import serve_answers
+from vllm_omni.testing.processes.media_server import serve_answers
 
 MAX_BYTES = 4096
 SERVING = ServingConfig(served_model_names=["tiny"], max_input_image_bytes=MAX_BYTES)

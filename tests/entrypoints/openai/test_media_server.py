@@ -15,9 +15,9 @@ import pytest
 from openai.types import ImagesResponse
 from PIL import Image
 
-from vllm_omni.testing.edits import noise_image, square_mask
-from vllm_omni.testing.media_server import serve_answers
-from vllm_omni.testing.server import RemoteOmniServer, finished_video_job
+from vllm_omni.testing.checks.edits import noise_image, square_mask
+from vllm_omni.testing.processes.media_server import serve_answers
+from vllm_omni.testing.processes.server import RemoteOmniServer, finished_video_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from vllm_omni.testing.server import finished_video_job
+from vllm_omni.testing.processes.server import finished_video_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

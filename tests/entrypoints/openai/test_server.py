@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

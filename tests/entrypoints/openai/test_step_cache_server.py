@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from vllm_omni.testing.server import in_process_server
+from vllm_omni.testing.processes.server import in_process_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 from PIL import Image
 
-from vllm_omni.testing.server import came_true, in_process_server, outcome_count
+from vllm_omni.testing.processes.server import came_true, in_process_server, outcome_count
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -36,8 +36,8 @@ def _make_parser() -> argparse.ArgumentParser:
 
 def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
     """The ``make-tiny-model`` subcommand's arguments: the family, and the extra files to write beside it."""
-    from vllm_omni.testing.gguf_files import GGUF_TYPES
-    from vllm_omni.testing.tiny import MODEL_FAMILIES
+    from vllm_omni.testing.models.gguf_files import GGUF_TYPES
+    from vllm_omni.testing.models.tiny import MODEL_FAMILIES
 
     tiny = commands.add_parser(
         "make-tiny-model",
@@ -108,26 +108,26 @@ def _make_tiny_model(tiny: argparse.ArgumentParser, args: argparse.Namespace) ->
     _check_lora_args(tiny, args)
     _check_layout_args(tiny, args)
     if _check_full_size_args(tiny, args):
-        from vllm_omni.testing.full_size import make_full_size_model
+        from vllm_omni.testing.models.full_size import make_full_size_model
 
         print(make_full_size_model(args.dir, args.family, configs_only=args.configs_only), flush=True)
         return
 
-    from vllm_omni.testing.tiny import make_tiny_model
+    from vllm_omni.testing.models.tiny import make_tiny_model
 
     print(make_tiny_model(args.dir, args.family), flush=True)
     if args.single_file:
-        from vllm_omni.testing.single_file import write_single_file
+        from vllm_omni.testing.models.single_file import write_single_file
 
         print(write_single_file(args.dir, args.family, args.dir.rstrip("/") + ".safetensors"), flush=True)
     for qtype in dict.fromkeys(args.gguf):
-        from vllm_omni.testing.gguf_files import write_gguf
+        from vllm_omni.testing.models.gguf_files import write_gguf
 
         print(write_gguf(args.dir, args.family, f"{args.dir.rstrip('/')}-{qtype}.gguf", qtype), flush=True)
     if args.lora:
         import os
 
-        from vllm_omni.testing.lora import write_random_lora
+        from vllm_omni.testing.models.lora import write_random_lora
 
         for i in range(args.lora):
             path = os.path.join(args.dir, "loras", f"lora-{i}")
@@ -137,7 +137,7 @@ def _make_tiny_model(tiny: argparse.ArgumentParser, args: argparse.Namespace) ->
 def _check_lora_args(tiny: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--lora`` and ``--lora-text-encoder`` refused, before anything is written, where the family cannot take
     them (argparse's usage error, exit status 2)."""
-    from vllm_omni.testing.lora import CLIP_TEXT_ENCODER_FAMILIES
+    from vllm_omni.testing.models.lora import CLIP_TEXT_ENCODER_FAMILIES
 
     if args.lora < 0:
         tiny.error(f"argument --lora: N must be 0 or more, not {args.lora}")
@@ -155,7 +155,7 @@ def _check_lora_args(tiny: argparse.ArgumentParser, args: argparse.Namespace) ->
 def _check_layout_args(tiny: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--single-file`` and ``--gguf`` refused, before anything is written, for a family with no original
     (non-diffusers) key layout here."""
-    from vllm_omni.testing.single_file import DENOISER_ONLY_FAMILIES, SINGLE_FILE_FAMILIES
+    from vllm_omni.testing.models.single_file import DENOISER_ONLY_FAMILIES, SINGLE_FILE_FAMILIES
 
     if args.single_file and args.family not in SINGLE_FILE_FAMILIES:
         tiny.error(
@@ -176,7 +176,7 @@ def _check_full_size_args(tiny: argparse.ArgumentParser, args: argparse.Namespac
         tiny.error("argument --configs-only: needs --full-size")
     if not args.full_size:
         return False
-    from vllm_omni.testing.full_size import FULL_SIZE
+    from vllm_omni.testing.models.full_size import FULL_SIZE
 
     if args.family not in FULL_SIZE:
         tiny.error(

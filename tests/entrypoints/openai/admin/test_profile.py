@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from vllm_omni.testing.server import came_true, in_process_server
+from vllm_omni.testing.processes.server import came_true, in_process_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

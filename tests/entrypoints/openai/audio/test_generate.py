@@ -20,13 +20,13 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from vllm_omni.entrypoints.openai.audio.encoding import AUDIO_FORMATS, FORMATS
-from vllm_omni.testing.server import RemoteOmniServer, in_process_server, outcome_count
+from vllm_omni.testing.processes.server import RemoteOmniServer, in_process_server, outcome_count
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-RATE, CHANNELS = 44100, 2  # the tiny model's (vllm_omni/testing/tiny_audio.py)
+RATE, CHANNELS = 44100, 2  # the tiny model's (vllm_omni/testing/models/tiny_audio.py)
 LONGEST = 32 * 2048 / RATE  # its transformer's sample_size × the VAE's hop: 1.486 s
 LENGTH = 0.5
 FAST = {"num_inference_steps": 2, "seed": 3}

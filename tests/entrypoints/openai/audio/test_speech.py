@@ -23,8 +23,8 @@ from vllm_omni.codec.families import ORPHEUS, TalkerFormat
 from vllm_omni.entrypoints.openai.audio.encoding import AUDIO_FORMATS, FORMATS
 from vllm_omni.entrypoints.openai.audio.speech_stream import SpeechAudio
 from vllm_omni.entrypoints.openai.protocol import SpeechAudioDeltaEvent, SpeechAudioDoneEvent
-from vllm_omni.testing.server import came_true, outcome_count
-from vllm_omni.testing.tiny_speech import CODEBOOK_SIZE
+from vllm_omni.testing.models.tiny_speech import CODEBOOK_SIZE
+from vllm_omni.testing.processes.server import came_true, outcome_count
 
 RATE = 24000  # Orpheus's SNAC
 FRAME = 2048

@@ -13,7 +13,7 @@ import openai
 import pytest
 from PIL import Image
 
-from vllm_omni.testing.edits import noise_image
+from vllm_omni.testing.checks.edits import noise_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -11,8 +11,8 @@ import openai
 import pytest
 from PIL import Image
 
-from vllm_omni.testing.edits import noise_image, square_mask, stock_edit
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.checks.edits import noise_image, square_mask, stock_edit
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -18,8 +18,8 @@ from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.entrypoints.cli.serve import build_serve_config, make_serve_parser, parse_serve_args
 from vllm_omni.entrypoints.openai.images.image_usage import quality_steps
 from vllm_omni.entrypoints.openai.protocol import ImageGenerationRequest
-from vllm_omni.testing.edits import noise_image
-from vllm_omni.testing.server import RemoteOmniServer
+from vllm_omni.testing.checks.edits import noise_image
+from vllm_omni.testing.processes.server import RemoteOmniServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -14,8 +14,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_omni.entrypoints.openai.videos.video_jobs import decode_mp4, encode_mp4
-from vllm_omni.testing.server import RemoteOmniServer, finished_video_job
-from vllm_omni.testing.stock import stock_pipeline
+from vllm_omni.testing.checks.stock import stock_pipeline
+from vllm_omni.testing.processes.server import RemoteOmniServer, finished_video_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

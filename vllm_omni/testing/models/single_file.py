@@ -1,7 +1,7 @@
 """A tiny pipeline folder as a single-file checkpoint in the original (non-diffusers) key layout.
 
 Community checkpoints are traded as one ``.safetensors`` in the layout of the code that trained them, not as a
-diffusers folder. :func:`write_single_file` turns a folder from :func:`vllm_omni.testing.tiny.make_tiny_model`
+diffusers folder. :func:`write_single_file` turns a folder from :func:`vllm_omni.testing.models.tiny.make_tiny_model`
 into such a file by inverting diffusers' own single-file converters (``diffusers/loaders/single_file_utils.py``), so
 that ``from_single_file`` gives back the folder's weights bit for bit:
 
@@ -19,7 +19,8 @@ that ``from_single_file`` gives back the folder's weights bit for bit:
           FluxTransformer2DModel.from_single_file(out, config=folder, subfolder="transformer", local_files_only=True)
 
 - ``sd3`` / ``wan``: the transformer alone, in Stability's MMDiT and Wan-AI's layouts
-  (:mod:`vllm_omni.testing.single_file_dit`); ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` load it as above.
+  (:mod:`vllm_omni.testing.models.single_file_dit`); ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` load it as
+  above.
 
 ``config=folder`` is required: without it diffusers infers the model type from the keys ("v1", "flux-dev") and
 fetches the *real* model's config from the Hub, which fails offline and, online, builds a full-size model that the
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.testing.single_file_dit import sd3_layout, wan_layout
+from vllm_omni.testing.models.single_file_dit import sd3_layout, wan_layout
 
 # diffusers -> LDM names inside one ResNet block (``update_unet_resnet_ldm_to_diffusers`` and the VAE's, reversed).
 _UNET_RESNET = {
@@ -236,7 +237,7 @@ def _flux(folder: str) -> dict[str, torch.Tensor]:
 
 
 def _transformer_in(layout: Callable[[dict, dict], dict[str, torch.Tensor]]) -> Callable[[str], dict]:
-    """The folder's transformer alone, in ``layout`` (one of `vllm_omni.testing.single_file_dit`'s)."""
+    """The folder's transformer alone, in ``layout`` (one of `vllm_omni.testing.models.single_file_dit`'s)."""
     return lambda folder: layout(*_component(folder, "transformer"))
 
 

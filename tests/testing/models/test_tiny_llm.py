@@ -8,7 +8,7 @@ import os
 import pytest
 
 from vllm_omni.entrypoints.cli.main import main
-from vllm_omni.testing.tiny_llm import CHAT_TEMPLATE
+from vllm_omni.testing.models.tiny_llm import CHAT_TEMPLATE
 
 # The folder is written once, by the CLI's main in this process (the console script around it, a fresh interpreter,
 # is tests/entrypoints/cli/test_make_tiny_model.py's).

@@ -16,7 +16,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from vllm_omni.testing.hub import LocalHub, hub_online, populate_cache
+from vllm_omni.testing.processes.hub import LocalHub, hub_online, populate_cache
 
 REPO = "org/name"
 FILES = {"config.json": b'{"a": 1}\n', "model_index.json": b"{}\n", "unet/weights.bin": bytes(range(256)) * 40}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_omni.testing.single_file import write_single_file
+from vllm_omni.testing.models.single_file import write_single_file
 
 CLASSES = {"sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel"}
 
@@ -50,7 +50,7 @@ def test_the_wan_file_is_in_wan_ais_layout(tiny_wan, tmp_path):
 
 
 def test_a_wan_with_an_image_embedder_is_refused(tiny_wan):
-    from vllm_omni.testing.single_file_dit import wan_layout
+    from vllm_omni.testing.models.single_file_dit import wan_layout
 
     with pytest.raises(ValueError, match="text-to-video Wan"):
         wan_layout({}, {"image_dim": 1280})

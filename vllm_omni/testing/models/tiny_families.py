@@ -1,6 +1,6 @@
 """Tiny random-weight pipelines of the families people serve now, built offline: Qwen-Image, Z-Image, FLUX.2
 [klein], LTX-Video and HunyuanVideo 1.5 (``vllm-omni make-tiny-model --family qwen-image|z-image|flux2|ltx
-|hunyuan-video-1.5``). As in :mod:`vllm_omni.testing.tiny_models`, each is its real pipeline class over its real
+|hunyuan-video-1.5``). As in :mod:`vllm_omni.testing.models.tiny_models`, each is its real pipeline class over its real
 component classes, 16–32 wide, and nothing is downloaded; the Qwen tokenizers learn their pipeline's prompt
 template whole, so that the template's prefix is as many tokens as the pipeline drops."""
 
@@ -10,13 +10,13 @@ import inspect
 
 import torch
 
-from vllm_omni.testing.tiny_edit_models import (
+from vllm_omni.testing.models.tiny_edit_models import (
     _qwen2_5_vl_text_encoder,
     build_tiny_qwen_image_edit,
     make_qwen2_tokenizer,
 )
-from vllm_omni.testing.tiny_models import _t5_config, _thin_vae
-from vllm_omni.testing.tiny_tokenizers import make_t5_tokenizer
+from vllm_omni.testing.models.tiny_models import _t5_config, _thin_vae
+from vllm_omni.testing.models.tiny_tokenizers import make_t5_tokenizer
 
 QWEN_IMAGE_SYSTEM = (
     "Describe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships of the "

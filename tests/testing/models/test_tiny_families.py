@@ -1,4 +1,5 @@
-"""The families people serve now (`vllm_omni.testing.tiny_families`), served as they are through `Omni`: each loads
+"""The families people serve now (`vllm_omni.testing.models.tiny_families`), served as they are through `Omni`: each
+loads
 as its real pipeline class, and two requests batched equal stock diffusers called alone. A pipeline whose call
 sets its size inside (Z-Image) or works it out (HunyuanVideo 1.5) starts; a request whose output is not finite
 fails naming the likely cause, in request mode and in step mode, and is never answered as an image."""
@@ -9,7 +10,7 @@ import torch
 
 from vllm_omni import Omni, OmniDiffusionSamplingParams, SamplingParamsError
 from vllm_omni.orchestrator.replica import warm_up_params
-from vllm_omni.testing.stock import stock_pipeline
+from vllm_omni.testing.checks.stock import stock_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

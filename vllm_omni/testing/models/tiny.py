@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 
-from vllm_omni.testing import tiny_audio, tiny_edit_models, tiny_families, tiny_llm, tiny_speech
-from vllm_omni.testing.tiny_models import (
+from vllm_omni.testing.models import tiny_audio, tiny_edit_models, tiny_families, tiny_llm, tiny_speech
+from vllm_omni.testing.models.tiny_models import (
     build_tiny_flux,
     build_tiny_sd,
     build_tiny_sd3,

@@ -1,5 +1,6 @@
 """Tiny random-weight audio pipelines, built offline in their real folder layouts (``vllm-omni make-tiny-model
---family stable-audio``): as in :mod:`vllm_omni.testing.tiny_models`, each is its real pipeline class over its real
+--family stable-audio``): as in :mod:`vllm_omni.testing.models.tiny_models`, each is its real pipeline class over its
+real
 component classes, a few channels wide, and nothing is downloaded. Random weights make noise: they test structure
 and equalities (batched = alone = stock diffusers), not sound."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni.testing.tiny_tokenizers import make_t5_tokenizer
+from vllm_omni.testing.models.tiny_tokenizers import make_t5_tokenizer
 
 STABLE_AUDIO_RATE = 44100
 """The tiny Stable Audio's sample rate: Stable Audio Open's, so that every audio format takes it as it is."""
@@ -99,7 +100,7 @@ def build_tiny_longcat_audio():
     from diffusers.models.transformers.transformer_longcat_audio_dit import LongCatAudioDiTTransformer
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from vllm_omni.testing.tiny_models import _t5_config
+    from vllm_omni.testing.models.tiny_models import _t5_config
 
     torch.manual_seed(0)
     tokenizer = make_t5_tokenizer()
@@ -181,7 +182,7 @@ def make_gemma_tokenizer():
     its letters."""
     from transformers import GemmaTokenizer
 
-    from vllm_omni.testing.tiny_tokenizers import WORDS
+    from vllm_omni.testing.models.tiny_tokenizers import WORDS
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
     letters = sorted(set("".join(WORDS)) | set("abcdefghijklmnopqrstuvwxyz\u2581"))
@@ -216,7 +217,7 @@ def build_tiny_ace_step():
     from diffusers.pipelines.ace_step.modeling_ace_step import AceStepConditionEncoder
     from transformers import Qwen3Config, Qwen3Model
 
-    from vllm_omni.testing.tiny_edit_models import make_qwen2_tokenizer
+    from vllm_omni.testing.models.tiny_edit_models import make_qwen2_tokenizer
 
     torch.manual_seed(0)
     tokenizer = make_qwen2_tokenizer()

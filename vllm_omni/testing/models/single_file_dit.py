@@ -1,4 +1,5 @@
-"""The original key layouts of two more denoisers, for :mod:`vllm_omni.testing.single_file`: each function takes a
+"""The original key layouts of two more denoisers, for :mod:`vllm_omni.testing.models.single_file`: each function takes
+a
 diffusers transformer's state dict and config and returns the state dict in the layout of the code that trained it,
 the inverse of diffusers' own converter (``diffusers/loaders/single_file_utils.py``), so that ``from_single_file``
 gives back the same weights.

@@ -1,4 +1,4 @@
-"""The full-size families (`vllm_omni.testing.full_size`): each component, built on the ``meta`` device, has the
+"""The full-size families (`vllm_omni.testing.models.full_size`): each component, built on the ``meta`` device, has the
 parameter count its model publishes, to every digit published; and a folder of configs alone, served with
 ``load_format: dummy``, holds the classes, shapes and dtypes that loading the same folder with its weights gives,
 at the reduced size (a CPU builds the full one in minutes)."""
@@ -13,7 +13,7 @@ import torch
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.diffusion.pipeline.dummy_weights import dummy_components, pipeline_loader
 from vllm_omni.errors import SleepModeError
-from vllm_omni.testing.full_size import FULL_SIZE, make_full_size_model, meta_components, parameter_count
+from vllm_omni.testing.models.full_size import FULL_SIZE, make_full_size_model, meta_components, parameter_count
 
 UNITS = {"B": 1e9, "M": 1e6}
 

@@ -3,7 +3,7 @@
 Used by the tests, the demo and the benchmarks: they all talk to the server the
 way a user would, through the real CLI. A test run asks for preloaded servers
 (`use_preloaded_servers`): the same CLI in a fork of a process that has already
-imported the stack (`vllm_omni.testing.preloaded`), which saves each server the
+imported the stack (`vllm_omni.testing.processes.preloaded`), which saves each server the
 imports; a server with an environment of its own, or one asked with ``cli=True``,
 is always a real ``vllm`` process.
 """
@@ -67,11 +67,13 @@ _preloaded: multiprocessing.context.ForkServerContext | None = None
 
 
 def preloaded_context() -> multiprocessing.context.ForkServerContext:
-    """The `multiprocessing` forkserver whose preload imports the serving stack (`vllm_omni.testing.preloaded`),
+    """The `multiprocessing` forkserver whose preload imports the serving stack
+    (`vllm_omni.testing.processes.preloaded`),
     started at its first use: a process forked from it skips the ~10 s of imports a spawned one pays. Servers
     (`use_preloaded_servers`) and the benchmarks' engine workers share it, so one process imports the stack once."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["vllm_omni.testing.preloaded"])  # one list for every caller: the first start wins
+    # one list for every caller: the first start wins
+    context.set_forkserver_preload(["vllm_omni.testing.processes.preloaded"])
     return context
 
 
@@ -101,7 +103,7 @@ def _enter_fork(cwd: str, environ: dict[str, str], log_path: str | None) -> None
 
 def _serve_preloaded(argv: list[str], log_path: str | None, cwd: str, environ: dict[str, str]) -> None:
     _enter_fork(cwd, environ, log_path or os.devnull)
-    from vllm_omni.testing.preloaded import serve  # already imported: the forkserver's preload
+    from vllm_omni.testing.processes.preloaded import serve  # already imported: the forkserver's preload
 
     serve(argv)
 

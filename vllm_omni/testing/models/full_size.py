@@ -2,7 +2,8 @@
 weights and nothing downloaded (``vllm-omni make-tiny-model DIR --family flux|qwen-image|wan --full-size``).
 
 `FULL_SIZE` holds, for each family, every model component's class and the fields of its published ``config.json``,
-its parameter count as published (tests/testing/test_full_size.py builds each on the ``meta`` device and checks its
+its parameter count as published (tests/testing/models/test_full_size.py builds each on the ``meta`` device and checks
+its
 count against it), and the few fields that make the *reduced* size: the same classes and code path with one or two
 layers a few channels wide, so that what serves the full size runs on a CPU too (`benchmarks/real_scale.py
 --reduced`). The tokenizers are the tiny offline ones (`tiny_tokenizers`, the Qwen one of `tiny_edit_models`);
@@ -25,8 +26,8 @@ from typing import Any, Literal
 import torch
 
 from vllm_omni.diffusion.pipeline.dummy_weights import meta_model, random_model
-from vllm_omni.testing.tiny_families import QWEN_IMAGE_SYSTEM
-from vllm_omni.testing.tiny_tokenizers import make_clip_tokenizer, make_t5_tokenizer
+from vllm_omni.testing.models.tiny_families import QWEN_IMAGE_SYSTEM
+from vllm_omni.testing.models.tiny_tokenizers import make_clip_tokenizer, make_t5_tokenizer
 
 Size = Literal["full", "reduced"]
 
@@ -66,7 +67,7 @@ class FullSizeFamily:
 
 
 def _qwen_tokenizer():
-    from vllm_omni.testing.tiny_edit_models import make_qwen2_tokenizer
+    from vllm_omni.testing.models.tiny_edit_models import make_qwen2_tokenizer
 
     return make_qwen2_tokenizer(QWEN_IMAGE_SYSTEM)
 

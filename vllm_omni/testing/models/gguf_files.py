@@ -1,7 +1,8 @@
 """A tiny pipeline's denoiser as a GGUF file, as city96's Flux, SD3 and Wan GGUFs are: the original checkpoint's
 keys (no ``model.diffusion_model.`` prefix), quantized by the ``gguf`` package's own quantizers.
 
-:func:`write_gguf` takes the denoiser in its original layout from :mod:`vllm_omni.testing.single_file` (the inverse
+:func:`write_gguf` takes the denoiser in its original layout from :mod:`vllm_omni.testing.models.single_file` (the
+inverse
 of diffusers' converters) and writes each tensor as city96's ``convert.py`` followed by ``llama-quantize`` would:
 
 - a weight of 2 to 4 dimensions (``*.weight``): the requested type (``Q8_0``, ``Q4_0``), or ``F16`` where its rows
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_omni.testing.single_file import SINGLE_FILE_FAMILIES, flux_converter_for_any_width
+from vllm_omni.testing.models.single_file import SINGLE_FILE_FAMILIES, flux_converter_for_any_width
 
 GGUF_TYPES = ("Q8_0", "Q4_0")
 """The quantization types ``make-tiny-model --gguf`` writes."""

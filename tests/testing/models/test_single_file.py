@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_omni.testing.single_file import flux_converter_for_any_width, write_single_file
+from vllm_omni.testing.models.single_file import flux_converter_for_any_width, write_single_file
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ def stock_edit(
     with ``from_pipe`` and called alone: its image as float RGB in [0, 1]."""
     from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
 
-    from vllm_omni.testing.stock import stock_pipeline
+    from vllm_omni.testing.checks.stock import stock_pipeline
 
     pipeline = (AutoPipelineForImage2Image if mask is None else AutoPipelineForInpainting).from_pipe(
         stock_pipeline(model)

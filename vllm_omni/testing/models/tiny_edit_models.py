@@ -1,7 +1,7 @@
 """Tiny random-weight image-conditioned diffusers pipelines (edit and image-to-video), built offline.
 
 The families ``kontext``, ``qwen-image-edit``, ``qwen-image-edit-plus`` and ``wan-i2v`` of
-``vllm-omni make-tiny-model``; like those of :mod:`vllm_omni.testing.tiny_models`, every component,
+``vllm-omni make-tiny-model``; like those of :mod:`vllm_omni.testing.models.tiny_models`, every component,
 tokenizers and processors included, is built in memory and nothing is downloaded.
 """
 
@@ -11,8 +11,8 @@ import json
 
 import torch
 
-from vllm_omni.testing.tiny_models import _thin_vae, build_tiny_flux, build_tiny_wan
-from vllm_omni.testing.tiny_tokenizers import WORDS
+from vllm_omni.testing.models.tiny_models import _thin_vae, build_tiny_flux, build_tiny_wan
+from vllm_omni.testing.models.tiny_tokenizers import WORDS
 
 # The system part of Qwen-Image-Edit's prompt template, learnt whole by the tiny BPE so that, as with the real
 # Qwen2 vocabulary, the template's prefix up to the user turn is exactly the 64 tokens the pipeline drops.

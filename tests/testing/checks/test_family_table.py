@@ -1,10 +1,10 @@
 """docs/models.md's family table is what the code serves each tiny family's pipeline with, and current."""
 
-from vllm_omni.testing import family_table
+from vllm_omni.testing.checks import family_table
 
 
 def test_the_family_table_in_the_docs_is_current():
-    assert family_table.main(["--check"]) == 0, "run: python -m vllm_omni.testing.family_table"
+    assert family_table.main(["--check"]) == 0, "run: python -m vllm_omni.testing.checks.family_table"
 
 
 def test_a_stale_table_is_refused(tmp_path, monkeypatch, capsys):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni.testing.tiny_tokenizers import make_clip_tokenizer, make_t5_tokenizer
+from vllm_omni.testing.models.tiny_tokenizers import make_clip_tokenizer, make_t5_tokenizer
 
 
 def _clip_text_config(tokenizer, hidden: int = 32, projection_dim: int | None = None):

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from vllm_omni.testing.gguf_files import GGUF_ARCHITECTURES, dequantized, gguf_types, tensor_type, write_gguf
-from vllm_omni.testing.single_file import flux_converter_for_any_width
+from vllm_omni.testing.models.gguf_files import GGUF_ARCHITECTURES, dequantized, gguf_types, tensor_type, write_gguf
+from vllm_omni.testing.models.single_file import flux_converter_for_any_width
 
 CLASSES = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel"}
 CASES = [(family, qtype) for family in CLASSES for qtype in ("Q8_0", "Q4_0")]
@@ -104,7 +104,7 @@ def test_the_quantized_denoiser_holds_fewer_bytes(files, family, qtype):
 def test_q8_0_stays_within_its_quantization_error(files):
     folder, path = files[("flux", "Q8_0")]
     types = gguf_types(path)
-    from vllm_omni.testing.single_file import SINGLE_FILE_FAMILIES
+    from vllm_omni.testing.models.single_file import SINGLE_FILE_FAMILIES
 
     original = SINGLE_FILE_FAMILIES["flux"](folder)
     for name, values in dequantized(path).items():

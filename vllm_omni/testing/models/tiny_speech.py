@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_omni.codec.families import LLASA, ORPHEUS, SpeechFamily
-from vllm_omni.testing.tiny_llm import TinyLlm, make_llm_tokenizer
+from vllm_omni.testing.models.tiny_llm import TinyLlm, make_llm_tokenizer
 
 CODEBOOK_SIZE = 64
 """The tiny codecs' codebook size (the real SNAC's is 4096, XCodec2's 65536)."""
