@@ -24,6 +24,9 @@ set_device_hint()  # vLLM reads its platform once, at its first import: as the C
 # Everything a server imports before it loads its model, found with ``python -X importtime`` on a real start:
 # vLLM's serve parser (its engine arguments import vllm.config and the quantization registry), its executors,
 # our API server and diffusers' pipeline registry (the auto pipelines import every pipeline class).
+# vllm_omni.diffusion first: it tells diffusers, before diffusers' first import, that flashinfer is absent on a host
+# without CUDA (2 s of CPU per forkserver otherwise).
+import vllm_omni.diffusion  # noqa: E402, F401, I001
 import diffusers  # noqa: E402, F401
 import diffusers.pipelines.auto_pipeline  # noqa: E402, F401
 import torch  # noqa: E402, F401
