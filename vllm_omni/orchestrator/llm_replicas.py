@@ -124,9 +124,10 @@ def start_llm_replicas(stage: StageDeployConfig) -> tuple[list[LlmReplica], Call
             "OMP_NUM_THREADS": str(stage.num_cpus),
             # vLLM's CPU backend runs its one worker in a process of its own under the engine core's (so that vLLM
             # can set the OpenMP environment before torch starts, which nobind and OMP_NUM_THREADS above already
-            # did) unless this is 0: then the worker runs in the engine core's process, one interpreter fewer to
-            # start per replica (about a quarter of its start-up CPU). AsyncLLM keeps its engine core in a process
-            # of its own either way; a GPU engine of one device already runs its worker there.
+            # did) unless this is 0: then the worker runs in the engine core's process, and on a CPU the actor's
+            # `InProcessEngine` runs that engine core in the actor's own process (no interpreter to start beside
+            # it). On a GPU, AsyncLLM keeps its engine core in a process of its own either way, where a GPU engine
+            # of one device already runs its worker.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         }
     }
