@@ -246,8 +246,8 @@ class InProcessEngine:
         return self._engine.get_tokenizer()
 
     async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0) -> AsyncIterator[Any]:
-        """The request's ``RequestOutput``s as the engine makes them (each step's delta, or the final one alone, as
-        ``params.output_kind`` says); none more once it is aborted."""
+        """The request's ``RequestOutput``s as the engine makes them (one per step, cumulative or the step's delta,
+        or the final one alone, as ``params.output_kind`` says); none more once it is aborted."""
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue[Any]()
 
         def add() -> None:
