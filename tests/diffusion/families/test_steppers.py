@@ -370,6 +370,57 @@ def test_modular_split_stages_equal_step_mode(family, size, cfg, request):
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
 
 
+def _step_to_the_end(stepper, states) -> list:
+    with torch.inference_mode():
+        while not all(state.done for state in states):
+            running = [state for state in states if not state.done]
+            stepper.advance(running, stepper.predict(running))
+        return stepper.decode(states)
+
+
+@pytest.mark.parametrize(
+    ("family", "call"),
+    [
+        ("tiny_z_image", {"height": 64, "width": 64, "guidance_scale": 2.0}),
+        (
+            "tiny_qwen_image",
+            {"height": 64, "width": 64, "negative_prompt": "blurry", "extra_args": {"true_cfg_scale": 3.0}},
+        ),
+        ("tiny_qwen_image", {"height": 64, "width": 64}),
+        ("tiny_flux2", {"height": 32, "width": 32, "guidance_scale": 1.0}),
+        ("tiny_ltx", {"height": 32, "width": 32, "num_frames": 9, "guidance_scale": 1.0}),
+        ("tiny_hunyuan_video15", {"height": 32, "width": 32, "num_frames": 5}),
+    ],
+    ids=["z-image", "qwen-image-guided", "qwen-image", "flux2", "ltx", "hunyuan-video-1.5"],
+)
+def test_modular_requests_started_together_equal_each_started_alone(family, call, request, monkeypatch):
+    """The blocks before the loop run once for the requests of one start key, and each request starts, steps and
+    decodes to the same output as when it is started alone; one with other steps starts alone. Split stages too:
+    encodings pickled as to a Ray replica (no value shared by identity any more) start together the same way."""
+    stepper = make_stepper(_load(request.getfixturevalue(family)), CPU)
+    prompts = ["a photo of a cat", "a red car on a long and winding road", "a house", "a blue bird"]
+    params = [_params(num_inference_steps=3, **call) for _ in prompts[:3]] + [_params(num_inference_steps=2, **call)]
+    seeds = [1, 2, 3, 4]
+    block = type(stepper.start_blocks[-1])
+    runs, original = [], block.__call__
+    monkeypatch.setattr(block, "__call__", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    with torch.inference_mode():
+        conditionings = stepper.encode(prompts[:3], params[:3]) + stepper.encode(prompts[3:], params[3:])
+        stepper.start_all(conditionings, params, seeds)  # its first group also starts a request alone
+        runs.clear()
+        together = stepper.start_all(conditionings, params, seeds)
+        assert len(runs) == 2, "the three requests of one key in one run, the other alone"
+        pickled = pickle.loads(pickle.dumps(conditionings))
+        split = stepper.start_all(pickled, params, seeds)
+        alone = [stepper.start(c, q, seed) for c, q, seed in zip(conditionings, params, seeds, strict=True)]
+    for mine, theirs in zip(together, alone, strict=True):
+        assert torch.equal(mine.latents, theirs.latents) and torch.equal(mine.timesteps, theirs.timesteps)
+    want = _step_to_the_end(stepper, alone)
+    for got in (_step_to_the_end(stepper, together), _step_to_the_end(stepper, split)):
+        for mine, theirs in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+
+
 def test_a_modular_stepper_leaves_the_familys_blocks_as_diffusers_runs_them(tiny_qwen_image):
     """The stepper stops its copy of the loop block at the first step; diffusers' block classes share their
     sub-blocks, so a pipeline of the same family built after it must still run its loop."""

@@ -182,11 +182,10 @@ class DiffusionRole(StageRole):
         # One text-encoder call for all the prompts, as a request-mode batch encodes them: on small models the
         # calls' fixed cost, paid once per request, was step mode's largest cost beside the forwards.
         stepper = self.stepping
-        conditionings = stepper.encode([r.prompt for r in requests], [r.params for r in requests])
-        return [
-            _sampling(stepper.start(conditioning, r.params, r.seed), r)
-            for conditioning, r in zip(conditionings, requests, strict=True)
-        ]
+        params = [r.params for r in requests]
+        conditionings = stepper.encode([r.prompt for r in requests], params)
+        started = stepper.start_all(conditionings, params, [r.seed for r in requests])
+        return [_sampling(state, r) for state, r in zip(started, requests, strict=True)]
 
     def end(self, requests: list[DiffusionRequest]) -> list[list[Any]]:
         return self.stepping.decode([request.state for request in requests])
@@ -219,7 +218,10 @@ class DenoiseRole(StageRole):
         return self._denoise(batch)
 
     def begin(self, requests: list[DiffusionRequest]) -> list[StepState]:
-        return [_sampling(self.stepping.start(r.payload, r.params, r.seed), r) for r in requests]
+        started = self.stepping.start_all(
+            [r.payload for r in requests], [r.params for r in requests], [r.seed for r in requests]
+        )
+        return [_sampling(state, r) for state, r in zip(started, requests, strict=True)]
 
     def end(self, requests: list[DiffusionRequest]) -> list[Latents]:
         return [

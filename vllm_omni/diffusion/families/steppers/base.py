@@ -186,6 +186,12 @@ class Stepper(ImageTasks):
         """Draw the initial noise and set up the request's own schedule around its encoded prompt."""
         raise NotImplementedError
 
+    def start_all(
+        self, conditionings: list[Conditioning], params: list[OmniDiffusionSamplingParams], seeds: list[int]
+    ) -> list[StepState]:
+        """`start` of the requests that join at one engine step (a stepper may start some of them in one call)."""
+        return [self.start(c, p, seed) for c, p, seed in zip(conditionings, params, seeds, strict=True)]
+
     def prepare(self, prompt: str, params: OmniDiffusionSamplingParams, seed: int) -> StepState:
         """Encode the prompt, draw the initial noise and set up the request's own schedule."""
         return self.start(self.encode([prompt], [params])[0], params, seed)
