@@ -5,8 +5,9 @@ A modular pipeline (``diffusers.modular_pipelines``) splits a family into blocks
 the denoising loop (inputs, initial latents, timesteps, position inputs), the loop, whose sub-blocks are one step
 (``before_denoiser``, the ``denoiser`` with its guider, ``after_denoiser``), and the decoder. `ModularStepper`
 encodes the prompts of one `encode_key` in one call of its text-encoder blocks, as a request-mode batch does, and
-splits what they made back per request; it runs a request's blocks before the loop when it joins; and each engine
-step runs its loop's sub-blocks once per group of requests, as a request-mode batch runs them once:
+splits what they made back per request; it runs the blocks before the loop once for the requests that join at one
+step and differ only in their prompts and seeds (`ModularStepper.start_all`), again split back per request; and each
+engine step runs its loop's sub-blocks once per group of requests, as a request-mode batch runs them once:
 
 1. the requests form groups whose guiders act alike at their steps (classifier-free guidance at one scale, on or
    off) and whose loop inputs can be put together (`batched`); each group's inputs become one block state of its
@@ -569,7 +570,7 @@ class ModularStepper(Stepper):
         groups: dict[Hashable, list[int]] = {}
         for i, (conditioning, request) in enumerate(zip(conditionings, params, strict=True)):
             groups.setdefault(self._start_key(conditioning, request, i), []).append(i)
-        states: list[StepState] = [None] * len(params)  # type: ignore[list-item]  # each set below
+        states: dict[int, StepState] = {}
         for group in groups.values():
             started = (
                 self._start_group(
@@ -578,9 +579,8 @@ class ModularStepper(Stepper):
                 if len(group) > 1
                 else [self.start(conditionings[group[0]], params[group[0]], seeds[group[0]])]
             )
-            for i, state in zip(group, started, strict=True):
-                states[i] = state
-        return states
+            states.update(zip(group, started, strict=True))
+        return [states[i] for i in range(len(params))]
 
     def _start_key(self, conditioning: Conditioning, params: OmniDiffusionSamplingParams, index: int) -> Hashable:
         """Equal for requests whose blocks before the loop can run in one call: one output each, the same sizes,
