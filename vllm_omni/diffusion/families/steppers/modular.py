@@ -377,7 +377,7 @@ class _Rows:
             k: _per_row(v, vars(alone.loop).get(k), count) for k, v in vars(loop).items() if k not in _LOOP_OWN
         }
 
-    def of(self, state: PipelineState, loop: Any, index: int) -> tuple[PipelineState, Any]:
+    def part(self, state: PipelineState, loop: Any, index: int) -> tuple[PipelineState, Any]:
         """Request ``index``'s pipeline state and loop block state (a dict the loop state holds by name too made
         again of its own values)."""
         own = PipelineState(
@@ -630,7 +630,7 @@ class ModularStepper(Stepper):
         started = []
         for i, request in enumerate(params):
             own = self._components(request, copy.deepcopy(components.scheduler))
-            mine, own_loop = rows.of(state, loop, i)
+            mine, own_loop = rows.part(state, loop, i)
             started.append(alone if i == 0 and alone is not None else self._step_state(request, own, mine, own_loop))
         return started
 
