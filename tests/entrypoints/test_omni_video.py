@@ -40,6 +40,26 @@ def test_same_seed_gives_the_same_video_alone_or_batched(omni):
     assert np.abs(_frames(alone.videos[0]) - _frames(batched.videos[0])).max() <= 2
 
 
+def test_a_remix_equals_the_stock_video_to_video_pipeline(omni, tiny_wan):
+    """A request with an input video runs the served model's video-to-video variant: its frames equal the stock
+    ``WanVideoToVideoPipeline`` built with ``from_pipe`` and called alone, bit for bit (the Videos API's remix
+    checks its plumbing on MP4s, whose encoder is not bit-stable across processes)."""
+    import torch
+    from diffusers import WanVideoToVideoPipeline
+
+    from vllm_omni.testing.checks.stock import stock_pipeline
+
+    source = omni.generate([PROMPTS[0]], _params(seed=11))[0].videos[0]
+    remix = {"height": 32, "width": 32, "num_inference_steps": 2, "strength": 0.75}
+    (output,) = omni.generate(["a dog walking"], OmniDiffusionSamplingParams(video=source, seed=5, **remix))
+    assert output.error is None and len(output.videos[0]) == 9
+    stock = WanVideoToVideoPipeline.from_pipe(stock_pipeline(tiny_wan))
+    stock.set_progress_bar_config(disable=True)
+    generator = torch.Generator("cpu").manual_seed(5)
+    expected = stock(prompt="a dog walking", video=source, generator=generator, output_type="pil", **remix).frames[0]
+    np.testing.assert_array_equal(_frames(output.videos[0]), _frames(expected))
+
+
 def test_frame_count_and_shape_split_batches(omni):
     outputs = omni.generate(PROMPTS[:2], [_params(seed=0), _params(seed=0, num_frames=5)])
     assert [o.metrics["batch_size"] for o in outputs] == [1, 1]

@@ -246,9 +246,12 @@ def test_a_remix_of_a_completed_video_equals_the_stock_video_to_video_pipeline(s
         assert len(frames) == 9 and (frames[0].width, frames[0].height) == (32, 32)
         assert stream.average_rate == 8  # the source's frame rate
     expected = _stock_remix(tiny_wan, _content(server, source), "a dog walking", 5, 0.75)
-    # The same frames make the same MP4: both are encoded as the server encodes, and compared decoded.
+    # Both encoded as the server encodes, and compared decoded. libx264 does not make the same bytes from the same
+    # frames in every process (measured on these frames: decoded pixels up to 23 apart, 0.8 on average at most), so
+    # the bar is the mean: another seed is 8 away, another prompt 2.7; tests/entrypoints/test_omni_video.py checks
+    # the frames themselves bit for bit.
     difference = np.abs(_rgb(remixed) - _rgb(encode_mp4(expected, 8)))
-    assert difference.max() <= 2, difference.max()
+    assert difference.mean() <= 2, (difference.mean(), difference.max())
     listed = httpx.get(server.url_for("v1", "videos", source), headers=AUTH).json()
     assert "remixed_from_video_id" not in listed  # a new video's object leaves it out
 
