@@ -56,7 +56,7 @@ from diffusers.modular_pipelines import BlockState, PipelineState
 
 from vllm_omni.diffusion.families.model_card import ModelCard
 from vllm_omni.diffusion.families.pipeline_facts import schedule_index
-from vllm_omni.diffusion.families.steppers.base import Stepper, fresh_noise_scheduler, generators_for
+from vllm_omni.diffusion.families.steppers.base import Stepper, fresh_noise_scheduler, generators_for, scheduler_copy
 from vllm_omni.diffusion.families.steppers.denoiser_calls import DenoiserCalls, batched, joined
 from vllm_omni.diffusion.families.steppers.modular_families import MODULAR_FAMILIES
 from vllm_omni.diffusion.families.steppers.state import Conditioning, Latents, StepState
@@ -525,7 +525,7 @@ class ModularStepper(Stepper):
     def encode(self, prompts: list[str], params: list[OmniDiffusionSamplingParams]) -> list[Conditioning]:
         """The prompts (their params share an `encode_key`) through the family's text-encoder blocks in one call, as
         a request-mode batch encodes them; what the blocks made split back per request (`_per_prompt`)."""
-        components = self._components(params[0])
+        components = self._components(params[0], self.pipeline.scheduler)  # the text blocks never step it
         if self.encodes_negatives:  # a guider that guides, whatever the request's scale
             components.guider = copy.copy(self.guider)
             components.guider.enable()
@@ -629,9 +629,13 @@ class ModularStepper(Stepper):
             rows = self._rows[names] = _Rows(state, loop, _modular(alone), len(params))
         started = []
         for i, request in enumerate(params):
-            own = self._components(request, copy.deepcopy(components.scheduler))
+            if i == 0 and alone is not None:
+                started.append(alone)
+                continue
+            # its own scheduler, the group's timesteps set: the group's own for the last request
+            scheduler = components.scheduler if i == len(params) - 1 else scheduler_copy(components.scheduler)
             mine, own_loop = rows.part(state, loop, i)
-            started.append(alone if i == 0 and alone is not None else self._step_state(request, own, mine, own_loop))
+            started.append(self._step_state(request, self._components(request, scheduler), mine, own_loop))
         return started
 
     def predict(self, steps: list[StepState]) -> list[torch.Tensor]:
