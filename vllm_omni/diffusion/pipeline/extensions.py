@@ -145,6 +145,9 @@ class Extensions:
 
     def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, skips: tuple):
         self.all: list[Extension] = [make(od_config, device, dtype, skips) for make in EXTENSIONS]
+        self._stepping = [e for e in self.all if type(e).around_step is not Extension.around_step]
+        """The extensions that wrap a step-mode step: entered at every step, where the others' ``nullcontext``s and
+        their exit stack cost more than the timings' own step (tens of microseconds on the CPU)."""
 
     def get(self, kind: type[E]) -> E:
         """The extension of class ``kind``."""
@@ -162,11 +165,17 @@ class Extensions:
             hooks = [stack.enter_context(extension.around_call(call)) for extension in self.all]
             yield [hook for hook in reversed(hooks) if hook is not None]
 
+    def around_step(self, requests: list[DiffusionRequest]) -> contextlib.AbstractContextManager[None]:
+        """Every extension's context around one step-mode step of ``requests``, entered in order (those that have
+        one)."""
+        if len(self._stepping) == 1:
+            return self._stepping[0].around_step(requests)
+        return self._around_steps(requests)
+
     @contextlib.contextmanager
-    def around_step(self, requests: list[DiffusionRequest]) -> Iterator[None]:
-        """Every extension's context around one step-mode step of ``requests``, entered in order."""
+    def _around_steps(self, requests: list[DiffusionRequest]) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            for extension in self.all:
+            for extension in self._stepping:
                 stack.enter_context(extension.around_step(requests))
             yield
 

@@ -262,9 +262,9 @@ def _alias(value: Any, values: dict[str, Any]) -> list[str] | None:
 
 class _Joined:
     """A group's loop inputs but its latents, put together (`joined`; a request alone: its own), with what each
-    request held when they were. Kept from step to step while the same requests hold the same inputs
-    (`ModularStepper._joined`): they change only when a request joins or leaves, and putting the embeddings
-    together again at every step was most of the stepper's own time per step beside the blocks."""
+    request held when they were, and the group's block state. Kept from step to step while the same requests hold
+    the same inputs (`ModularStepper._joined`): they change only when a request joins or leaves, and putting the
+    embeddings together again at every step was most of the stepper's own time per step beside the blocks."""
 
     def __init__(self, states: list[ModularStepState]):
         self.states = states
@@ -274,6 +274,9 @@ class _Joined:
         rest = [{k: v for k, v in values.items() if k != "latents"} for values in self.inputs]
         counts = [len(state.latents) for state in states]
         self.merged = joined(rest, counts) if len(states) > 1 else rest[0]
+        self.loop: Any = None
+        """The group's ``BlockState`` as its last step's passes left it (`_GroupPass`): carried from step to step, as
+        the stock loop carries its own."""
 
     def holds(self, states: list[ModularStepState]) -> bool:
         """Whether ``states`` (the same requests, in order) still hold what it was put together from."""
@@ -293,14 +296,20 @@ class _GroupPass:
         self.states, self.components, self.recorder = states, components, recorder
         self.counts = [len(state.latents) for state in states]
         first = states[0]
-        values = vars(first.loop)
         latents = torch.cat([state.latents for state in states]) if len(states) > 1 else first.latents
-        # a copy of each dict: the sub-blocks fill some each step (Qwen-Image's additional_cond_kwargs)
-        merged = {k: dict(v) if isinstance(v, dict) else v for k, v in inputs.merged.items()} | {"latents": latents}
-        merged |= {name: values[name] for name in _LOOP_OWN if name in values}
-        merged |= {name: {k: merged[k] for k in keys} for name, v in values.items() if (keys := _alias(v, values))}
-        self.loop: Any = BlockState(**merged)
-        same = all(state.timestep.equal(first.timestep) for state in states)
+        if inputs.loop is None:
+            values = vars(first.loop)
+            # a copy of each dict: the sub-blocks fill some each step (Qwen-Image's additional_cond_kwargs)
+            merged = {k: dict(v) if isinstance(v, dict) else v for k, v in inputs.merged.items()}
+            merged |= {name: values[name] for name in _LOOP_OWN if name in values}
+            merged |= {name: {k: merged[k] for k in keys} for name, v in values.items() if (keys := _alias(v, values))}
+            inputs.loop = BlockState(**merged)
+        self.loop: Any = inputs.loop
+        self.loop.latents = latents
+        same = all(
+            (state.timesteps is first.timesteps and state.step == first.step) or state.timestep.equal(first.timestep)
+            for state in states
+        )
         rows = zip(states, self.counts, strict=True)
         self.timestep = first.timestep if same else torch.cat([state.timestep.expand(n) for state, n in rows])
         """One for all its rows where they are at the same timestep (as a request alone), else each row's."""
@@ -321,8 +330,11 @@ def _one_call(group: _GroupPass) -> bool:
     return type(guider) is ClassifierFreeGuidance and guider.num_conditions == 1
 
 
-def _cache_timesteps(passes: list[_GroupPass]) -> None:
-    """Each request's timestep, where the step-cache hooks that skip by timestep range read it."""
+def _cache_timesteps(passes: list[_GroupPass], step_cache: Any) -> None:
+    """Each request's timestep, where the step-cache hooks that skip by timestep range read it (with a step cache:
+    reading a timestep's value waits for the device)."""
+    if step_cache is None:
+        return
     for group in passes:
         for state in group.states:
             state.cache.timestep = float(state.timestep)
@@ -644,8 +656,9 @@ class ModularStepper(Stepper):
         forwards over all groups as their arguments allow (`_forwards`), the second answers them; once where one
         group makes one call (`_answered_at_once`)."""
         joined_before, self._joined = self._joined, {}
-        groups = self._groups(list(map(_modular, steps)), joined_before)
-        passes = [self._group_pass(group, joined_before) for group in groups]
+        passes = [
+            self._group_pass(group, kept) for group, kept in self._groups(list(map(_modular, steps)), joined_before)
+        ]
         with torch.no_grad():
             if len(passes) == 1 and _one_call(passes[0]):
                 self._answered_at_once(passes[0])
@@ -663,21 +676,22 @@ class ModularStepper(Stepper):
 
     def _groups(
         self, states: list[ModularStepState], joined_before: dict[tuple[int, ...], _Joined]
-    ) -> list[list[ModularStepState]]:
+    ) -> list[tuple[list[ModularStepState], _Joined | None]]:
         """The requests in groups whose loop sub-blocks run once on their rows: a guider that acts alike at their
         steps (`_guided_alike`), and loop inputs that can be put together (`batched`: per-row tensors and lists
-        concatenated, masked embeddings padded, anything else equal; found once while a group stays as it is)."""
+        concatenated, masked embeddings padded, anything else equal; found once while a group stays as it is); each
+        with its inputs as the last step put them together, where it was one group then and nothing changed since."""
         alike: dict[Hashable, list[ModularStepState]] = {}
         for state in states:
             alike.setdefault(self._guided_alike(state), []).append(state)
-        groups = []
+        groups: list[tuple[list[ModularStepState], _Joined | None]] = []
         for members in alike.values():
             kept = joined_before.get(tuple(map(id, members)))
-            if kept is not None and kept.holds(members):  # one group at the last step, and nothing changed since
-                groups.append(members)
+            if kept is not None and kept.holds(members):
+                groups.append((members, kept))
                 continue
             values = [_loop_inputs(state) for state in members]
-            groups += [[members[i] for i in group] for group in batched(values, "latents")]
+            groups += [([members[i] for i in group], None) for group in batched(values, "latents")]
         return groups
 
     @staticmethod
@@ -692,18 +706,15 @@ class ModularStepper(Stepper):
         guider.set_state(step=state.step, num_inference_steps=len(state.timesteps), timestep=state.timestep)
         return (guider.guidance_scale, guider.guidance_rescale, guider.use_original_formulation, guider.num_conditions)
 
-    def _group_pass(self, group: list[ModularStepState], joined_before: dict[tuple[int, ...], _Joined]) -> _GroupPass:
+    def _group_pass(self, group: list[ModularStepState], kept: _Joined | None) -> _GroupPass:
         """The group's pass, whose sub-blocks see its first request's guider (all act alike) and `DenoiserCalls`;
-        its inputs as they were put together at the last step where nothing changed (`_Joined`), kept for the next
+        its inputs as they were put together at the last step (``kept``, where nothing changed), kept for the next
         unless one of its requests ends at this step."""
         first = group[0].components
         assert first is not None and self.denoiser is not None and self.input_name is not None, "a denoise stage"
-        key = tuple(map(id, group))
-        inputs = joined_before.get(key)
-        if inputs is None or not inputs.holds(group):
-            inputs = _Joined(group)
+        inputs = _Joined(group) if kept is None else kept
         if all(state.step + 1 < len(state.timesteps) for state in group):
-            self._joined[key] = inputs
+            self._joined[tuple(map(id, group))] = inputs
         recorder = DenoiserCalls(self.denoiser, self.input_name, self.signature)
         denoisers: dict[str, DenoiserCalls | _Unloaded] = {self.denoiser_name: recorder}
         components = RequestComponents(self.modular, first.scheduler, first.guider, denoisers, self.execution_device)
@@ -724,7 +735,7 @@ class ModularStepper(Stepper):
     def _answered_at_once(self, group: _GroupPass) -> None:
         """A step's only group, whose guider makes one denoiser call: one pass of its sub-blocks, the call answered
         by its forward as it is made (a recording pass would find nothing to put together with it)."""
-        _cache_timesteps([group])
+        _cache_timesteps([group], self.step_cache)
         group.recorder.answer = lambda call: self._forward([(group, call)])[0]
         self._sub_blocks(group, self.predict_blocks)
         self._record_first_steps(group)
@@ -734,7 +745,7 @@ class ModularStepper(Stepper):
         rows."""
         assert self.input_name is not None, "the stage that steps loads the denoiser"
         calls = [(group, call) for group in passes for call in group.recorder.calls]
-        _cache_timesteps(passes)
+        _cache_timesteps(passes, self.step_cache)
         for indices in batched([call for _, call in calls], self.input_name):
             members = [calls[i] for i in indices]
             for (group, call), rows in zip(members, self._forward(members), strict=True):
@@ -760,14 +771,15 @@ class ModularStepper(Stepper):
     def advance(self, steps: list[StepState], predictions: list[torch.Tensor]) -> None:
         for state, prediction in zip(map(_modular, steps), predictions, strict=True):
             assert state.components is not None, "set by start"
-            x, scheduler = state.loop.latents, state.components.scheduler
-            index = schedule_index(scheduler, state.timestep)
+            x, scheduler, t = state.loop.latents, state.components.scheduler, state.timestep
+            sde = state.sde
+            index = None if sde is None else schedule_index(scheduler, t)  # before the update moves it on
             state.loop.noise_pred = prediction
             components = state.components
             for block in self.update_blocks:  # its own scheduler's step
-                components, state.loop = block(components, state.loop, i=state.step, t=state.timestep)
-            if state.sde is not None:
-                taken = state.sde.step(x, prediction, state.timestep, scheduler.sigmas, index)
+                components, state.loop = block(components, state.loop, i=state.step, t=t)
+            if sde is not None and index is not None:
+                taken = sde.step(x, prediction, t, scheduler.sigmas, index)
                 if taken is not None:
                     state.loop.latents = taken.to(state.loop.latents.dtype)
             state.latents = state.loop.latents
