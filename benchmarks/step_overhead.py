@@ -1,18 +1,20 @@
 """Step mode's own cost: its closed-loop throughput against request mode's, per family, in one run.
 
     python benchmarks/step_overhead.py [--families flux,sd3,wan,qwen-image,z-image,flux2] [--n 4] [--steps 20]
-        [--reps 5] [--requests 16] [--cores K] [--model DIR] [--quick] [--name cpu-tiny-step-overhead]
+        [--pairs 3] [--reps 5] [--requests 16] [--cores K] [--model DIR] [--quick] [--name cpu-tiny-step-overhead]
 
 Per family, two engines (``AsyncOmni``, ``max_num_seqs`` N; ``request_batch_max_wait_ms`` 50 in request mode, so N
 clients' requests form full batches, and ``--step-window-ms`` in step mode, by default the same, so that an idle
 step stage encodes the clients' requests in one call) run in worker processes of their own (`engine_workers`: one
-engine thread each, all torch work on it). Each rep runs, on both in turn (the order alternating), a closed loop of
-N clients with ``--requests`` requests in all (64x64 images, 32x32x5 videos, ``--steps`` steps, seeds and prompts
-the same for both modes). Per family: each mode's req/s (median over reps) and step ÷ request (the median of the
-per-rep ratios). The target (issue 59, item 6): ≥ 0.95 for every family. Reported, never an exit code.
-Beside it, each mode's CPU time per request (the worker process's, all threads) and request ÷ step of it: on a
-loaded machine the wall time of a rep says more about the other processes than about the engine, and the CPU time
-(with ``--cores 1``: no OpenMP spinning, `pin`) much less. Writes ``results/<name>.json`` and ``.md``.
+engine thread each, all torch work on it), ``--pairs`` pairs of them one after the other (`_measure_pair`). Each
+rep runs, on both in turn (the order alternating), a closed loop of N clients with ``--requests`` requests in all
+(64x64 images, 32x32x5 videos, ``--steps`` steps, seeds and prompts the same for both modes); each pair runs
+``--reps`` reps. Per family: each mode's req/s (median over all reps) and step ÷ request (the median of the per-rep
+ratios of all pairs; beside it each pair's median). The target (issue 59, item 6): ≥ 0.95 for every family.
+Reported, never an exit code. Beside it, each mode's CPU time per request (the worker process's, all threads) and
+request ÷ step of it: on a loaded machine the wall time of a rep says more about the other processes than about the
+engine, and the CPU time (with ``--cores 1``: no OpenMP spinning, `pin`) much less. Writes ``results/<name>.json``
+and ``.md``.
 """
 
 from __future__ import annotations
@@ -69,36 +71,56 @@ def pin(cores: int) -> None:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
 
 
-def measure(family: str, args) -> dict:
-    model = args.model or cached_model(args.model_dir, family)
+def _measure_pair(family: str, model: str, pair: int, args, runs: dict[str, list[dict]]) -> tuple:
+    """One pair of engines in new worker processes, its reps' figures added to ``runs``; (ready seconds, refusals).
+    Each pair is new: the same engine in two processes ran at speeds up to 10 % apart in one mode and not the other
+    (tiny Qwen-Image's step ÷ request: 0.906, 0.943 and 0.997 in three runs of 5 reps, each run's reps within ±5 %),
+    so one pair's figures say as much about its processes as about its mode."""
     setup = functools.partial(pin, args.cores) if args.cores else None
-    workers = {mode: Worker(f"{family}-{mode}", report=cpu_seconds, setup=setup) for mode in MODES}
+    workers = {mode: Worker(f"{family}-{mode}-{pair}", report=cpu_seconds, setup=setup) for mode in MODES}
     try:
         ready, refused = start_all(workers, {mode: (model, _engine(mode, args)) for mode in MODES})
         if refused:
-            return {"family": family, "refused": refused}
+            return ready, refused
         for worker in workers.values():  # a warm-up loop each
             worker.run("warm-up", _clients(family, args, rep=99))
-        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-        for rep in range(args.reps):
+        for rep in range(pair * args.reps, (pair + 1) * args.reps):
             for mode in MODES if rep % 2 == 0 else MODES[::-1]:
                 figures = workers[mode].run(mode, _clients(family, args, rep))
                 cpu_ms = 1000 * figures.pop("report") / args.requests
-                runs[mode].append(figures | {"cpu_ms_per_request": cpu_ms, "load_after": round(os.getloadavg()[0], 1)})
+                figures |= {"cpu_ms_per_request": cpu_ms, "load_after": round(os.getloadavg()[0], 1), "pair": pair}
+                runs[mode].append(figures)
             print(
-                f"[{family}] rep {rep}: "
+                f"[{family}] pair {pair} rep {rep}: "
                 + ", ".join(f"{m} {runs[m][-1]['req_per_s']:.2f} req/s (load {os.getloadavg()[0]:.1f})" for m in MODES),
                 flush=True,
             )
+        return ready, None
     finally:
         for worker in workers.values():
             worker.close()
+
+
+def measure(family: str, args) -> dict:
+    """``--pairs`` pairs of engines, one after the other, each measured ``--reps`` times."""
+    model = args.model or cached_model(args.model_dir, family)
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    ready = None
+    for pair in range(args.pairs):
+        ready, refused = _measure_pair(family, model, pair, args, runs)
+        if refused:
+            return {"family": family, "refused": refused}
     pairs = list(zip(runs["request"], runs["step"], strict=True))
     ratios = [s["req_per_s"] / r["req_per_s"] for r, s in pairs]
     cpu = [r["cpu_ms_per_request"] / s["cpu_ms_per_request"] for r, s in pairs]
+    by_pair = [
+        round(statistics.median(x for x, (r, _) in zip(ratios, pairs, strict=True) if r["pair"] == pair), 3)
+        for pair in range(args.pairs)
+    ]
     return {
         "family": family,
         "ready_s": ready,
+        "step_over_request_pairs": by_pair,
         "req_per_s": {m: round(statistics.median(r["req_per_s"] for r in runs[m]), 3) for m in MODES},
         "mean_batch": {m: round(statistics.median(r["batch_mean"] for r in runs[m]), 2) for m in MODES},
         "step_over_request": (ratio := round(statistics.median(ratios), 3)),
@@ -126,23 +148,25 @@ def render(summary: dict) -> str:
         "",
         f"N = {summary['n']}, {summary['cores']} cores per engine, {summary['steps']} steps, admission window "
         f"{WINDOW_MS} ms in request mode and {summary.get('step_window_ms', 0)} ms in step mode, "
-        f"{summary['requests']} requests per rep, {summary['reps']} reps "
+        f"{summary['requests']} requests per rep, {summary.get('pairs', 1)} pairs of engines of {summary['reps']} "
+        "reps each "
         f"(load average at start {summary['load_at_start']}, at end {summary['load_at_end']}; "
         f"{summary['wall_s']} s), `vllm_omni` from {summary['vllm_omni']}:",
         "",
         f"    {summary['command']}",
         "",
-        "| family | request req/s | step req/s | step ÷ request (median of reps) | reps | mean batch request / step "
-        "| CPU ms per request, request / step | request ÷ step CPU (median of reps) | reps |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | request req/s | step req/s | step ÷ request (median of reps) | per pair | reps | mean batch "
+        "request / step | CPU ms per request, request / step | request ÷ step CPU (median of reps) | reps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["families"]:
         if "refused" in row:
-            lines.append(f"| {row['family']} | refused: {row['refused']} | | | | | | | |")
+            lines.append(f"| {row['family']} | refused: {row['refused']} | | | | | | | | |")
             continue
         lines.append(
             f"| {row['family']} | {row['req_per_s']['request']:.2f} | {row['req_per_s']['step']:.2f} | "
-            f"**{row['step_over_request']}** | {', '.join(map(str, row['step_over_request_reps']))} | "
+            f"**{row['step_over_request']}** | {', '.join(map(str, row.get('step_over_request_pairs', [])))} | "
+            f"{', '.join(map(str, row['step_over_request_reps']))} | "
             f"{row['mean_batch']['request']} / {row['mean_batch']['step']} | "
             f"{row['cpu_ms_per_request']['request']} / {row['cpu_ms_per_request']['step']} | "
             f"{row['cpu_request_over_step']} | {', '.join(map(str, row['cpu_request_over_step_reps']))} |"
@@ -157,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=4, help="max_num_seqs and clients")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--requests", type=int, default=16, help="requests per rep and mode")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="reps per pair of engines")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of engines per family, each in new processes")
     parser.add_argument(
         "--step-window-ms",
         type=float,
@@ -171,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.families, args.steps, args.requests, args.reps = "flux", 2, args.n, 1
+        args.families, args.steps, args.requests, args.reps, args.pairs = "flux", 2, args.n, 1, 1
     if args.model and len(args.families.split(",")) != 1:
         parser.error("--model is one family's: give exactly one in --families")
     started, load = time.perf_counter(), round(os.getloadavg()[0], 1)
@@ -189,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "requests": args.requests,
         "reps": args.reps,
+        "pairs": args.pairs,
         "load_at_start": load,
         "load_at_end": round(os.getloadavg()[0], 1),
         "wall_s": round(time.perf_counter() - started, 1),

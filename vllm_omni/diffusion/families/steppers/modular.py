@@ -758,7 +758,10 @@ class ModularStepper(Stepper):
         request's adapters and step cache; each call's rows of its output."""
         assert self.denoiser is not None and self.input_name is not None, "the stage that steps loads the denoiser"
         counts = [len(call[self.input_name]) for _, call in members]
-        owners = [state for group, call in members for state in group.owners(len(call[self.input_name]))]
+        per_row = self.lora is not None or self.step_cache is not None  # who owns each row: for adapters, caches
+        owners = (
+            [state for group, call in members for state in group.owners(len(call[self.input_name]))] if per_row else []
+        )
         kwargs = members[0][1] if len(members) == 1 else joined([call for _, call in members], counts)
         cached = (
             contextlib.nullcontext() if self.step_cache is None else self.step_cache.rows([s.cache for s in owners])
