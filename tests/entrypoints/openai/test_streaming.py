@@ -219,7 +219,7 @@ def test_a_video_job_shows_its_preview_while_it_runs_then_its_middle_frame(video
         assert job.status_code == 200, job.text
         video_id = job.json()["id"]
         assert holding.wait(120)
-        assert came_true(lambda: httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json()["preview_index"] == 0)
+        assert came_true(lambda: httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json().get("preview_index") == 0)
         running = httpx.get(f"{base}/v1/videos/{video_id}", timeout=60).json()
         assert running["status"] == "in_progress"
         preview = httpx.get(f"{base}/v1/videos/{video_id}/content", params={"variant": "thumbnail"}, timeout=60)
