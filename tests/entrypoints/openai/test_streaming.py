@@ -203,7 +203,10 @@ def test_a_video_job_shows_its_preview_while_it_runs_then_its_middle_frame(video
     is held in step 4's forward, so the running job provably shows it; once released, the thumbnail is the
     video's middle frame."""
     app, base = video_server
-    transformer = app.state.server.omni.engine.stages[0].replicas[0].engine.runner.pipeline.transformer
+    engine = app.state.server.omni.engine.stages[0].replicas[0].engine
+    # The hook counts this job's forwards only: no other job of the module's server may still be running.
+    assert came_true(lambda: engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0)
+    transformer = engine.runner.pipeline.transformer
     forwards, holding, release = [], threading.Event(), threading.Event()
 
     def hold_fourth_forward(module, args, output):
@@ -253,3 +256,5 @@ def test_a_video_thumbnail_variant_is_refused_by_name(video_server):
     response = httpx.get(f"{base}/v1/videos/{job['id']}/content", params={"variant": "poster"}, timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "variant" and "'thumbnail'" in response.json()["error"]["message"]
+    # Its job ends here, not in the module's next test.
+    assert came_true(lambda: httpx.get(f"{base}/v1/videos/{job['id']}", timeout=60).json()["status"] == "completed")
